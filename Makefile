@@ -1,0 +1,59 @@
+# bulkhead: every target installs what it needs into .venv first (idempotent).
+#   make run    install, then train the local MoE job with injected failures
+#   make test   install, build the test control plane (cached), run the whole suite
+#   make lint   ruff
+#   make bench  every benchmark in its quick form, JSON into bench/results/
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUN_DIR ?= runs/local-moe
+CHAOS ?= kill:worker=1@step=40,kill:worker=0@step=90
+PYTEST_ARGS ?=
+
+.PHONY: venv run test lint bench k8s cluster cluster-down crd clean
+
+$(STAMP): pyproject.toml setup.py constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,dev]'
+	@touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(VENV)/bin/bulkhead run examples/local-moe.yaml --chaos '$(CHAOS)' --run-dir $(RUN_DIR)
+
+# The Kubernetes test binaries (etcd, kube-apiserver, ...) are built once per machine
+# into ~/.cache/bulkhead and reused; see hack/build-k8s.sh.
+k8s:
+	@bash hack/build-k8s.sh
+
+test: venv k8s
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: venv
+	@mkdir -p bench/results
+	@set -e; for b in bench/*.py; do \
+	  name=$$(basename $$b .py); \
+	  echo "== $$name"; \
+	  $(PY) $$b --quick --out bench/results/$$name.json; \
+	done
+
+cluster: venv k8s
+	$(PY) hack/k8s_cluster.py up
+
+cluster-down: venv
+	$(PY) hack/k8s_cluster.py down
+
+crd: venv
+	$(VENV)/bin/bulkhead crd > crds/trainingjobs.bulkhead.dev.yaml
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs bench/results .pytest_cache .ruff_cache

@@ -1,0 +1,269 @@
+"""TrainingJob spec models: the single source of the CRD schema and of manifest validation.
+
+Field names are camelCase on the wire (YAML/JSON) and snake_case in Python. Every
+cross-field rule names the field it is about (see ``_rule``), so an error always says
+which field to fix. Rules that the API server can check itself are also exported as CEL
+(``x-kubernetes-validations``) into the CRD by ``bulkhead.api.crd``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+API_GROUP = "bulkhead.dev"
+API_VERSION = "v1alpha1"
+KIND = "TrainingJob"
+
+Severity = Literal["info", "warning", "critical"]
+ModelPreset = Literal["tiny", "tiny-moe", "small", "small-moe"]
+
+
+def _rule(field: str, message: str, **ctx: Any) -> PydanticCustomError:
+    """A cross-field error located at ``field`` (dotted, camelCase, relative to the model)."""
+    return PydanticCustomError("cross_field", message, {"field": field, **ctx})
+
+
+def cel(rule: str, message: str, field: str | None = None) -> dict[str, str]:
+    """One CEL validation rule for the CRD; ``field`` names the offending field for kubectl."""
+    out = {"rule": rule, "message": message}
+    if field:
+        out["fieldPath"] = f".{field}"
+    return out
+
+
+class Model(BaseModel):
+    """Base: camelCase aliases, unknown fields rejected, validated on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON form as it appears in a manifest (camelCase, no unset optionals)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class MoEConfig(Model):
+    """Mixture-of-Experts feed-forward blocks."""
+
+    num_experts: int = Field(4, ge=2, le=1024, description="Experts per MoE layer.")
+    top_k: int = Field(2, ge=1, le=8, description="Experts each token is routed to.")
+    every: int = Field(
+        2, ge=1, description="Every n-th decoder block uses an MoE feed-forward (1 = all)."
+    )
+    load_balance_coef: float = Field(
+        0.01, ge=0, le=1, description="Weight of the load-balancing auxiliary loss."
+    )
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise _rule("topK", "must be <= numExperts ({n}), got {k}",
+                        n=self.num_experts, k=self.top_k)
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.topK <= self.numExperts", "must be <= numExperts", "topK")]},
+    )
+
+
+class ModelConfig(Model):
+    """A GPT-style decoder; a preset picks a size and explicit fields override it."""
+
+    preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
+    vocab_size: int = Field(256, ge=2, le=1_000_000, description="Byte-level data uses 256.")
+    d_model: int = Field(64, ge=8, le=65536)
+    n_layers: int = Field(4, ge=1, le=1024)
+    n_heads: int = Field(4, ge=1, le=512)
+    seq_len: int = Field(64, ge=4, le=1_000_000)
+    ffn_dim: int | None = Field(None, ge=8, description="Feed-forward width; default 4 x dModel.")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    moe: MoEConfig | None = Field(None, description="Omit for a dense model.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise _rule("nHeads", "must divide dModel ({d}), got {h}",
+                        d=self.d_model, h=self.n_heads)
+        return self
+
+
+class PipelineConfig(Model):
+    stages: int = Field(1, ge=1, description="Pipeline stages per pipeline (1 = no pipelining).")
+    microbatches: int = Field(4, ge=1, description="Microbatches per pipeline per step.")
+
+
+class ExpertParallelConfig(Model):
+    min_replicas: int = Field(
+        2, ge=1, description="Minimum replicas of every expert (Lazarus f)."
+    )
+    rebalance_interval_steps: int = Field(200, ge=1)
+
+
+class ZeroConfig(Model):
+    stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage; 0 = plain data parallel.")
+    hpz_partition_size: int = Field(
+        1, ge=1, description="Secondary (hierarchical) partition size; 1 = off."
+    )
+
+
+class ParallelismConfig(Model):
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    experts: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+
+
+class BatchConfig(Model):
+    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward.")
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> BatchConfig:
+        if self.micro_batch_size > self.global_batch_size:
+            raise _rule("microBatchSize", "must be <= globalBatchSize ({g}), got {m}",
+                        g=self.global_batch_size, m=self.micro_batch_size)
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.microBatchSize <= self.globalBatchSize",
+                "must be <= globalBatchSize", "microBatchSize")]},
+    )
+
+
+class OptimizerConfig(Model):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 = no clipping.")
+    warmup_steps: int = Field(0, ge=0)
+
+
+class DataConfig(Model):
+    source: str = Field(
+        "python-stdlib",
+        min_length=1,
+        description="'python-stdlib' (the interpreter's own source tree), a directory or a glob.",
+    )
+    seed: int = Field(0, ge=0)
+
+
+class TrainerConfig(Model):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    steps: int = Field(200, ge=1, description="Optimizer steps to train.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    seed: int = Field(1234, ge=0)
+    log_interval_steps: int = Field(1, ge=1, description="Progress report every n steps.")
+
+
+class BackoffConfig(Model):
+    initial_seconds: float = Field(1.0, gt=0)
+    max_seconds: float = Field(60.0, gt=0)
+    multiplier: float = Field(2.0, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BackoffConfig:
+        if self.max_seconds < self.initial_seconds:
+            raise _rule("maxSeconds", "must be >= initialSeconds ({i}), got {m}",
+                        i=self.initial_seconds, m=self.max_seconds)
+        return self
+
+
+class FaultToleranceConfig(Model):
+    max_failures: int = Field(
+        0, ge=0, description="f: simultaneous node failures survived without a restart."
+    )
+    max_restarts: int = Field(3, ge=0, description="Full restarts from checkpoint before Failed.")
+    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
+    hang_timeout_seconds: float = Field(120.0, gt=0, description="No progress this long = hang.")
+    registration_timeout_seconds: float = Field(
+        300.0, gt=0, description="How long to wait for workers to register."
+    )
+    collective_timeout_seconds: float = Field(
+        30.0, gt=0, description="torch.distributed collective timeout."
+    )
+    evict_severities: list[Severity] = Field(
+        default_factory=lambda: ["critical"],
+        description="Node anomaly severities that evict the node.",
+    )
+
+
+class StorageConfig(Model):
+    path: str | None = Field(None, description="Directory for persisted checkpoints.")
+    pvc: str | None = Field(None, description="PersistentVolumeClaim mounted for checkpoints.")
+
+
+class CheckpointConfig(Model):
+    interval_steps: int = Field(50, gt=0, description="Snapshot every n steps.")
+    keep: int = Field(3, ge=1, description="Persisted checkpoints kept (newest first).")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
+
+
+class TrainingJobSpec(Model):
+    workers: int = Field(..., ge=1, le=100_000, description="Worker pods (one per node).")
+    min_workers: int = Field(
+        1, ge=1, description="Below this many live workers the job restarts from checkpoint."
+    )
+    template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="PodTemplateSpec for the trainer container (image, resources, env).",
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.minWorkers <= self.workers", "must be <= workers", "minWorkers"),
+            cel("!has(self.faultTolerance) || !has(self.faultTolerance.maxFailures) || "
+                "self.faultTolerance.maxFailures < self.workers",
+                "must be < workers", "faultTolerance.maxFailures"),
+        ]},
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainingJobSpec:
+        if self.min_workers > self.workers:
+            raise _rule("minWorkers", "must be <= workers ({w}), got {m}",
+                        w=self.workers, m=self.min_workers)
+        f = self.fault_tolerance.max_failures
+        if f >= self.workers:
+            raise _rule("faultTolerance.maxFailures", "must be < workers ({w}), got {f}",
+                        w=self.workers, f=f)
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes ObjectMeta a manifest author writes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class TrainingJob(BaseModel):
+    """A whole TrainingJob manifest."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: Literal["bulkhead.dev/v1alpha1"] = Field(..., alias="apiVersion")
+    kind: Literal["TrainingJob"]
+    metadata: ObjectMeta
+    spec: TrainingJobSpec
+    status: dict[str, Any] | None = None

@@ -1,0 +1,1 @@
+"""bulkhead.operator package."""

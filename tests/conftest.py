@@ -1,0 +1,9 @@
+"""Suite-wide test set-up: small thread pools (2 cores) and the shared fixtures."""
+
+import os
+
+# Many processes share 2 cores in the multi-process tests; one thread each avoids thrashing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+from k8s_fixtures import k8s_cluster, k8s_namespace  # noqa: E402,F401  (registers fixtures)

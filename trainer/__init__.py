@@ -1,0 +1,1 @@
+"""bulkhead.trainer package."""
