@@ -1,0 +1,98 @@
+"""The control protocol between workers and the lifecycle manager (HTTP + JSON).
+
+The same protocol runs in Kubernetes (the operator serves it) and in local mode (the
+supervisor serves it). Every request carries ``Authorization: Bearer <job token>``.
+
+Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name``):
+
+- ``POST /v1/jobs/{job}/register``        RegisterRequest   -> RegisterResponse
+- ``GET  /v1/jobs/{job}/membership?after=G&timeout=S``      -> MembershipView
+  (long poll: answers as soon as a generation > G is published, or after S seconds
+  with the current one)
+- ``POST /v1/jobs/{job}/progress``        ProgressReport    -> Directive
+- ``POST /v1/jobs/{job}/faults``          FaultReport       -> Directive
+- ``POST /v1/jobs/{job}/complete``        CompletionReport  -> Directive
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from bulkhead.api.spec import Model
+from bulkhead.api.status import Membership
+
+API_PREFIX = "/v1/jobs"
+TOKEN_ENV = "BULKHEAD_CONTROL_TOKEN"
+ENDPOINT_ENV = "BULKHEAD_CONTROL_URL"
+JOB_ENV = "BULKHEAD_JOB"
+WORKER_ENV = "BULKHEAD_WORKER"
+
+JobState = Literal["forming", "running", "restarting", "succeeded", "failed"]
+FaultKind = Literal[
+    "collective_error",  # a collective raised or timed out
+    "peer_suspect",  # a peer stopped answering
+    "nan_loss",  # the loss became NaN/inf
+    "straggler",  # ranks persistently slower than the rest
+    "user_error",  # an exception in user code or a bad config: not retried
+    "internal_error",  # anything else in the runtime
+]
+Action = Literal["continue", "reconfigure", "stop"]
+
+
+class RegisterRequest(Model):
+    worker: str = Field(..., min_length=1, max_length=253, description="Unique worker id.")
+    node: str = Field("", max_length=253, description="Node (host) the worker runs on.")
+    address: str = Field("", max_length=300, description="host:port this worker can serve on.")
+    incarnation: int = Field(0, ge=0, description="Restarts of this worker id so far.")
+
+
+class RegisterResponse(Model):
+    worker: str
+    generation: int = Field(..., ge=0, description="The generation current at registration.")
+
+
+class MembershipView(Membership):
+    """A published generation plus what the workers must do with it."""
+
+    state: JobState = "forming"
+    resume_step: int = Field(0, ge=0, description="First step to run in this generation.")
+    restore_from_checkpoint: bool = Field(
+        False, description="No live replica holds the state: restore from a checkpoint."
+    )
+    total_steps: int = Field(0, ge=0)
+
+
+class ProgressReport(Model):
+    worker: str
+    generation: int = Field(..., ge=0)
+    step: int = Field(..., ge=0, description="Last completed step.")
+    loss: float | None = None
+    step_time_s: float | None = Field(None, ge=0)
+    tokens_per_s: float | None = Field(None, ge=0)
+    checkpoint_step: int | None = Field(None, ge=0)
+
+
+class FaultReport(Model):
+    worker: str
+    generation: int = Field(..., ge=0)
+    kind: FaultKind
+    message: str = Field("", max_length=4096)
+    suspects: list[str] = Field(default_factory=list, description="Workers believed at fault.")
+    step: int | None = Field(None, ge=0)
+
+
+class CompletionReport(Model):
+    worker: str
+    generation: int = Field(..., ge=0)
+    step: int = Field(..., ge=0)
+    loss: float | None = None
+
+
+class Directive(Model):
+    """The manager's answer to a report: keep going, move to a newer generation, or stop."""
+
+    action: Action = "continue"
+    generation: int = Field(..., ge=0, description="The current generation.")
+    reason: str = ""
