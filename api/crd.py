@@ -21,8 +21,12 @@ CRD_FILE = f"crds/{CRD_NAME}.yaml"
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Workers", "type": "string", "jsonPath": ".status.workers",
-     "description": "live/desired workers"},
+    {
+        "name": "Workers",
+        "type": "string",
+        "jsonPath": ".status.workers",
+        "description": "live/desired workers",
+    },
     {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -70,10 +74,10 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
             del out["default"]
     if "enum" in out and "type" not in out:
         out["type"] = "integer" if all(isinstance(v, int) for v in out["enum"]) else "string"
-    if out.get("type") == "object" and "properties" not in out:
-        if out.get("additionalProperties") in (True, None, {}):
-            out.pop("additionalProperties", None)
-            out["x-kubernetes-preserve-unknown-fields"] = True
+    free_form = out.get("additionalProperties") in (True, None, {})
+    if out.get("type") == "object" and "properties" not in out and free_form:
+        out.pop("additionalProperties", None)
+        out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("additionalProperties") is False:
         del out["additionalProperties"]
     return out

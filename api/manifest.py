@@ -56,8 +56,10 @@ def field_errors(exc: ValidationError, prefix: str = "") -> list[FieldError]:
             msg = "unknown field"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        elif "input" in err and err["type"] not in ("cross_field",) and not isinstance(
-            err["input"], dict | list
+        elif (
+            "input" in err
+            and err["type"] not in ("cross_field",)
+            and not isinstance(err["input"], dict | list)
         ):
             msg = f"{msg} (got {err['input']!r})"
         found.append(FieldError(path, msg))
@@ -112,5 +114,6 @@ def load_job(path: str | Path) -> TrainingJob:
     """The single TrainingJob in a file."""
     jobs = load_jobs(path)
     if len(jobs) != 1:
-        raise ManifestError(str(path), [FieldError("", f"expected one TrainingJob, found {len(jobs)}")])
+        found = f"expected one TrainingJob, found {len(jobs)}"
+        raise ManifestError(str(path), [FieldError("", found)])
     return jobs[0]

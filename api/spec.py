@@ -65,13 +65,17 @@ class MoEConfig(Model):
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
         if self.top_k > self.num_experts:
-            raise _rule("topK", "must be <= numExperts ({n}), got {k}",
-                        n=self.num_experts, k=self.top_k)
+            raise _rule(
+                "topK", "must be <= numExperts ({n}), got {k}", n=self.num_experts, k=self.top_k
+            )
         return self
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("self.topK <= self.numExperts", "must be <= numExperts", "topK")]},
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.topK <= self.numExperts", "must be <= numExperts", "topK")
+            ]
+        },
     )
 
 
@@ -91,8 +95,9 @@ class ModelConfig(Model):
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_heads:
-            raise _rule("nHeads", "must divide dModel ({d}), got {h}",
-                        d=self.d_model, h=self.n_heads)
+            raise _rule(
+                "nHeads", "must divide dModel ({d}), got {h}", d=self.d_model, h=self.n_heads
+            )
         return self
 
 
@@ -102,9 +107,7 @@ class PipelineConfig(Model):
 
 
 class ExpertParallelConfig(Model):
-    min_replicas: int = Field(
-        2, ge=1, description="Minimum replicas of every expert (Lazarus f)."
-    )
+    min_replicas: int = Field(2, ge=1, description="Minimum replicas of every expert (Lazarus f).")
     rebalance_interval_steps: int = Field(200, ge=1)
 
 
@@ -128,14 +131,24 @@ class BatchConfig(Model):
     @model_validator(mode="after")
     def _micro_fits(self) -> BatchConfig:
         if self.micro_batch_size > self.global_batch_size:
-            raise _rule("microBatchSize", "must be <= globalBatchSize ({g}), got {m}",
-                        g=self.global_batch_size, m=self.micro_batch_size)
+            raise _rule(
+                "microBatchSize",
+                "must be <= globalBatchSize ({g}), got {m}",
+                g=self.global_batch_size,
+                m=self.micro_batch_size,
+            )
         return self
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("self.microBatchSize <= self.globalBatchSize",
-                "must be <= globalBatchSize", "microBatchSize")]},
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.microBatchSize <= self.globalBatchSize",
+                    "must be <= globalBatchSize",
+                    "microBatchSize",
+                )
+            ]
+        },
     )
 
 
@@ -176,8 +189,12 @@ class BackoffConfig(Model):
     @model_validator(mode="after")
     def _ordered(self) -> BackoffConfig:
         if self.max_seconds < self.initial_seconds:
-            raise _rule("maxSeconds", "must be >= initialSeconds ({i}), got {m}",
-                        i=self.initial_seconds, m=self.max_seconds)
+            raise _rule(
+                "maxSeconds",
+                "must be >= initialSeconds ({i}), got {m}",
+                i=self.initial_seconds,
+                m=self.max_seconds,
+            )
         return self
 
 
@@ -226,23 +243,36 @@ class TrainingJobSpec(Model):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("self.minWorkers <= self.workers", "must be <= workers", "minWorkers"),
-            cel("!has(self.faultTolerance) || !has(self.faultTolerance.maxFailures) || "
-                "self.faultTolerance.maxFailures < self.workers",
-                "must be < workers", "faultTolerance.maxFailures"),
-        ]},
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.minWorkers <= self.workers", "must be <= workers", "minWorkers"),
+                cel(
+                    "!has(self.faultTolerance) || !has(self.faultTolerance.maxFailures) || "
+                    "self.faultTolerance.maxFailures < self.workers",
+                    "must be < workers",
+                    "faultTolerance.maxFailures",
+                ),
+            ]
+        },
     )
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainingJobSpec:
         if self.min_workers > self.workers:
-            raise _rule("minWorkers", "must be <= workers ({w}), got {m}",
-                        w=self.workers, m=self.min_workers)
+            raise _rule(
+                "minWorkers",
+                "must be <= workers ({w}), got {m}",
+                w=self.workers,
+                m=self.min_workers,
+            )
         f = self.fault_tolerance.max_failures
         if f >= self.workers:
-            raise _rule("faultTolerance.maxFailures", "must be < workers ({w}), got {f}",
-                        w=self.workers, f=f)
+            raise _rule(
+                "faultTolerance.maxFailures",
+                "must be < workers ({w}), got {f}",
+                w=self.workers,
+                f=f,
+            )
         return self
 
 

@@ -7,7 +7,6 @@ operator/agent packages are only imported by the commands that drive them.
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import click
@@ -39,7 +38,9 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             missing = exc.name or module_name
 
-            @click.command(cmd_name, help=help_text, context_settings={"ignore_unknown_options": True})
+            @click.command(
+                cmd_name, help=help_text, context_settings={"ignore_unknown_options": True}
+            )
             @click.argument("args", nargs=-1, type=click.UNPROCESSED)
             def unavailable(args: tuple[str, ...]) -> None:
                 raise click.ClickException(

@@ -1,0 +1,59 @@
+"""The `bulkhead` CLI: crd and validate, run as a real subprocess like a user would."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "bulkhead.cli.main"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def test_crd_prints_committed_file():
+    out = _run("crd")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (REPO / "crds/trainingjobs.bulkhead.dev.yaml").read_text()
+
+
+def test_validate_examples_succeeds():
+    examples = sorted(str(p) for p in REPO.glob("examples/*.yaml"))
+    out = _run("validate", *examples)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count(": valid (") == len(examples)
+
+
+def test_validate_reports_one_line_per_error_and_fails():
+    out = _run(
+        "validate",
+        "tests/data/invalid/min-workers-above-workers.yaml",
+        "tests/data/valid/minimal.yaml",
+    )
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        "tests/data/invalid/min-workers-above-workers.yaml: spec.minWorkers: "
+        "must be <= workers (2), got 3"
+    ]
+    assert "minimal.yaml: valid (minimal)" in out.stdout
+
+
+def test_validate_missing_file_is_a_clear_error():
+    out = _run("validate", "does-not-exist.yaml")
+    assert out.returncode == 1
+    assert "does-not-exist.yaml: cannot read file" in out.stderr
+
+
+def test_operator_and_agent_packages_do_not_import_torch():
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "import bulkhead.operator, bulkhead.agent, bulkhead.api\n"
+        "for pkg in (bulkhead.operator, bulkhead.agent, bulkhead.api):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
