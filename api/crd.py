@@ -84,10 +84,13 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
 
 
 def _with_object_default(prop: dict[str, Any]) -> dict[str, Any]:
-    """Sub-objects built by default_factory default to {} so the API server applies the
+    """Sub-objects built by default_factory get a default, so the API server fills the
     nested defaults too when the user omits the whole object."""
     if prop.get("type") == "object" and "properties" in prop and not prop.get("nullable"):
-        prop.setdefault("default", {})
+        # The full default, not {}: the API server checks a default against the object's
+        # CEL rules, and {} lacks the keys those rules read.
+        defaults = {k: v["default"] for k, v in prop["properties"].items() if "default" in v}
+        prop.setdefault("default", defaults)
     return prop
 
 

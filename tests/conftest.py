@@ -6,4 +6,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-from k8s_fixtures import k8s_cluster, k8s_namespace  # noqa: E402,F401  (registers fixtures)
+from k8s_fixtures import (  # noqa: F401  (registers the fixtures and the k8s marking)
+    k8s_cluster,
+    k8s_namespace,
+    pytest_collection_modifyitems,
+)

@@ -1,0 +1,113 @@
+"""The agent's HTTP API (FastAPI): probes, Prometheus metrics, anomalies, worker reports.
+
+- ``GET /healthz``   liveness: 503 when the detection loop has stopped ticking
+- ``GET /readyz``    readiness: 200 once the first tick has run
+- ``GET /metrics``   Prometheus text format (``bulkhead_agent_*``)
+- ``GET /v1/anomalies``  the Node condition and active problems
+- ``POST /v1/report``    a ``WorkerReport`` from a trainer on this node (bearer token)
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from bulkhead.agent.collectors.training import WorkerReport
+from bulkhead.agent.engine import Agent
+from bulkhead.agent.reporters.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_REPORT_BYTES = 64 * 1024
+
+
+def _json_safe(value: Any) -> Any:
+    """Replace NaN/inf (not valid JSON) by strings in an outgoing payload."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def create_app(
+    agent: Agent,
+    metrics: AgentMetrics,
+    node: str,
+    token: str | None,
+    stale_after_s: float,
+) -> FastAPI:
+    """``stale_after_s``: liveness fails when no tick completed for that long."""
+    app = FastAPI(title="bulkhead-agent", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        last = agent.last_tick
+        if last is not None and agent.clock() - last > stale_after_s:
+            return JSONResponse({"status": "stalled", "lastTick": last}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        if agent.last_tick is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/anomalies")
+    def anomalies() -> JSONResponse:
+        condition = agent.health.view
+        body = {
+            "node": node,
+            "condition": {
+                "type": condition.type,
+                "status": condition.status,
+                "reason": condition.reason,
+                "message": condition.message,
+                "since": condition.since,
+            },
+            "problems": [p.as_dict() for p in agent.problems()],
+        }
+        return JSONResponse(_json_safe(body))
+
+    @app.post("/v1/report")
+    async def report(request: Request) -> JSONResponse:
+        def reject(status: int, detail: Any) -> JSONResponse:
+            metrics.reports.labels("rejected").inc()
+            log.info("report rejected (%d): %s", status, detail)
+            return JSONResponse({"detail": detail}, status_code=status)
+
+        if token is None:
+            return reject(403, "reporting is disabled: the agent has no report token")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return reject(401, "missing bearer token")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return reject(403, "invalid token")
+        body = await request.body()
+        if len(body) > MAX_REPORT_BYTES:
+            return reject(413, f"report larger than {MAX_REPORT_BYTES} bytes")
+        try:
+            parsed = WorkerReport.model_validate_json(body)
+        except ValidationError as exc:
+            errors = [
+                {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+            ]
+            return reject(422, errors)
+        agent.record_report(parsed)
+        metrics.reports.labels("accepted").inc()
+        return JSONResponse({"accepted": True, "worker": parsed.worker}, status_code=202)
+
+    return app

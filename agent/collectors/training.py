@@ -1,0 +1,78 @@
+"""Training collector: what the workers on this node report (POST /v1/report).
+
+The trainer pushes a ``WorkerReport`` every few steps; the collector keeps the latest state
+per worker and when its step last advanced (the hang detector's clock). A worker that says
+``done`` is forgotten, and so is one silent for ``forget_after_s`` (its pod is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+from pydantic import Field
+
+from bulkhead.agent.collectors.base import WorkerState
+from bulkhead.api.spec import Model
+
+log = logging.getLogger(__name__)
+
+
+class WorkerReport(Model):
+    """One worker's report to its node agent (JSON, camelCase)."""
+
+    worker: str = Field(..., min_length=1, max_length=253)
+    step: int = Field(..., ge=0, description="Last completed step.")
+    loss: float | None = Field(None, description="May be NaN/inf: that is what we detect.")
+    step_time_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    stragglers: list[str] = Field(
+        default_factory=list, max_length=4096, description="Workers found persistently slow."
+    )
+    straggler_scores: dict[str, float] = Field(
+        default_factory=dict, description="Worker -> score (reference median / own median)."
+    )
+    done: bool = Field(False, description="The worker finished: stop watching it.")
+
+
+class TrainingCollector:
+    def __init__(self, forget_after_s: float = 3600.0) -> None:
+        self._forget_after_s = forget_after_s
+        self._lock = threading.Lock()
+        self._workers: dict[str, WorkerState] = {}
+
+    def record(self, report: WorkerReport, now: float) -> None:
+        with self._lock:
+            if report.done:
+                self._workers.pop(report.worker, None)
+                log.info("worker %s finished", report.worker)
+                return
+            state = self._workers.get(report.worker)
+            if state is None:
+                state = WorkerState(worker=report.worker, step=report.step, last_progress=now)
+                self._workers[report.worker] = state
+                log.info("watching worker %s from step %d", report.worker, report.step)
+            if report.step != state.step:
+                state.last_progress = now  # a restart to an older step is progress too
+            state.step = report.step
+            state.loss = report.loss
+            state.step_time_s = report.step_time_s
+            state.tokens_per_s = report.tokens_per_s
+            state.stragglers = list(report.stragglers)
+            state.straggler_scores = dict(report.straggler_scores)
+            state.last_report = now
+            if report.loss is not None and not math.isfinite(report.loss):
+                log.warning(
+                    "worker %s reported loss %s at step %d", report.worker, report.loss, report.step
+                )
+
+    def collect(self, now: float) -> list[WorkerState]:
+        with self._lock:
+            stale = [
+                w for w, s in self._workers.items() if now - s.last_report > self._forget_after_s
+            ]
+            for worker in stale:
+                log.info("forgetting worker %s: silent for %.0f s", worker, self._forget_after_s)
+                del self._workers[worker]
+            return [WorkerState(**vars(s)) for s in self._workers.values()]

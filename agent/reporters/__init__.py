@@ -1,0 +1,1 @@
+"""Reporters: publish each tick's result (Node condition, Events, Prometheus metrics)."""

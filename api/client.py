@@ -1,0 +1,187 @@
+"""The worker-side client of the control protocol (httpx, synchronous).
+
+Lives in ``bulkhead.api`` because the trainer may not import the operator. Every call has
+a timeout; connection failures, 5xx and 429 answers are retried with exponential backoff;
+a 4xx answer raises ``ControlRequestError`` with the server's one-line explanation, since
+retrying a bad request cannot help. An ``httpx.Client`` is not meant to be shared by
+threads that block on it, so give a background membership poller its own ``ControlClient``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from bulkhead.api.protocol import (
+    API_PREFIX,
+    ENDPOINT_ENV,
+    JOB_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
+    CompletionReport,
+    Directive,
+    FaultReport,
+    MembershipView,
+    ProgressReport,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=BaseModel)
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class ControlError(RuntimeError):
+    """The control endpoint could not be used."""
+
+
+class ControlRequestError(ControlError):
+    """The endpoint refused the request (4xx); ``status_code`` and the server's ``message``."""
+
+    def __init__(self, status_code: int, message: str, route: str):
+        super().__init__(f"{route}: HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.route = route
+
+
+class ControlUnavailable(ControlError):
+    """The endpoint did not answer usefully within the retries."""
+
+
+class ControlClient:
+    """Talks to the lifecycle manager for one worker of one job."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        job: str,
+        worker: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        retries: int = 5,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not url:
+            raise ControlError(f"no control endpoint URL (set {ENDPOINT_ENV})")
+        if not job:
+            raise ControlError(f"no job name (set {JOB_ENV})")
+        self.job = job
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._prefix = f"{API_PREFIX}/{quote(job, safe='')}"
+        self._http = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> ControlClient:
+        """A client configured by the worker launch environment (BULKHEAD_CONTROL_URL, ...)."""
+        env = os.environ if env is None else env
+        missing = [k for k in (ENDPOINT_ENV, TOKEN_ENV, JOB_ENV) if not env.get(k)]
+        if missing:
+            raise ControlError(f"missing environment variables: {', '.join(missing)}")
+        return cls(env[ENDPOINT_ENV], env[TOKEN_ENV], env[JOB_ENV], env.get(WORKER_ENV), **kwargs)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ protocol
+
+    def register(self, request: RegisterRequest) -> RegisterResponse:
+        return self._call("POST", "register", RegisterResponse, body=request)
+
+    def membership(self, after: int = 0, timeout_s: float = 30.0) -> MembershipView:
+        """Long poll: returns once a generation newer than ``after`` exists, or after
+        ``timeout_s`` (possibly shortened by the server) with the current one."""
+        params: dict[str, Any] = {"after": after, "timeout": timeout_s}
+        if self.worker:
+            params["worker"] = self.worker  # lets the hang timer see this worker is alive
+        return self._call(
+            "GET", "membership", MembershipView, params=params, timeout_s=timeout_s + self.timeout_s
+        )
+
+    def progress(self, report: ProgressReport) -> Directive:
+        return self._call("POST", "progress", Directive, body=report)
+
+    def fault(self, report: FaultReport) -> Directive:
+        return self._call("POST", "faults", Directive, body=report)
+
+    def complete(self, report: CompletionReport) -> Directive:
+        return self._call("POST", "complete", Directive, body=report)
+
+    # ------------------------------------------------------------ transport
+
+    def _call(
+        self,
+        method: str,
+        route: str,
+        response_model: type[T],
+        *,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> T:
+        url = f"{self._prefix}/{route}"
+        payload = body.model_dump(mode="json", by_alias=True) if body is not None else None
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff_initial_s * 2 ** (attempt - 1), self.backoff_max_s)
+                log.warning(
+                    "control %s failed (%s); retry %d in %.1fs", route, last, attempt, delay
+                )
+                time.sleep(delay)
+            try:
+                response = self._http.request(
+                    method, url, json=payload, params=params, timeout=timeout_s or self.timeout_s
+                )
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code in _RETRY_STATUS:
+                last = f"HTTP {response.status_code}: {_message(response)}"
+                continue
+            if response.status_code >= 400:
+                raise ControlRequestError(response.status_code, _message(response), route)
+            try:
+                return response_model.model_validate(response.json())
+            except (ValueError, ValidationError) as exc:
+                raise ControlError(f"{route}: malformed answer from the server: {exc}") from None
+        raise ControlUnavailable(
+            f"{route}: control endpoint unavailable after {self.retries + 1} attempts ({last})"
+        )
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200] or response.reason_phrase
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return str(body)[:200]

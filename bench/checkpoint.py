@@ -1,0 +1,255 @@
+"""Checkpoint engine benchmark: blocking time and restore time against the usual ways.
+
+For one model + Adam state (>= 1 GB full, ~50 MB with --quick), measured in one run:
+
+- ``memcpy_s``: the raw copy of the same tensors into a preallocated buffer (the limit);
+- ``blocking_s``: our ``CheckpointEngine.snapshot`` (what training waits for);
+- ``torch_save_fsync_s``: ``torch.save`` + fsync to local disk;
+- ``dcp_async_blocking_s``: what ``torch.distributed.checkpoint.async_save`` blocks for;
+- ``restore_shm_s``: our restore from shared memory (verified, into the live tensors);
+- ``torch_load_s``: ``torch.load`` of the saved file, page cache dropped (from disk);
+  ``torch_load_warm_s`` is the same with the file cached, for reference.
+
+Each figure is a median over ``--repeats`` rounds after two warm-up rounds; every round runs
+each contender once, so load from other processes hits them alike. The sidecar (a real
+process) seals and persists every snapshot to disk before the round goes on, as with a
+snapshot interval longer than a persist. Run: ``python bench/checkpoint.py [--quick]
+[--out FILE]``; the JSON also holds every round's raw timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, spawn_sidecar
+
+TARGETS = {"blocking_vs_memcpy": 1.5, "save_vs_blocking": 20.0, "load_vs_restore": 10.0}
+
+
+def make_state(total_bytes: int) -> dict[str, Any]:
+    """Model + Adam (fp32): 12 bytes per parameter, in square-ish layers like a transformer."""
+    params = total_bytes // 12
+    width = 2048
+    layers = max(1, params // (width * width))
+    rows = params // (layers * width)
+    model = {f"layers.{i}.weight": torch.full((rows, width), float(i)) for i in range(layers)}
+    state = {
+        i: {
+            "step": torch.tensor(100.0),
+            "exp_avg": torch.full((rows, width), 0.1),
+            "exp_avg_sq": torch.full((rows, width), 0.01),
+        }
+        for i in range(layers)
+    }
+    groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(state)}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "step": 100}
+
+
+def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
+    out = list(state["model"].values())
+    for entry in state["optimizer"]["state"].values():
+        out += list(entry.values())
+    return out
+
+
+def clock(action: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict one file's pages from the page cache (no root needed): the next read hits disk."""
+    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Rounds:
+    """Named timings collected round by round; every contender runs once per round, so a
+    loaded machine slows them alike instead of skewing one phase."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times.setdefault(name, []).append(seconds)
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(values) for name, values in self.times.items()}
+
+
+def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
+    state = make_state(size_bytes)
+    tensors = tensors_of(state)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.zeros(state_bytes, dtype=torch.uint8)  # resident: the copy's physical limit
+
+    def memcpy() -> None:
+        offset = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            flat[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
+            offset += n
+
+    path = workdir / "state.pt"
+
+    def torch_save() -> None:
+        with open(path, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def torch_load_cold() -> float:
+        drop_page_cache(path)
+        started = time.perf_counter()
+        loaded = torch.load(path)
+        elapsed = time.perf_counter() - started
+        del loaded
+        return elapsed
+
+    shm_dir = Path("/dev/shm") / f"bulkhead-bench-{os.getpid()}"
+    storage = workdir / "tce"
+    sidecar = spawn_sidecar(shm_dir, listen="off", args=["--poll-interval", "0.05"])
+    engine = CheckpointEngine(
+        CheckpointSettings(job="bench", shm_dir=shm_dir, storage_dir=storage, keep=2)
+    )
+    rounds = Rounds()
+    first: list[float] = []
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{workdir / 'pg'}", rank=0, world_size=1
+        )
+    try:
+        for step in range(1, repeats + 3):
+            warmup = step <= 2  # maps both slots, loads code paths: reported apart
+            copy_s = clock(memcpy)
+            blocking_s = engine.snapshot(step, state).blocking_s
+            persist_s = clock(lambda: _check(engine.flush(timeout=900)))
+            save_s = clock(torch_save)
+            target = workdir / f"dcp-{step}"
+            started = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(target))
+            dcp_s = time.perf_counter() - started
+            future.result()  # the background write is not what training waits for
+            shutil.rmtree(target, ignore_errors=True)
+            restore_s = clock(lambda: _check_restored(engine.restore(into=state)))
+            load_cold_s = torch_load_cold()
+            load_warm_s = clock(lambda: torch.load(path))
+            if warmup:
+                first.append(blocking_s)
+                continue
+            rounds.add("memcpy_s", copy_s)
+            rounds.add("blocking_s", blocking_s)
+            rounds.add("sidecar_seal_and_persist_s", persist_s)
+            rounds.add("torch_save_fsync_s", save_s)
+            rounds.add("dcp_async_blocking_s", dcp_s)
+            rounds.add("restore_shm_s", restore_s)
+            rounds.add("torch_load_s", load_cold_s)
+            rounds.add("torch_load_warm_s", load_warm_s)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+        engine.close()
+        sidecar.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+        path.unlink(missing_ok=True)
+    return {
+        "state_bytes": state_bytes,
+        "repeats": repeats,
+        **rounds.medians(),
+        "first_snapshots_s": first,
+        "rounds": rounds.times,
+    }
+
+
+def _check(status: dict[str, Any]) -> None:
+    if not status.get("ok") or status.get("last_error"):
+        raise RuntimeError(f"sidecar failed: {status}")
+
+
+def _check_restored(restored: Any) -> None:
+    if restored is None or restored.tier != "shm":
+        raise RuntimeError(f"expected a restore from shared memory, got {restored}")
+
+
+def report(results: dict[str, Any]) -> dict[str, float]:
+    ratios = {
+        "blocking_vs_memcpy": results["blocking_s"] / results["memcpy_s"],
+        "save_vs_blocking": results["torch_save_fsync_s"] / results["blocking_s"],
+        "dcp_async_vs_blocking": results["dcp_async_blocking_s"] / results["blocking_s"],
+        "load_vs_restore": results["torch_load_s"] / results["restore_shm_s"],
+        "warm_load_vs_restore": results["torch_load_warm_s"] / results["restore_shm_s"],
+    }
+    gb = results["state_bytes"] / 1e9
+    print(f"state: {gb:.2f} GB (model + Adam, fp32), medians of {results['repeats']}")
+    rows = [
+        ("snapshot blocking (ours)", results["blocking_s"], "raw memcpy", results["memcpy_s"]),
+        ("torch.save + fsync", results["torch_save_fsync_s"], "ours", results["blocking_s"]),
+        (
+            "DCP async_save (blocking)",
+            results["dcp_async_blocking_s"],
+            "ours",
+            results["blocking_s"],
+        ),
+        ("torch.load (disk)", results["torch_load_s"], "restore shm", results["restore_shm_s"]),
+        (
+            "torch.load (cached)",
+            results["torch_load_warm_s"],
+            "restore shm",
+            results["restore_shm_s"],
+        ),
+    ]
+    print(f"{'measure':28} {'seconds':>9}   {'vs':12} {'seconds':>9} {'ratio':>8}")
+    for name, value, other, other_value in rows:
+        ratio = value / other_value
+        print(f"{name:28} {value:9.4f}   {other:12} {other_value:9.4f} {ratio:8.2f}x")
+    print(f"sidecar seal + persist to disk (async): {results['sidecar_seal_and_persist_s']:.3f}s")
+    for key, target in TARGETS.items():
+        at_most = key == "blocking_vs_memcpy"
+        ok = ratios[key] <= target if at_most else ratios[key] >= target
+        bound = f"{'<=' if at_most else '>='} {target}"
+        print(f"target {key}: {ratios[key]:.2f} ({bound}) {'met' if ok else 'NOT met'}")
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~50 MB state, 3 repeats")
+    parser.add_argument("--size-gb", type=float, default=None, help="state size (default 1.1)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--dir", type=Path, default=None, help="disk directory for files")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    size = args.size_gb or (0.05 if args.quick else 1.1)
+    repeats = args.repeats or (3 if args.quick else 5)
+    base = args.dir or Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix="bulkhead-bench-", dir=base) as workdir:
+        results = measure(int(size * 1e9), repeats, Path(workdir))
+    results["ratios"] = report(results)
+    results["quick"] = args.quick
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""Benchmark of the Kubernetes operator on KWOK GPU nodes: reaction to a bad node, job start.
+
+For each size (10 / 100 / 1000 nodes) a job with one worker per node is applied and its
+workers are played over the control protocol; then a node gets ``BulkheadAnomaly=True``:
+
+- ``to_taint_s``: condition set -> node cordoned and tainted bulkhead.dev/unhealthy;
+- ``to_generation_s``: condition set -> a survivor's long poll returns the new generation;
+- ``to_replacement_running_s``: condition set -> the replacement pod Running on a spare node;
+- ``job_running_s``: job applied -> all pods Running, workers registered, phase Running
+  (``pods_running_s``: the part until the scheduler and KWOK have every pod Running).
+
+Baseline, same run: creating the same number of pods one at a time (what an operator that
+creates pods sequentially needs before any worker can even start): ``baseline_create_s``.
+Targets from the issue: new generation <= 1 s at 100 nodes; 1000 workers Running <= 60 s.
+
+    python bench/operator.py --quick --out bench-operator.json      # 10 nodes, < 60 s
+    python bench/operator.py --sizes 10,100,1000 --kubeconfig ~/.cache/bulkhead/cluster/...
+Without --kubeconfig a throw-away control plane is started (hack/k8s_cluster.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "hack"))
+
+from bulkhead.operator.k8s.kube import (  # noqa: E402
+    KubeClient,
+    KubeError,
+    core_path,
+    load_credentials,
+    tj_path,
+)
+
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+def _node(name: str, zone: str, index: int) -> dict[str, Any]:
+    resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"}
+    cidr = f"10.{200 + index // 256}.{index % 256}.0/24"
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "topology.kubernetes.io/zone": zone,
+                "type": "kwok",
+                "nvidia.com/gpu.present": "true",
+            },
+            "annotations": {"kwok.x-k8s.io/node": "fake"},
+        },
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def _ready(node: dict[str, Any]) -> bool:
+    conditions = node.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+async def _until(check: Any, what: str, timeout: float, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(every)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Bench:
+    def __init__(self, kube: KubeClient, operator_url: str) -> None:
+        self.kube = kube
+        self.url = operator_url
+
+    async def nodes(self, zone: str, names: list[str], offset: int) -> None:
+        await asyncio.gather(
+            *(
+                self.kube.create(core_path("nodes"), _node(n, zone, offset + i))
+                for i, n in enumerate(names)
+            )
+        )
+
+        async def all_ready() -> bool:
+            items = await self.kube.list(core_path("nodes"), f"topology.kubernetes.io/zone={zone}")
+            ready = {n["metadata"]["name"] for n in items if _ready(n)}
+            return set(names) <= ready
+
+        await _until(all_ready, f"{len(names)} nodes Ready", 120, 0.3)
+
+    async def running_pods(self, ns: str, job: str) -> dict[str, dict[str, Any]]:
+        pods = await self.kube.list(core_path("pods", ns), f"bulkhead.dev/job={job}")
+        return {
+            p["metadata"]["name"]: p
+            for p in pods
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        }
+
+    async def baseline_create(self, ns: str, n: int) -> float:
+        """n pods created one at a time (unschedulable on purpose, deleted afterwards)."""
+        started = time.perf_counter()
+        for i in range(n):
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"seq-{i}", "labels": {"bench": "baseline"}},
+                "spec": {
+                    "nodeSelector": {"bench": "nowhere"},
+                    "containers": [{"name": "c", "image": "x"}],
+                },
+            }
+            await self.kube.create(core_path("pods", ns), pod)
+        elapsed = time.perf_counter() - started
+        pods = await self.kube.list(core_path("pods", ns), "bench=baseline")
+        await asyncio.gather(
+            *(self.kube.delete(core_path("pods", ns, p["metadata"]["name"]), 0) for p in pods)
+        )
+        return elapsed
+
+    async def size(self, n: int, index_offset: int) -> dict[str, float]:
+        tag = uuid.uuid4().hex[:5]
+        zone, ns, job = f"bench-{n}-{tag}", f"bench-{n}-{tag}", "bench"
+        names = [f"{zone}-{i}" for i in range(n)]
+        await self.kube.create(
+            core_path("namespaces"),
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+        )
+        await self.nodes(zone, names, index_offset)
+        await _until(lambda: self._has_default_sa(ns), "default ServiceAccount", 60, 0.2)
+        baseline = await self.baseline_create(ns, n)
+        try:
+            return {
+                "nodes": n,
+                "baseline_create_s": baseline,
+                **await self._measure(n, zone, ns, job, names, index_offset),
+            }
+        finally:
+            with suppress(KubeError):
+                await self.kube.delete(tj_path(ns, job))
+            await asyncio.gather(
+                *(self.kube.delete(core_path("nodes", name=x)) for x in [*names, f"{zone}-spare"]),
+                return_exceptions=True,
+            )
+            with suppress(KubeError):
+                await self.kube.delete(core_path("namespaces", name=ns))
+
+    async def _has_default_sa(self, ns: str) -> bool:
+        try:
+            await self.kube.get(core_path("serviceaccounts", ns, "default"))
+        except KubeError:
+            return False
+        return True
+
+    async def _measure(
+        self, n: int, zone: str, ns: str, job: str, names: list[str], offset: int
+    ) -> dict[str, float]:
+        manifest = {
+            "apiVersion": "bulkhead.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": job, "namespace": ns},
+            "spec": {
+                "workers": n,
+                "minWorkers": 1,
+                "faultTolerance": {
+                    "maxFailures": min(1, n - 1),
+                    "hangTimeoutSeconds": 600,
+                    "registrationTimeoutSeconds": 600,
+                },
+                "template": {
+                    "spec": {
+                        "nodeSelector": {"topology.kubernetes.io/zone": zone},
+                        "containers": [{"name": "trainer", "image": "bulkhead:bench"}],
+                    }
+                },
+            },
+        }
+        every = max(0.1, n / 1000)
+        started = time.perf_counter()
+        await self.kube.create(tj_path(ns), manifest)
+        pods = await _until(lambda: self._all_running(ns, job, n), f"{n} pods Running", 600, every)
+        pods_running = time.perf_counter() - started
+        secret = await self.kube.get(core_path("secrets", ns, f"{job}-control"))
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        http = httpx.AsyncClient(
+            base_url=f"{self.url}/v1/jobs/{ns}.{job}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=120,
+            limits=httpx.Limits(max_connections=64),
+        )
+        try:
+            await asyncio.gather(*(self._register(http, p) for p in pods.values()))
+            tj = await _until(lambda: self._phase(ns, job, "Running"), "phase Running", 600, every)
+            job_running = time.perf_counter() - started
+            generation = tj["status"]["membership"]["generation"]
+
+            await self.nodes(zone, [f"{zone}-spare"], offset + n)
+            victim = sorted(pods)[0]
+            bad_node = pods[victim]["spec"]["nodeName"]
+            survivor = sorted(pods)[-1]
+            poll = asyncio.create_task(
+                http.get(
+                    "/membership", params={"after": generation, "timeout": 60, "worker": survivor}
+                )
+            )
+            await asyncio.sleep(0.2)  # the long poll is parked at the endpoint
+            t0 = time.perf_counter()
+            await self._set_anomaly(bad_node)
+            taint_task = asyncio.create_task(self._tainted(bad_node, t0))
+            replacement_task = asyncio.create_task(self._replacement(ns, job, set(pods), t0))
+            view = (await poll).json()
+            to_generation = time.perf_counter() - t0
+            if view["generation"] <= generation:
+                raise RuntimeError(f"no new generation: {view}")
+            return {
+                "to_taint_s": await taint_task,
+                "to_generation_s": to_generation,
+                "to_replacement_running_s": await replacement_task,
+                "job_running_s": job_running,
+                "pods_running_s": pods_running,
+            }
+        finally:
+            await http.aclose()
+
+    async def _all_running(self, ns: str, job: str, n: int) -> dict[str, Any] | None:
+        pods = await self.running_pods(ns, job)
+        return pods if len(pods) >= n else None
+
+    async def _register(self, http: httpx.AsyncClient, pod: dict[str, Any]) -> None:
+        body = {
+            "worker": pod["metadata"]["name"],
+            "node": pod["spec"]["nodeName"],
+            "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
+        }
+        (await http.post("/register", json=body)).raise_for_status()
+
+    async def _phase(self, ns: str, job: str, phase: str) -> dict[str, Any] | None:
+        tj = await self.kube.get(tj_path(ns, job))
+        return tj if (tj.get("status") or {}).get("phase") == phase else None
+
+    async def _set_anomaly(self, node: str) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        condition = {
+            "type": "BulkheadAnomaly",
+            "status": "True",
+            "reason": "XidError",
+            "message": "xid 79 (bench)",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        await self.kube.request(
+            "PATCH",
+            core_path("nodes", name=node) + "/status",
+            {"status": {"conditions": [condition]}},
+            content_type=STRATEGIC,
+        )
+
+    async def _tainted(self, node: str, t0: float) -> float:
+        async def check() -> bool:
+            body = await self.kube.get(core_path("nodes", name=node))
+            taints = body["spec"].get("taints") or []
+            return any(t["key"] == "bulkhead.dev/unhealthy" for t in taints)
+
+        await _until(check, f"{node} tainted", 120, 0.02)
+        return time.perf_counter() - t0
+
+    async def _replacement(self, ns: str, job: str, old: set[str], t0: float) -> float:
+        async def check() -> bool:
+            return any(name not in old for name in await self.running_pods(ns, job))
+
+        await _until(check, "replacement Running", 300, 0.05)
+        return time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_operator(kubeconfig: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        str(Path(sys.executable).with_name("bulkhead-operator")),
+        f"--kubeconfig={kubeconfig}",
+        "--listen-host=127.0.0.1",
+        f"--port={port}",
+        f"--control-url={url}",
+        "--log-format=text",
+        "--log-level=WARNING",
+    ]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"operator did not start:\n{log.read_text()[-3000:]}")
+
+
+async def _run(kubeconfig: Path, sizes: list[int], log: Path) -> list[dict[str, float]]:
+    kubectl = ["kubectl", f"--kubeconfig={kubeconfig}"]
+    installed = subprocess.run(
+        [*kubectl, "get", "crd", "trainingjobs.bulkhead.dev"], capture_output=True, check=False
+    )
+    if installed.returncode != 0:
+        crd = ROOT / "crds" / "trainingjobs.bulkhead.dev.yaml"
+        subprocess.run([*kubectl, "apply", "-f", str(crd)], check=True, capture_output=True)
+    proc, url = _start_operator(kubeconfig, log)
+    kube = KubeClient(load_credentials(kubeconfig), concurrency=64)
+    try:
+        rows = []
+        offset = 1000
+        for n in sizes:
+            rows.append(await Bench(kube, url).size(n, offset))
+            offset += n + 1
+        return rows
+    finally:
+        await kube.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _print(rows: list[dict[str, float]]) -> None:
+    head = (
+        f"{'nodes':>6} {'to_taint_s':>11} {'to_gen_s':>9} {'to_repl_s':>10} "
+        f"{'pods_running_s':>15} {'job_running_s':>14} {'baseline_create_s':>18} {'ratio':>6}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['nodes']:>6} {r['to_taint_s']:>11.3f} {r['to_generation_s']:>9.3f} "
+            f"{r['to_replacement_running_s']:>10.3f} {r['pods_running_s']:>15.2f} "
+            f"{r['job_running_s']:>14.2f} "
+            f"{r['baseline_create_s']:>18.2f} {r['ratio_baseline_to_job_running']:>6.2f}"
+        )
+    print(
+        "ratio = baseline_create_s / job_running_s (>1: our whole start beats sequential "
+        "creation alone). Targets: to_gen_s <= 1 s at 100 nodes; job_running_s <= 60 s at 1000."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="10,100,1000", help="comma-separated node counts")
+    parser.add_argument("--quick", action="store_true", help="10 nodes only (smoke test)")
+    parser.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a new one")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args()
+    sizes = [10] if args.quick else [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
+        cluster = None
+        kubeconfig = args.kubeconfig
+        if kubeconfig is None:
+            from k8s_cluster import Cluster
+
+            cluster = Cluster.start(Path(tmp) / "k8s", gpu_nodes=0)
+            kubeconfig = cluster.kubeconfig
+        try:
+            rows = asyncio.run(_run(kubeconfig, sizes, Path(tmp) / "operator.log"))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    for row in rows:
+        row["ratio_baseline_to_job_running"] = row["baseline_create_s"] / row["job_running_s"]
+    _print(rows)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

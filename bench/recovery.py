@@ -1,0 +1,212 @@
+"""Recovery time after losing one worker: bulkhead (in-process) vs torchrun's elastic restart.
+
+Both sides train the same model (bulkhead's GPT, preset tiny-moe) on the same data with
+the same number of gloo workers on this machine, and lose a worker by SIGKILL at the same
+steps. Recovery = time from the kill to the next completed step.
+
+- bulkhead: ``bulkhead run`` (local driver, Python API) with a chaos schedule; survivors
+  re-form the group and continue from their in-memory state. Kill time and step times come
+  from the run directory (events.jsonl, metrics.jsonl, one clock).
+- torchrun: ``python -m torch.distributed.run --max-restarts``; the script saves the state
+  with torch.save every step and loads it with torch.load on start; the victim rank records
+  the time and kills itself; the agent restarts all workers.
+
+Prints both medians and the ratio; ``--out FILE`` writes
+``{bulkhead_recovery_s, torchrun_recovery_s, ratio, ...}``; ``--quick`` is a small version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bulkhead.api.spec import TrainingJob
+
+MODEL = {"preset": "tiny-moe"}
+BATCH = {"globalBatchSize": 12, "microBatchSize": 4}
+
+# The torchrun side: a plain elastic script with per-step torch.save checkpoints.
+TORCHRUN_SCRIPT = r"""
+import json, os, signal, sys, time
+import torch
+import torch.distributed as dist
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.config import train_config
+from bulkhead.trainer.data import open_dataset
+from bulkhead.trainer.model import build_model
+from bulkhead.trainer.runtime.group import GenerationGroup
+from bulkhead.trainer.runtime.state import TrainState, make_optimizer
+from bulkhead.trainer.runtime.step import train_step
+
+torch.set_num_threads(1)
+spec_json, out_dir, kill_steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = os.path.join(out_dir, "progress.jsonl")
+ckpt = os.path.join(out_dir, "state.pt")
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# The agent's store, with a per-attempt prefix: gloo otherwise may read the dead attempt's
+# addresses and fail to connect.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False)
+dist.init_process_group(
+    "gloo", store=dist.PrefixStore(f"attempt{restart}", store), rank=rank, world_size=world
+)
+cfg = train_config(TrainingJobSpec.model_validate_json(spec_json))
+dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+model = build_model(cfg.model, cfg.seed)
+state = TrainState(model, make_optimizer(model, cfg.optimizer))
+if os.path.exists(ckpt):
+    saved = torch.load(ckpt)
+    model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.completed_steps = saved["completed_steps"]
+group = GenerationGroup(restart, rank, world, [], dist.group.WORLD)
+while state.completed_steps < cfg.steps:
+    step = state.completed_steps
+    if rank == 1 and restart < len(kill_steps) and step == kill_steps[restart]:
+        with open(os.path.join(out_dir, "kills.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "step": step, "restart": restart}) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    train_step(state, dataset, cfg, group)
+    if rank == 0:
+        torch.save(
+            {"model": model.state_dict(), "optimizer": state.optimizer.state_dict(),
+             "completed_steps": state.completed_steps},
+            ckpt + ".tmp",
+        )
+        os.replace(ckpt + ".tmp", ckpt)
+        with open(out, "a") as f:
+            f.write(json.dumps({"t": time.time(), "step": step, "restart": restart}) + "\n")
+dist.destroy_process_group()
+"""
+
+
+def _spec(workers: int, steps: int) -> dict[str, Any]:
+    return {
+        "workers": workers,
+        "minWorkers": 1,
+        "trainer": {"model": MODEL, "batch": BATCH, "steps": steps, "logIntervalSteps": 1},
+        "faultTolerance": {
+            "maxFailures": workers - 1,
+            "maxRestarts": 3,
+            "hangTimeoutSeconds": 60,
+            "collectiveTimeoutSeconds": 30,
+        },
+    }
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def bulkhead_recoveries(workers: int, steps: int, kills: list[int], run_dir: Path) -> list[float]:
+    import logging
+
+    from bulkhead.operator.local.runner import RunOptions, run_local
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(filename=run_dir / "supervisor.log", level=logging.INFO)
+
+    job = TrainingJob.model_validate(
+        {
+            "apiVersion": "bulkhead.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "bench-recovery"},
+            "spec": _spec(workers, steps),
+        }
+    )
+    # Each kill hits a different slot, so no replacement is still starting when it is hit.
+    chaos = ",".join(f"kill:worker={1 + i % (workers - 1)}@step={s}" for i, s in enumerate(kills))
+    result = run_local(job, RunOptions(chaos=chaos, run_dir=run_dir, live=False, timeout_s=900))
+    if result.phase != "Succeeded":
+        raise RuntimeError(f"bulkhead run ended {result.phase}; see {run_dir}")
+    injected = [e["t"] for e in _read(run_dir / "events.jsonl") if e["reason"] == "FaultInjected"]
+    rows = _read(run_dir / "metrics.jsonl")
+    out = []
+    for kill_t in injected:
+        generation = max((r["generation"] for r in rows if r["t"] <= kill_t), default=0)
+        after = [r["t"] for r in rows if r["t"] > kill_t and r["generation"] > generation]
+        if after:
+            out.append(min(after) - kill_t)
+    return out
+
+
+def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) -> list[float]:
+    script = work / "torchrun_train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    spec = json.dumps(_spec(workers, steps))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={workers}",
+        f"--max-restarts={len(kills)}",
+        str(script),
+        spec,
+        str(work),
+        json.dumps(kills),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with (work / "torchrun.log").open("w") as log:
+        done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited {done.returncode}; see {work / 'torchrun.log'}")
+    rows = _read(work / "progress.jsonl")
+    out = []
+    for kill in _read(work / "kills.jsonl"):
+        after = [r["t"] for r in rows if r["restart"] > kill["restart"]]
+        if after:
+            out.append(min(after) - kill["t"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
+    parser.add_argument("--quick", action="store_true", help="One kill, few steps.")
+    parser.add_argument("--workers", type=int, default=3)
+    args = parser.parse_args()
+    kills = [15] if args.quick else [20, 45, 70]
+    steps = 30 if args.quick else 95
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        root = Path(tmp)
+        (root / "torchrun").mkdir()
+        started = time.monotonic()
+        ours = bulkhead_recoveries(args.workers, steps, kills, root / "bulkhead")
+        theirs = torchrun_recoveries(args.workers, steps, kills, root / "torchrun")
+        wall = time.monotonic() - started
+    if not ours or not theirs:
+        raise SystemExit(f"no recovery measured (bulkhead {ours}, torchrun {theirs})")
+    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    result = {
+        "bulkhead_recovery_s": round(ours_s, 3),
+        "torchrun_recovery_s": round(theirs_s, 3),
+        "ratio": round(theirs_s / ours_s, 1),
+        "bulkhead_samples_s": [round(x, 3) for x in ours],
+        "torchrun_samples_s": [round(x, 3) for x in theirs],
+        "workers": args.workers,
+        "kills_at_steps": kills,
+        "wall_s": round(wall, 1),
+    }
+    print(f"recovery from one lost worker (kill -> next completed step), {args.workers} workers")
+    print(f"  bulkhead (in-process)      median {ours_s:7.3f} s   {result['bulkhead_samples_s']}")
+    print(f"  torchrun (elastic restart) median {theirs_s:7.3f} s   {result['torchrun_samples_s']}")
+    print(f"  ratio torchrun / bulkhead  {result['ratio']}x")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

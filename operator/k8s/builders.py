@@ -1,0 +1,255 @@
+"""Pure builders of the Kubernetes objects of a TrainingJob: Secret, headless Service, pods.
+
+Each builder returns a plain dict (the wire form the API server takes) and reads no clock
+and no cluster, so the same inputs always give the same object and re-running a handler
+never produces anything different.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from bulkhead.api import protocol
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.k8s import names
+
+# Environment of the launch contract beyond the names bulkhead.api.protocol defines.
+INCARNATION_ENV = "BULKHEAD_INCARNATION"
+NODE_ENV = "BULKHEAD_NODE"
+ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
+JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
+SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
+CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
+
+WORKER_COMMAND = ["bulkhead-worker"]
+CHECKPOINTD_COMMAND = ["bulkhead-checkpointd"]
+
+# GPU nodes usually carry this taint so that only GPU workloads land there.
+GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every object of one job is built from."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: TrainingJobSpec
+    control_url: str
+    image: str
+    """Image for the checkpoint sidecar and for a template that names none."""
+    shm_size_limit: str | None = None
+
+
+def owner_reference(ctx: JobContext) -> dict[str, Any]:
+    """Makes the job the controller of an object, so deleting the job deletes it."""
+    return {
+        "apiVersion": names.TJ_API_VERSION,
+        "kind": names.TJ_KIND,
+        "name": ctx.name,
+        "uid": ctx.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    ctx: JobContext, name: str, labels: dict[str, str], user_labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        # Our labels win over the template's: selectors and the watch depend on them.
+        "labels": {
+            **(user_labels or {}),
+            names.LABEL_NAME: "bulkhead",
+            names.LABEL_MANAGED_BY: names.MANAGED_BY,
+            names.LABEL_JOB: ctx.name,
+            **labels,
+        },
+        "ownerReferences": [owner_reference(ctx)],
+    }
+
+
+def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
+    """The Secret with the job's control token (workers read it through secretKeyRef)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ctx, names.secret_name(ctx.name), {names.LABEL_COMPONENT: "control"}),
+        "type": "Opaque",
+        "stringData": {names.TOKEN_KEY: token},
+    }
+
+
+def build_service(ctx: JobContext) -> dict[str, Any]:
+    """Headless Service: stable DNS names for worker pods (<pod>.<job>.<ns>.svc)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(
+            ctx, names.service_name(ctx.name), {names.LABEL_COMPONENT: "workers"}
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.job_selector(ctx.name),
+            # Peers must resolve each other before readiness: they rendezvous to become ready.
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def _env_var(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dict[str, Any]]:
+    """The launch contract's environment (see bulkhead.api.protocol)."""
+    return [
+        _env_var(protocol.ENDPOINT_ENV, ctx.control_url),
+        {
+            "name": protocol.TOKEN_ENV,
+            "valueFrom": {
+                "secretKeyRef": {"name": names.secret_name(ctx.name), "key": names.TOKEN_KEY}
+            },
+        },
+        _env_var(protocol.JOB_ENV, names.job_key(ctx.namespace, ctx.name)),
+        _env_var(protocol.WORKER_ENV, worker_id),
+        _env_var(INCARNATION_ENV, str(incarnation)),
+        _field_env(NODE_ENV, "spec.nodeName"),
+        _field_env(ADVERTISE_HOST_ENV, "status.podIP"),
+        _env_var(JOB_SPEC_ENV, json.dumps(ctx.spec.wire(), separators=(",", ":"))),
+        _env_var(SHM_DIR_ENV, names.SHM_MOUNT),
+        _env_var(CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET),
+    ]
+
+
+def _merge_env(user: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our variables win: a template must not be able to point a worker at another job."""
+    taken = {e["name"] for e in ours}
+    return [e for e in user if e.get("name") not in taken] + ours
+
+
+def _checkpoint_mounts(ctx: JobContext) -> list[dict[str, Any]]:
+    mounts = [{"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT}]
+    storage = ctx.spec.checkpoint.storage
+    if storage.pvc:
+        mounts.append(
+            {"name": names.CHECKPOINT_VOLUME, "mountPath": storage.path or names.CHECKPOINT_MOUNT}
+        )
+    return mounts
+
+
+def _trainer_container(
+    ctx: JobContext, template_containers: list[dict[str, Any]], worker_id: str, incarnation: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The trainer container (named ``trainer``, else the first) and the other containers."""
+    index = next(
+        (i for i, c in enumerate(template_containers) if c.get("name") == names.TRAINER_CONTAINER),
+        0 if template_containers else None,
+    )
+    others = [c for i, c in enumerate(template_containers) if i != index]
+    trainer = copy.deepcopy(template_containers[index]) if index is not None else {}
+    trainer["name"] = names.TRAINER_CONTAINER
+    trainer.setdefault("image", ctx.image)
+    if not trainer.get("command"):
+        trainer["command"] = list(WORKER_COMMAND)
+        trainer.pop("args", None)
+    trainer["env"] = _merge_env(trainer.get("env", []), _contract_env(ctx, worker_id, incarnation))
+    user_mounts = [m for m in trainer.get("volumeMounts", []) if m.get("name") != names.SHM_VOLUME]
+    trainer["volumeMounts"] = user_mounts + _checkpoint_mounts(ctx)
+    return trainer, others
+
+
+def _checkpoint_sidecar(ctx: JobContext, worker_id: str, incarnation: int) -> dict[str, Any]:
+    """The TCE sidecar as a native sidecar (init container that keeps running)."""
+    return {
+        "name": names.CHECKPOINT_CONTAINER,
+        "image": ctx.image,
+        "command": list(CHECKPOINTD_COMMAND),
+        # restartPolicy Always on an init container = a sidecar: started before the trainer,
+        # stopped after it, and the pod phase follows the trainer alone.
+        "restartPolicy": "Always",
+        "env": _contract_env(ctx, worker_id, incarnation),
+        "volumeMounts": _checkpoint_mounts(ctx),
+    }
+
+
+def _anti_affinity(ctx: JobContext) -> dict[str, Any]:
+    return {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": names.job_selector(ctx.name)},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
+
+
+def _volumes(ctx: JobContext, user: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ours_names = {names.SHM_VOLUME, names.CHECKPOINT_VOLUME}
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if ctx.shm_size_limit:
+        shm["sizeLimit"] = ctx.shm_size_limit
+    volumes = [v for v in user if v.get("name") not in ours_names]
+    volumes.append({"name": names.SHM_VOLUME, "emptyDir": shm})
+    if ctx.spec.checkpoint.storage.pvc:
+        volumes.append(
+            {
+                "name": names.CHECKPOINT_VOLUME,
+                "persistentVolumeClaim": {"claimName": ctx.spec.checkpoint.storage.pvc},
+            }
+        )
+    return volumes
+
+
+def build_worker_pod(
+    ctx: JobContext, worker_id: str, slot: int, incarnation: int
+) -> dict[str, Any]:
+    """One worker pod: the template's trainer with the contract injected, plus the sidecar.
+
+    The template may set anything a pod can (resources, nodeSelector, tolerations, its own
+    affinity, which then replaces the default one-worker-per-node anti-affinity).
+    """
+    template = ctx.spec.template or {}
+    tmeta = template.get("metadata") or {}
+    pod_spec = copy.deepcopy(template.get("spec") or {})
+    trainer, others = _trainer_container(
+        ctx, pod_spec.get("containers") or [], worker_id, incarnation
+    )
+    init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != "checkpoint"]
+    pod_spec["containers"] = [trainer, *others]
+    pod_spec["initContainers"] = [*init, _checkpoint_sidecar(ctx, worker_id, incarnation)]
+    pod_spec["volumes"] = _volumes(ctx, pod_spec.get("volumes") or [])
+    # A dead worker is replaced by a new incarnation (a new pod), never restarted in place.
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec.setdefault("affinity", _anti_affinity(ctx))
+    tolerations = pod_spec.get("tolerations") or []
+    pod_spec["tolerations"] = tolerations + [t for t in GPU_TOLERATIONS if t not in tolerations]
+    pod_spec["hostname"] = worker_id
+    pod_spec["subdomain"] = names.service_name(ctx.name)
+    pod_spec.setdefault("enableServiceLinks", False)
+
+    metadata = _metadata(
+        ctx,
+        worker_id,
+        {
+            names.LABEL_COMPONENT: names.WORKER_COMPONENT,
+            names.LABEL_SLOT: str(slot),
+            names.LABEL_INCARNATION: str(incarnation),
+        },
+        tmeta.get("labels"),
+    )
+    if tmeta.get("annotations"):
+        metadata["annotations"] = dict(tmeta["annotations"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

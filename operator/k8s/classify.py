@@ -1,0 +1,253 @@
+"""Pure reading of pod and node objects: what happened to a worker, what is wrong with a node.
+
+Pods: a trainer that exited with 0 finished, 2 is a user error (never retried), 3 was told
+to stop, anything else (or a signal, OOMKilled, Evicted, a lost node, a deletion) is an
+infrastructure failure and the worker is replaced. Nodes: ``BulkheadAnomaly=True`` (set by
+the agent) or ``Ready=False/Unknown`` is a problem with a severity; only configured
+severities evict (the lifecycle policy decides).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from bulkhead.operator.k8s import names
+
+USER_ERROR_EXIT = 2
+STOPPED_EXIT = 3
+
+# Waiting reasons that can never fix themselves: the template is wrong, a user error.
+_CONFIG_ERRORS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+# Pod-level failure reasons set by the kubelet or the node lifecycle controller.
+_NODE_LOST = {"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
+
+# Severity of each agent reason (DESIGN.md "Node problems"); unknown reasons are warnings
+# so that a new detector cannot evict nodes before someone decides it should.
+# Same defaults as the agent (bulkhead.agent.problems), used when the condition message does
+# not start with the severity (the agent writes "<severity>: <subject>: <message>").
+ANOMALY_SEVERITY: dict[str, str] = {
+    "XidError": "critical",
+    "EccUncorrectable": "critical",
+    "RowRemapFailure": "critical",
+    "GpuLost": "critical",
+    "Hang": "critical",
+    "ThermalThrottle": "warning",
+    "PowerThrottle": "warning",
+    "InterconnectErrors": "warning",
+    "Straggler": "warning",
+    "NanLoss": "warning",
+    "MetricAnomaly": "warning",
+    "HostPressure": "warning",
+}
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+# The agent writes "<severity>: <subject>: <message>"; "severity=<level>" is also accepted.
+_SEVERITY_IN_MESSAGE = re.compile(
+    r"^\s*(info|warning|critical):|\bseverity[=:]\s*(info|warning|critical)\b", re.IGNORECASE
+)
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """What a worker pod says about its worker."""
+
+    state: Literal["pending", "running", "exited"]
+    node: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
+
+    @property
+    def infrastructure_failure(self) -> bool:
+        return self.state == "exited" and self.exit_code not in (0, USER_ERROR_EXIT, STOPPED_EXIT)
+
+
+@dataclass(frozen=True)
+class NodeProblem:
+    node: str
+    reason: str
+    severity: str
+    message: str = ""
+
+
+def _trainer_status(pod: dict[str, Any]) -> dict[str, Any]:
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == names.TRAINER_CONTAINER:
+            return status
+    return {}
+
+
+def _disruption_reason(status: dict[str, Any]) -> str:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            return cond.get("reason") or "DisruptionTarget"
+    return ""
+
+
+def classify_pod(pod: dict[str, Any], deleted: bool = False) -> PodObservation:
+    """Classify a worker pod; ``deleted`` when the pod is gone from the API server."""
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    phase = status.get("phase") or "Pending"
+    trainer = _trainer_status(pod)
+    state = trainer.get("state") or {}
+    terminated = state.get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+
+    if terminated:
+        reason = terminated.get("reason") or ""
+        code = terminated.get("exitCode")
+        signal = terminated.get("signal") or (code - 128 if code and 128 < code < 160 else None)
+        return PodObservation("exited", node, code, signal, reason)
+    waiting_reason = (state.get("waiting") or {}).get("reason") or ""
+    if waiting_reason in _CONFIG_ERRORS:
+        return PodObservation("exited", node, USER_ERROR_EXIT, None, waiting_reason)
+    if phase == "Failed":
+        reason = status.get("reason") or _disruption_reason(status) or "Failed"
+        if reason in _NODE_LOST:
+            reason = "NodeLost"
+        return PodObservation("exited", node, None, None, reason)
+    if phase == "Succeeded":
+        return PodObservation("exited", node, 0, None, "Completed")
+    if phase == "Unknown":
+        return PodObservation("exited", node, None, None, "NodeLost")
+    if deleted or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return PodObservation("exited", node, None, None, _disruption_reason(status) or "Deleted")
+    if phase == "Running":
+        return PodObservation("running", node)
+    return PodObservation("pending", node)
+
+
+def unschedulable_message(pod: dict[str, Any]) -> str | None:
+    """The scheduler's explanation when it cannot place a pod (e.g. too few nodes), else None."""
+    if (pod.get("status") or {}).get("phase", "Pending") != "Pending":
+        return None
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return cond.get("message") or cond.get("reason") or "Unschedulable"
+    return None
+
+
+def _condition(node: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
+
+
+def anomaly_severity(reason: str, message: str = "") -> str:
+    """The severity of an agent-reported anomaly: ``severity=...`` in the message wins."""
+    found = _SEVERITY_IN_MESSAGE.search(message or "")
+    if found:
+        return (found.group(1) or found.group(2)).lower()
+    return ANOMALY_SEVERITY.get(reason, "warning")
+
+
+def node_problems(node: dict[str, Any]) -> list[NodeProblem]:
+    """Everything currently wrong with a node, most severe first."""
+    name = (node.get("metadata") or {}).get("name", "")
+    found: list[NodeProblem] = []
+    ready = _condition(node, "Ready")
+    if ready is not None and ready.get("status") in ("False", "Unknown"):
+        reason = "NodeNotReady" if ready.get("status") == "False" else "NodeUnreachable"
+        found.append(NodeProblem(name, reason, "critical", ready.get("message") or ""))
+    anomaly = _condition(node, names.ANOMALY_CONDITION)
+    if anomaly is not None and anomaly.get("status") == "True":
+        reason = anomaly.get("reason") or "Anomaly"
+        message = anomaly.get("message") or ""
+        found.append(NodeProblem(name, reason, anomaly_severity(reason, message), message))
+    return sorted(found, key=lambda p: -SEVERITY_RANK.get(p.severity, 0))
+
+
+def has_our_taint(node: dict[str, Any]) -> bool:
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(t.get("key") == names.TAINT_UNHEALTHY for t in taints)
+
+
+def taint_value(reason: str) -> str:
+    """A reason's first word as a valid taint value (label-value syntax, <= 63 characters):
+    "XidError (critical)" -> "XidError"."""
+    words = reason.split()
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", words[0] if words else "")[:63].strip("-_.")
+    return value or "Unhealthy"
+
+
+def evict_patch(node: dict[str, Any], reason: str, now: datetime) -> dict[str, Any] | None:
+    """Merge patch that cordons and taints a node; None if it already carries our taint.
+
+    ``spec.taints`` has no merge key, so the patch carries the whole list; the caller sends
+    it with the node's resourceVersion and retries on conflict.
+    """
+    if has_our_taint(node):
+        return None
+    meta = node.get("metadata") or {}
+    spec = node.get("spec") or {}
+    taints = list(spec.get("taints") or [])
+    taints.append(
+        {"key": names.TAINT_UNHEALTHY, "value": taint_value(reason), "effect": "NoSchedule"}
+    )
+    annotations: dict[str, str | None] = {names.ANNOTATION_UNHEALTHY_SINCE: now.isoformat()}
+    if not spec.get("unschedulable"):
+        # Remember that we cordoned it, so an untaint never uncordons an admin's cordon.
+        annotations[names.ANNOTATION_CORDONED] = "true"
+    return {
+        "metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": annotations},
+        "spec": {"unschedulable": True, "taints": taints},
+    }
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def healthy_since(node: dict[str, Any]) -> datetime | None:
+    """When the node last became healthy (no problem since), or None if it is not healthy."""
+    if node_problems(node):
+        return None
+    times = [
+        _parse_time(c.get("lastTransitionTime"))
+        for c in (_condition(node, "Ready"), _condition(node, names.ANOMALY_CONDITION))
+        if c is not None
+    ]
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
+def untaint_patch(
+    node: dict[str, Any], now: datetime, healthy_for_seconds: float | None
+) -> dict[str, Any] | None:
+    """The documented untaint policy: taints stay until an admin removes them, unless
+    ``healthy_for_seconds`` is set and the node has been healthy (agent reports
+    ``BulkheadAnomaly=False``, Ready=True) that long; then our taint goes and our cordon too.
+    """
+    if healthy_for_seconds is None or not has_our_taint(node):
+        return None
+    since = healthy_since(node)
+    if since is None or (now - since).total_seconds() < healthy_for_seconds:
+        return None
+    meta = node.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    taints = [
+        t
+        for t in (node.get("spec") or {}).get("taints") or []
+        if t.get("key") != names.TAINT_UNHEALTHY
+    ]
+    patch: dict[str, Any] = {
+        "metadata": {
+            "resourceVersion": meta.get("resourceVersion"),
+            "annotations": {
+                names.ANNOTATION_UNHEALTHY_SINCE: None,
+                names.ANNOTATION_CORDONED: None,
+            },
+        },
+        "spec": {"taints": taints},
+    }
+    if annotations.get(names.ANNOTATION_CORDONED) == "true":
+        patch["spec"]["unschedulable"] = False
+    return patch

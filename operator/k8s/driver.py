@@ -1,0 +1,191 @@
+"""The Kubernetes Driver: a worker is a pod, a bad node is cordoned and tainted.
+
+The lifecycle session calls these methods; they return quickly. Pod creations and
+deletions run as background tasks (bounded by the client's concurrency), so a session
+starting a thousand workers does not wait a thousand round trips, and a failed create is
+reported back to the session like a worker that died (``on_create_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from bulkhead.api.status import Condition, TrainingJobStatus
+from bulkhead.operator.k8s import builders, classify, names
+from bulkhead.operator.k8s.builders import JobContext
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
+from bulkhead.operator.k8s.nodes import NodeActions, build_event, rfc3339
+from bulkhead.operator.k8s.status_writer import StatusWriter
+
+if TYPE_CHECKING:
+    from bulkhead.operator.driver import WorkerRef
+
+log = logging.getLogger(__name__)
+
+# (worker id, exit code, reason) -> the session learns a pod could not be created.
+CreateFailed = Callable[[str, int | None, str], Awaitable[None]]
+
+
+def decorate_status(
+    status: TrainingJobStatus, valid_since: str, unschedulable: dict[str, str]
+) -> TrainingJobStatus:
+    """Adds what only Kubernetes knows: the spec passed validation (``Valid=True``), and
+    why workers are not running when the scheduler cannot place them."""
+    conditions = [c for c in status.conditions if c.type != "Valid"]
+    valid = Condition(
+        type="Valid", status="True", reason="SpecValid", last_transition_time=valid_since
+    )
+    update: dict[str, Any] = {"conditions": [valid, *conditions]}
+    if unschedulable and status.phase in ("Pending", "Recovering"):
+        pod, why = sorted(unschedulable.items())[0]
+        message = f"{len(unschedulable)} worker pod(s) cannot be scheduled ({pod}: {why})"
+        update["conditions"] = [
+            c.model_copy(update={"reason": "WorkersUnschedulable", "message": message})
+            if c.type == "Ready" and c.status != "True"
+            else c
+            for c in update["conditions"]
+        ]
+        update["message"] = message
+    return status.model_copy(update=update)
+
+
+class KubernetesDriver:
+    """Driver for one TrainingJob (see bulkhead.operator.driver.Driver)."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        ctx: JobContext,
+        nodes: NodeActions,
+        status_min_interval_s: float = 2.0,
+        stop_grace_period_s: int = 30,
+        incarnations: dict[int, int] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self._client = client
+        self._nodes = nodes
+        self._status = StatusWriter(client, ctx.namespace, ctx.name, status_min_interval_s)
+        self._grace = stop_grace_period_s
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.on_create_failed: CreateFailed | None = None
+        self._valid_since = rfc3339(datetime.now(UTC))
+        self._last_status: TrainingJobStatus | None = None
+        self._unschedulable: dict[str, str] = {}
+        self._incarnations = dict(incarnations or {})
+        self._incarnations_lock = asyncio.Lock()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
+        task = asyncio.create_task(coro, name=what)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed: %s", task.get_name(), task.exception())
+
+    async def _record_incarnation(self, slot: int, incarnation: int) -> None:
+        """Persist the newest incarnation of a slot before its pod exists (see names)."""
+        async with self._incarnations_lock:  # in order, each write carries the whole map
+            if incarnation <= self._incarnations.get(slot, 0):
+                return
+            self._incarnations[slot] = incarnation
+            value = json.dumps({str(k): v for k, v in sorted(self._incarnations.items())})
+            patch = {"metadata": {"annotations": {names.ANNOTATION_INCARNATIONS: value}}}
+            await self._client.merge_patch(tj_path(self.ctx.namespace, self.ctx.name), patch)
+
+    async def _create_pod(self, worker_id: str, slot: int, incarnation: int) -> None:
+        pod = builders.build_worker_pod(self.ctx, worker_id, slot, incarnation)
+        try:
+            await self._record_incarnation(slot, incarnation)
+            created = await self._client.create(core_path("pods", self.ctx.namespace), pod)
+        except KubeError as exc:
+            log.error("job %s: creating pod %s failed: %s", self.ctx.name, worker_id, exc)
+            if self.on_create_failed is not None:
+                # 4xx other than throttling: the template is wrong and retrying cannot help.
+                user_error = 400 <= exc.status < 500 and exc.status != 429
+                code = classify.USER_ERROR_EXIT if user_error else None
+                await self.on_create_failed(worker_id, code, f"PodCreateFailed: {exc}")
+            return
+        log.info("job %s: pod %s %s", self.ctx.name, worker_id, "created" if created else "exists")
+
+    async def start_worker(self, worker: WorkerRef) -> None:
+        self._spawn(
+            self._create_pod(worker.id, worker.slot, worker.incarnation),
+            f"create pod {worker.id}",
+        )
+
+    async def _delete_pod(self, worker_id: str, reason: str) -> None:
+        path = core_path("pods", self.ctx.namespace, worker_id)
+        if await self._client.delete(path, self._grace):
+            log.info("job %s: pod %s deleted (%s)", self.ctx.name, worker_id, reason)
+
+    async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
+        self._spawn(self._delete_pod(worker.id, reason), f"delete pod {worker.id}")
+
+    async def evict_node(self, node: str, reason: str) -> None:
+        await self._nodes.evict(node, reason)
+
+    async def record_event(self, reason: str, message: str, warning: bool = False) -> None:
+        involved = {
+            "apiVersion": names.TJ_API_VERSION,
+            "kind": names.TJ_KIND,
+            "name": self.ctx.name,
+            "namespace": self.ctx.namespace,
+            "uid": self.ctx.uid,
+        }
+        event = build_event(
+            involved, self.ctx.namespace, reason, message, warning, datetime.now(UTC)
+        )
+        log.log(
+            logging.WARNING if warning else logging.INFO,
+            "job %s: %s: %s",
+            self.ctx.name,
+            reason,
+            message,
+        )
+        self._spawn(
+            self._client.create(core_path("events", self.ctx.namespace), event),
+            f"event {reason} on {self.ctx.name}",
+        )
+
+    async def publish_status(self, status: TrainingJobStatus) -> None:
+        self._last_status = status
+        self._status.publish(decorate_status(status, self._valid_since, self._unschedulable))
+
+    def note_scheduling(self, pod: str, unschedulable: str | None) -> None:
+        """Record whether the scheduler can place ``pod``; the status says so if not."""
+        before = dict(self._unschedulable)
+        if unschedulable is None:
+            self._unschedulable.pop(pod, None)
+        else:
+            self._unschedulable[pod] = unschedulable
+        if before != self._unschedulable and self._last_status is not None:
+            self._status.publish(
+                decorate_status(self._last_status, self._valid_since, self._unschedulable)
+            )
+
+    async def live_pods(self) -> list[dict[str, Any]]:
+        """The job's worker pods as they are in the cluster now."""
+        selector = names.selector_string(names.job_selector(self.ctx.name))
+        return await self._client.list(core_path("pods", self.ctx.namespace), selector)
+
+    async def delete_all_pods(self) -> None:
+        pods = await self.live_pods()
+        await asyncio.gather(
+            *(self._delete_pod(p["metadata"]["name"], "job deleted") for p in pods),
+            return_exceptions=True,
+        )
+
+    async def close(self, flush: bool = True) -> None:
+        """Wait for pending creates/deletes, write the last status, stop the writer."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if flush:
+            await self._status.flush()
+        await self._status.close()

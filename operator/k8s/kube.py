@@ -1,0 +1,161 @@
+"""A small async REST client for the Kubernetes API server (the only I/O edge to it).
+
+Credentials come from a kubeconfig or the in-cluster service account, loaded by the
+official ``kubernetes`` package; requests go through one pooled ``httpx.AsyncClient`` with
+bounded concurrency, so creating a thousand pods is a thousand parallel-but-bounded POSTs
+and no thread per call. Bodies are plain dicts (the builders' output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kubernetes import config as kube_config
+from kubernetes.client import Configuration
+
+from bulkhead.api.crd import PLURAL
+from bulkhead.api.spec import API_GROUP, API_VERSION
+
+log = logging.getLogger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    """A request the API server refused; ``status`` is the HTTP status code."""
+
+    def __init__(self, status: int, method: str, path: str, message: str):
+        self.status = status
+        super().__init__(f"{method} {path}: {status} {message}")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    server: str
+    ca_file: str | None
+    verify: bool
+    cert_file: str | None
+    key_file: str | None
+    configuration: Configuration
+
+    def authorization(self) -> str | None:
+        """The bearer header value, re-read each time so rotated tokens are picked up."""
+        return self.configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
+
+
+def load_credentials(kubeconfig: str | Path | None = None) -> Credentials:
+    """From ``kubeconfig`` if given, else in-cluster, else the default kubeconfig."""
+    cfg = Configuration()
+    if kubeconfig is not None:
+        kube_config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    else:
+        try:
+            kube_config.load_incluster_config(client_configuration=cfg)
+        except kube_config.ConfigException:
+            kube_config.load_kube_config(client_configuration=cfg)
+    return Credentials(
+        server=cfg.host.rstrip("/"),
+        ca_file=cfg.ssl_ca_cert,
+        verify=bool(cfg.verify_ssl),
+        cert_file=cfg.cert_file,
+        key_file=cfg.key_file,
+        configuration=cfg,
+    )
+
+
+def tj_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}"
+    return f"{base}/{name}" if name else base
+
+
+def core_path(kind: str, namespace: str | None = None, name: str = "") -> str:
+    """Path of a core/v1 collection or object (``kind`` plural, e.g. "pods")."""
+    base = f"/api/v1/namespaces/{namespace}/{kind}" if namespace else f"/api/v1/{kind}"
+    return f"{base}/{name}" if name else base
+
+
+class KubeClient:
+    """Async JSON requests to the API server with bounded concurrency."""
+
+    def __init__(
+        self, credentials: Credentials, concurrency: int = 64, timeout_s: float = 30.0
+    ) -> None:
+        self._creds = credentials
+        self._limit = asyncio.Semaphore(concurrency)
+        verify: ssl.SSLContext | bool = False
+        if credentials.verify:
+            verify = ssl.create_default_context(cafile=credentials.ca_file)
+            if credentials.cert_file:
+                verify.load_cert_chain(credentials.cert_file, credentials.key_file)
+        self._http = httpx.AsyncClient(
+            base_url=credentials.server,
+            verify=verify,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        auth = self._creds.authorization()
+        if auth:
+            headers["Authorization"] = auth
+        if body is not None:
+            headers["Content-Type"] = content_type
+        async with self._limit:
+            response = await self._http.request(
+                method, path, json=body, params=params, headers=headers
+            )
+        if response.status_code >= 400:
+            try:
+                message = response.json().get("message", response.text)
+            except ValueError:
+                message = response.text
+            raise KubeError(response.status_code, method, path, message)
+        return response.json() if response.content else {}
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return await self.request("GET", path, params=params)
+
+    async def create(self, path: str, body: dict[str, Any]) -> bool:
+        """POST; False (and no error) when the object already exists: create is idempotent."""
+        try:
+            await self.request("POST", path, body)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH)
+
+    async def delete(self, path: str, grace_period_s: int | None = None) -> bool:
+        """DELETE; False (and no error) when the object is already gone."""
+        body = None if grace_period_s is None else {"gracePeriodSeconds": grace_period_s}
+        try:
+            await self.request("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def list(self, path: str, label_selector: str = "") -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        return (await self.get(path, params)).get("items") or []

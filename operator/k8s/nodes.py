@@ -1,0 +1,137 @@
+"""Node actions: evict (cordon + taint ``bulkhead.dev/unhealthy`` + a Node Event) and the
+optional untaint after a node has been healthy long enough.
+
+Untaint policy (documented in deploy/README.md): the operator never removes a taint on its
+own unless ``--untaint-after-healthy-seconds`` is set. Then, once the agent reports
+``BulkheadAnomaly=False`` (and the node is Ready) for that long, the operator removes its
+taint and, if it was the one that cordoned the node, uncordons it. An admin can always clear
+it by hand: ``kubectl taint node <n> bulkhead.dev/unhealthy-`` and ``kubectl uncordon <n>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+from bulkhead.operator.k8s import classify, names
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "bulkhead-operator"
+_CONFLICT_RETRIES = 8
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_event(
+    involved: dict[str, Any],
+    namespace: str,
+    reason: str,
+    message: str,
+    warning: bool,
+    now: datetime,
+    instance: str = "",
+) -> dict[str, Any]:
+    """A core/v1 Event about ``involved`` (an object reference), readable in kubectl."""
+    stamp = rfc3339(now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "generateName": f"{involved.get('name', 'bulkhead')}.",
+            "namespace": namespace,
+        },
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": COMPONENT},
+        "reportingComponent": f"{names.PREFIX}/operator",
+        "reportingInstance": instance or socket.gethostname(),
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
+class NodeActions:
+    """Cordons, taints and untaints nodes; posts their Events."""
+
+    def __init__(self, client: KubeClient, event_namespace: str = "default") -> None:
+        self._client = client
+        self._event_namespace = event_namespace
+
+    async def _patch_with_retry(self, node: str, make_patch: Any) -> bool:
+        """Read-modify-write with the resourceVersion; True if a patch was applied."""
+        path = core_path("nodes", name=node)
+        for _ in range(_CONFLICT_RETRIES):
+            body = await self._client.get(path)
+            patch = make_patch(body)
+            if patch is None:
+                return False
+            try:
+                await self._client.merge_patch(path, patch)
+                return True
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+        raise KubeError(409, "PATCH", path, "node kept changing; giving up")
+
+    async def evict(self, node: str, reason: str) -> bool:
+        """Cordon and taint ``node``; False if it already carried our taint."""
+        now = datetime.now(UTC)
+        applied = await self._patch_with_retry(
+            node, lambda body: classify.evict_patch(body, reason, now)
+        )
+        if applied:
+            log.warning("node %s cordoned and tainted %s=%s", node, names.TAINT_UNHEALTHY, reason)
+            await self.post_event(
+                node,
+                "BulkheadEvicted",
+                f"Cordoned and tainted {names.TAINT_UNHEALTHY}={classify.taint_value(reason)}"
+                f":NoSchedule because of {reason}; workers on it are being replaced.",
+                warning=True,
+            )
+        return applied
+
+    async def maybe_untaint(self, node: str, healthy_for_seconds: float | None) -> bool:
+        """Apply the untaint policy to ``node``; True if the taint was removed."""
+        if healthy_for_seconds is None:
+            return False
+        now = datetime.now(UTC)
+        applied = await self._patch_with_retry(
+            node, lambda body: classify.untaint_patch(body, now, healthy_for_seconds)
+        )
+        if applied:
+            log.info("node %s healthy for %ss: taint removed", node, healthy_for_seconds)
+            await self.post_event(
+                node,
+                "BulkheadUntainted",
+                f"Healthy for {healthy_for_seconds:g}s: removed {names.TAINT_UNHEALTHY}.",
+                warning=False,
+            )
+        return applied
+
+    async def post_event(self, node: str, reason: str, message: str, warning: bool) -> None:
+        # uid = name, as the kubelet and node-problem-detector do for Node events.
+        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
+        event = build_event(
+            involved, self._event_namespace, reason, message, warning, datetime.now(UTC)
+        )
+        try:
+            await self._client.create(core_path("events", self._event_namespace), event)
+        except KubeError as exc:  # an Event is informative: never fail the eviction for it
+            log.warning("could not post event on node %s: %s", node, exc)
+
+
+async def gather_logged(*coros: Any) -> None:
+    """Run coroutines concurrently; log failures instead of raising them."""
+    for result in await asyncio.gather(*coros, return_exceptions=True):
+        if isinstance(result, BaseException):
+            log.error("background Kubernetes call failed: %s", result)

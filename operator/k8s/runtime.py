@@ -1,0 +1,325 @@
+"""The operator's state in one process: a job session per TrainingJob, fed by the cluster.
+
+Kopf handlers (``handlers``) call into this class; it owns the sessions, their drivers and
+an index of which worker runs on which node, and it turns pod and node objects into the
+session's observations. On (re)start it rebuilds each job from its status and the pods that
+exist, so killing the operator at any moment loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from bulkhead.api.manifest import ManifestError, parse_spec
+from bulkhead.api.status import TrainingJobStatus
+from bulkhead.operator.k8s import builders, classify, names
+from bulkhead.operator.k8s.adopt import (
+    decode_token,
+    incarnations_of,
+    invalid_status,
+    started_but_unseen,
+)
+from bulkhead.operator.k8s.builders import JobContext
+from bulkhead.operator.k8s.driver import KubernetesDriver
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
+from bulkhead.operator.k8s.metrics import RECONCILE_ERRORS
+from bulkhead.operator.k8s.nodes import NodeActions
+from bulkhead.operator.k8s.settings import OperatorSettings
+from bulkhead.operator.metrics import EVICTIONS
+from bulkhead.operator.session import JobSession, SessionRegistry
+
+log = logging.getLogger(__name__)
+
+JobId = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class JobHandle:
+    ctx: JobContext
+    session: JobSession
+    driver: KubernetesDriver
+    reported: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """pod -> (state, node) last told to the session, so repeated events are not re-told."""
+
+
+class OperatorRuntime:
+    def __init__(
+        self,
+        client: KubeClient,
+        settings: OperatorSettings,
+        registry: SessionRegistry,
+        control_url: str,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.registry = registry
+        self.control_url = control_url
+        self.nodes = NodeActions(client, settings.node_event_namespace)
+        self.jobs: dict[JobId, JobHandle] = {}
+        self._job_locks: dict[JobId, asyncio.Lock] = {}
+        self._pod_node: dict[tuple[str, str], tuple[JobId, str]] = {}  # pod -> (job, node)
+        self._node_reported: dict[str, tuple[str, str]] = {}  # node -> (reason, severity)
+        self._tainted: set[str] = set()  # nodes carrying our taint, for the untaint policy
+
+    def _lock(self, job: JobId) -> asyncio.Lock:
+        return self._job_locks.setdefault(job, asyncio.Lock())
+
+    # ------------------------------------------------------------------ jobs
+
+    async def ensure_job(self, body: dict[str, Any]) -> None:
+        """Create or adopt everything of a job and run its session. Idempotent."""
+        meta = body["metadata"]
+        job: JobId = (meta["namespace"], meta["name"])
+        async with self._lock(job):
+            if job in self.jobs:
+                return
+            try:
+                await self._start_job(body)
+            except Exception:
+                RECONCILE_ERRORS.labels(handler="ensure_job").inc()
+                raise
+
+    async def _start_job(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        try:
+            spec = parse_spec(body.get("spec"), source=f"{namespace}/{name}")
+        except ManifestError as exc:
+            errors = "; ".join(str(e) for e in exc.errors)
+            log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
+            status = invalid_status(errors, datetime.now(UTC))
+            await self.client.merge_patch(
+                tj_path(namespace, name) + "/status", {"status": status.wire()}
+            )
+            return
+        status = self._persisted_status(body.get("status"))
+        if status is not None and status.phase in ("Succeeded", "Failed"):
+            log.info("job %s/%s is %s; nothing to run", namespace, name, status.phase)
+            return
+        ctx = JobContext(
+            name=name,
+            namespace=namespace,
+            uid=meta["uid"],
+            spec=spec,
+            control_url=self.control_url,
+            image=self.settings.image,
+            shm_size_limit=self.settings.shm_size_limit,
+        )
+        token = await self._ensure_secret(ctx)
+        await self.client.create(core_path("services", namespace), builders.build_service(ctx))
+        incarnations = incarnations_of(meta)
+        driver = KubernetesDriver(
+            self.client,
+            ctx,
+            self.nodes,
+            status_min_interval_s=self.settings.status_min_interval_s,
+            stop_grace_period_s=self.settings.stop_grace_period_s,
+            incarnations=incarnations,
+        )
+        pods = await driver.live_pods()
+        live = {
+            p["metadata"]["name"]: obs.node
+            for p in pods
+            if (obs := classify.classify_pod(p)).state in ("pending", "running")
+        }
+        key = names.job_key(namespace, name)
+        if status is not None:
+            live.update(started_but_unseen(key, incarnations, live, status))
+        session = JobSession(key, spec, token, driver, status=status, live_workers=live)
+        handle = JobHandle(ctx, session, driver)
+
+        async def create_failed(worker: str, code: int | None, reason: str) -> None:
+            await session.on_worker_exit(worker, code, None, reason)
+
+        driver.on_create_failed = create_failed
+        self.jobs[(namespace, name)] = handle
+        self.registry.add(session)
+        await session.start()
+        for pod in pods:
+            self._remember_node(namespace, pod)
+            await self._tell(handle, pod, deleted=False)
+        log.info(
+            "job %s/%s %s with %d live pods",
+            namespace,
+            name,
+            "resumed" if status is not None else "started",
+            len(live),
+        )
+
+    @staticmethod
+    def _persisted_status(raw: dict[str, Any] | None) -> TrainingJobStatus | None:
+        """The status to resume from; None for a job that never started (or was invalid)."""
+        if not raw:
+            return None
+        try:
+            status = TrainingJobStatus.model_validate(raw)
+        except ValueError:
+            log.warning("ignoring unreadable status %s", raw)
+            return None
+        if any(c.type == "Valid" and c.status == "False" for c in status.conditions):
+            return None
+        return status
+
+    async def _ensure_secret(self, ctx: JobContext) -> str:
+        """The job's control token: read from its Secret, created on first start."""
+        path = core_path("secrets", ctx.namespace, names.secret_name(ctx.name))
+        for _ in range(3):
+            try:
+                secret = await self.client.get(path)
+            except KubeError as exc:
+                if exc.status != 404:
+                    raise
+            else:
+                return decode_token(secret)
+            token = secrets.token_urlsafe(32)
+            created = await self.client.create(
+                core_path("secrets", ctx.namespace), builders.build_secret(ctx, token)
+            )
+            if created:
+                return token
+        raise RuntimeError(f"cannot read or create Secret {path}")
+
+    async def spec_changed(self, body: dict[str, Any]) -> None:
+        """A running job's spec is fixed; an invalid one may be corrected and then starts."""
+        meta = body["metadata"]
+        job: JobId = (meta["namespace"], meta["name"])
+        if job in self.jobs:
+            await self.jobs[job].driver.record_event(
+                "SpecChangeIgnored",
+                "The spec of a started job cannot change; delete and re-create the job.",
+                warning=True,
+            )
+            return
+        await self.ensure_job(body)
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        """Stop the session and remove the worker pods (owner references remove the rest)."""
+        async with self._lock((namespace, name)):
+            handle = self.jobs.pop((namespace, name), None)
+            if handle is None:
+                return
+            self.registry.remove(names.job_key(namespace, name))
+            await handle.session.stop()
+            await handle.driver.close(flush=False)
+            await handle.driver.delete_all_pods()
+            log.info("job %s/%s deleted; session stopped, pods removed", namespace, name)
+
+    async def shutdown(self) -> None:
+        """Stop all sessions without touching pods: a restarted operator adopts them."""
+        for (namespace, name), handle in list(self.jobs.items()):
+            self.registry.remove(names.job_key(namespace, name))
+            await handle.session.stop()
+            await handle.driver.close(flush=True)
+        self.jobs.clear()
+        await self.client.close()
+
+    # ------------------------------------------------------------------ pods
+
+    def _remember_node(self, namespace: str, pod: dict[str, Any]) -> None:
+        node = (pod.get("spec") or {}).get("nodeName")
+        meta = pod["metadata"]
+        if node:
+            job = (namespace, (meta.get("labels") or {}).get(names.LABEL_JOB, ""))
+            self._pod_node[(namespace, meta["name"])] = (job, node)
+
+    async def _tell(self, handle: JobHandle, pod: dict[str, Any], deleted: bool) -> None:
+        """Tell the session what a pod shows, once per change."""
+        worker = pod["metadata"]["name"]
+        seen = classify.classify_pod(pod, deleted=deleted)
+        handle.driver.note_scheduling(
+            worker, None if deleted else classify.unschedulable_message(pod)
+        )
+        if seen.state == "pending" or handle.reported.get(worker, ("", ""))[0] == "exited":
+            return
+        if handle.reported.get(worker) == (seen.state, seen.node):
+            return
+        handle.reported[worker] = (seen.state, seen.node)
+        if seen.state == "running":
+            await handle.session.on_worker_running(worker, seen.node)
+        else:
+            await handle.session.on_worker_exit(worker, seen.exit_code, seen.signal, seen.reason)
+
+    async def on_pod_event(self, event_type: str, pod: dict[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        namespace = meta.get("namespace", "")
+        job = (namespace, (meta.get("labels") or {}).get(names.LABEL_JOB, ""))
+        deleted = event_type == "DELETED"
+        if deleted:
+            self._pod_node.pop((namespace, meta.get("name", "")), None)
+        else:
+            self._remember_node(namespace, pod)
+        handle = self.jobs.get(job)
+        if handle is None:
+            return  # not started yet: the start lists the pods itself
+        try:
+            await self._tell(handle, pod, deleted)
+        except Exception:
+            RECONCILE_ERRORS.labels(handler="pod").inc()
+            raise
+
+    # ------------------------------------------------------------------ nodes
+
+    def _jobs_on(self, node: str) -> set[JobId]:
+        return {job for job, where in self._pod_node.values() if where == node and job in self.jobs}
+
+    async def on_node_event(self, node: dict[str, Any]) -> None:
+        name = node["metadata"]["name"]
+        if classify.has_our_taint(node):
+            self._tainted.add(name)
+        else:
+            self._tainted.discard(name)
+        problems = classify.node_problems(node)
+        if not problems:
+            self._node_reported.pop(name, None)
+            return
+        top = problems[0]
+        if self._node_reported.get(name) == (top.reason, top.severity):
+            return  # heartbeats repeat the condition; each problem is told once
+        self._node_reported[name] = (top.reason, top.severity)
+        jobs = self._jobs_on(name)
+        log.warning(
+            "node %s: %s (%s) %s; jobs on it: %s",
+            name,
+            top.reason,
+            top.severity,
+            top.message,
+            sorted(f"{ns}/{n}" for ns, n in jobs) or "none",
+        )
+        try:
+            for job in jobs:
+                await self.jobs[job].session.on_node_anomaly(name, top.reason, top.severity)
+            idle_eviction = not jobs and self.settings.evict_idle_nodes
+            if (
+                idle_eviction
+                and top.severity == "critical"
+                and await self.nodes.evict(name, top.reason)
+            ):
+                EVICTIONS.labels(reason=top.reason).inc()
+        except Exception:
+            RECONCILE_ERRORS.labels(handler="node").inc()
+            self._node_reported.pop(name, None)  # retried on the next event
+            raise
+
+    async def untaint_loop(self) -> None:
+        """The optional untaint policy (see ``nodes``): a healthy node sends no more events,
+        so tainted nodes are re-checked on a timer."""
+        after = self.settings.untaint_after_healthy_s
+        if after is None:
+            return
+        every = max(1.0, min(30.0, after / 4))
+        while True:
+            await asyncio.sleep(every)
+            for name in sorted(self._tainted):
+                try:
+                    if await self.nodes.maybe_untaint(name, after):
+                        self._tainted.discard(name)
+                except KubeError as exc:
+                    if exc.status == 404:
+                        self._tainted.discard(name)
+                    else:
+                        log.warning("untaint check of node %s failed: %s", name, exc)

@@ -1,0 +1,50 @@
+"""Operator settings: environment variables ``BULKHEAD_OPERATOR_*``, overridable by flags."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OperatorSettings(BaseSettings):
+    """Everything ``bulkhead-operator`` can be configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="BULKHEAD_OPERATOR_", extra="ignore")
+
+    namespaces: list[str] = Field(
+        default_factory=list,
+        description="Namespaces to watch; empty = the whole cluster (needs cluster RBAC).",
+    )
+    kubeconfig: str | None = Field(None, description="Kubeconfig path; default: in-cluster.")
+    listen_host: str = Field("0.0.0.0", description="Address of the control endpoint.")
+    listen_port: int = Field(8080, ge=0, le=65535, description="0 = any free port.")
+    control_url: str | None = Field(
+        None,
+        description="URL workers reach the control endpoint at; default: the operator "
+        "Service http://bulkhead-operator.<operator namespace>.svc:<port>.",
+    )
+    operator_namespace: str = Field("bulkhead-system", description="Where the operator runs.")
+    image: str = Field(
+        "ghcr.io/bulkhead-dev/bulkhead:0.1.0",
+        description="Image of the checkpoint sidecar and of templates that name none.",
+    )
+    shm_size_limit: str | None = Field(None, description="sizeLimit of the shared emptyDir.")
+    status_min_interval_s: float = Field(2.0, ge=0, description="Min seconds between writes.")
+    stop_grace_period_s: int = Field(30, ge=0, description="Grace period of a stopped worker.")
+    untaint_after_healthy_s: float | None = Field(
+        None,
+        gt=0,
+        description="Remove our taint after the node is healthy this long; default: never.",
+    )
+    evict_idle_nodes: bool = Field(
+        False, description="Also taint nodes with a critical anomaly that run no worker."
+    )
+    node_event_namespace: str = Field("default", description="Namespace of Node Events.")
+    kube_concurrency: int = Field(64, ge=1, description="Parallel API requests at most.")
+    log_format: str = Field("json", pattern="^(json|text)$")
+    log_level: str = Field("INFO")
+
+    def worker_control_url(self, port: int) -> str:
+        if self.control_url:
+            return self.control_url
+        return f"http://bulkhead-operator.{self.operator_namespace}.svc:{port}"

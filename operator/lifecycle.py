@@ -1,0 +1,310 @@
+"""The lifecycle policy: a pure function from (state, event, now) to (state, decisions).
+
+This is the brain shared by the Kubernetes operator and local mode. It reads no clock
+and does no I/O; the job session feeds it events and carries out its decisions through a
+driver. Rules, in short:
+
+- Membership: generation 1 is published when every slot has registered (or, after the
+  registration timeout, at least ``minWorkers``). Generations only grow; a worker known
+  dead is never published; the coordinator (rank 0) stays the same worker while it lives.
+- A lost member (exit, peer suspicion, hang, evicted node) is dropped at once in a new
+  generation and its slot gets a replacement, which joins in a later generation when it
+  registers. Survivors keep the training state in memory (no checkpoint reload).
+- Restart from checkpoint only when the state may be gone: fewer than ``minWorkers``
+  members survive, or more than ``maxFailures`` members were lost before training made
+  progress again. Restarts are bounded by ``maxRestarts`` with exponential backoff.
+- Hang timer: no progress for ``hangTimeoutSeconds`` -> members silent for half of it
+  are replaced as above; if every member still answers, the groups are re-formed once
+  (a new generation with the same members), and only then is the job restarted.
+- User errors (exit code 2, ``user_error`` reports) fail the job at once, never retried.
+- A slot whose incarnations keep dying before training is backed off, and fails the job
+  after ``maxRestarts + 1`` consecutive crashes.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+from dataclasses import replace
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.lifecycle_actions import PolicyActions
+from bulkhead.operator.lifecycle_types import (
+    CompletionReported,
+    Decision,
+    Event,
+    FaultReported,
+    JobStarted,
+    LifecycleState,
+    NodeAnomaly,
+    PolicyConfig,
+    ProgressReported,
+    RecoveryDone,
+    Slot,
+    StopWorker,
+    Succeed,
+    Tick,
+    WorkerExited,
+    WorkerRegistered,
+    WorkerRunning,
+)
+from bulkhead.operator.lifecycle_types import EvictNode as EvictNodeDecision
+
+EXIT_FINISHED = 0
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3
+
+
+def initial_state(job: str, spec: TrainingJobSpec) -> LifecycleState:
+    """A new job: every slot waits for its first worker."""
+    config = PolicyConfig.from_spec(spec)
+    slots = tuple(Slot(index=i, incarnation=0, status="pending") for i in range(config.workers))
+    return LifecycleState(job=job, config=config, slots=slots)
+
+
+def decide(
+    state: LifecycleState, event: Event, now: float
+) -> tuple[LifecycleState, list[Decision]]:
+    """Apply one event; returns the new state and what must be done, in order."""
+    policy = _Policy(state, now)
+    policy.handle(event)
+    return policy.state, policy.decisions
+
+
+class _Policy(PolicyActions):
+    """The rules: each event handler turns one event into actions."""
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, event: Event) -> None:
+        if self.state.terminal and not isinstance(event, WorkerExited | Tick):
+            return
+        match event:
+            case JobStarted():
+                self.on_start()
+            case WorkerRegistered():
+                self.on_registered(event)
+            case WorkerRunning():
+                slot = self.state.slot_of(event.worker)
+                if slot is not None:
+                    self.state = self.state.with_slot(replace(slot, node=event.node))
+            case WorkerExited():
+                self.on_exited(event)
+            case FaultReported():
+                self.on_fault(event)
+            case NodeAnomaly():
+                self.on_node_anomaly(event)
+            case ProgressReported():
+                self.on_progress(event)
+            case CompletionReported():
+                self.on_complete(event)
+            case Tick():
+                self.on_tick(event)
+
+    # ------------------------------------------------------------ handlers
+
+    def on_start(self) -> None:
+        self.state = replace(
+            self.state,
+            deadline=self.now + self.cfg.registration_timeout_s,
+            last_progress_at=self.now,
+        )
+        for slot in self.state.slots:
+            if slot.status == "pending":
+                self.start(slot)
+        self.event("JobStarted", f"starting {self.cfg.workers} workers")
+
+    def on_registered(self, ev: WorkerRegistered) -> None:
+        slot = self.state.slot_of(ev.worker)
+        if slot is None or ev.worker in self.state.dead:
+            return
+        node = ev.node or slot.node
+        self.state = self.state.with_slot(
+            replace(slot, status="registered", node=node, address=ev.address)
+        )
+        if ev.worker in self.state.members():
+            return  # a member re-registering (e.g. a client retry): nothing changes
+        waiting = [s for s in self.state.slots if s.status != "registered"]
+        if self.state.restarting or self.state.generation == 0:
+            if not waiting:
+                self.publish(f"all {self.cfg.workers} workers registered")
+        else:
+            self.publish(f"{ev.worker} joined")
+
+    def on_exited(self, ev: WorkerExited) -> None:
+        slot = self.state.slot_of(ev.worker)
+        if slot is None or ev.worker in self.state.dead:
+            return  # an older incarnation, already replaced
+        cause = _exit_cause(ev)
+        if self.state.terminal:
+            self.state = replace(self.state, dead=self.state.dead | {ev.worker})
+            return
+        if ev.exit_code == EXIT_USER_ERROR:
+            self.state = replace(self.state, dead=self.state.dead | {ev.worker})
+            self.fail(f"worker {ev.worker} failed with a user error (exit code 2); see its log")
+            return
+        s = self.state
+        if ev.exit_code == EXIT_FINISHED and s.has_progress and s.step + 1 >= self.cfg.total_steps:
+            # Finished the last step; its completion report may still be on the way.
+            self.state = replace(s, dead=s.dead | {ev.worker})
+            return
+        self.lose([slot], cause, warning_detail=f"{ev.worker} exited: {cause}")
+
+    def on_fault(self, ev: FaultReported) -> None:
+        report = ev.report
+        if report.kind == "user_error":
+            self.fail(f"user error reported by {report.worker}: {report.message}".strip())
+            return
+        self.event(
+            "FaultReported",
+            f"{report.worker} reported {report.kind}: {report.message}"[:1024],
+            warning=True,
+        )
+        if report.kind == "nan_loss":
+            self.restart_all("nan_loss")
+            return
+        if report.kind == "peer_suspect":
+            suspects = [self.state.slot_of(w) for w in report.suspects]
+            lost = [s for s in suspects if s is not None and self.is_member(s)]
+            for slot in lost:
+                self.emit(StopWorker(self.state.ref(slot), f"suspected by {report.worker}"))
+            if lost:
+                self.lose(lost, "peer_suspect")
+            return
+        if report.kind == "collective_error" and report.generation == self.state.generation:
+            self.begin_recovery(report.kind)
+
+    def on_node_anomaly(self, ev: NodeAnomaly) -> None:
+        if ev.severity not in self.cfg.evict_severities:
+            self.event("NodeAnomaly", f"{ev.node}: {ev.reason} ({ev.severity})", warning=True)
+            return
+        if ev.node in self.state.evicted_nodes:
+            return
+        self.state = replace(self.state, evicted_nodes=(*self.state.evicted_nodes, ev.node))
+        self.emit(EvictNodeDecision(ev.node, f"{ev.reason} ({ev.severity})"))
+        on_node = [
+            s
+            for s in self.state.slots
+            if s.node == ev.node and s.status in ("starting", "registered")
+        ]
+        for slot in on_node:
+            self.emit(StopWorker(self.state.ref(slot), f"node {ev.node} evicted: {ev.reason}"))
+        if on_node:
+            self.lose(on_node, f"node_{ev.reason}")
+
+    def on_progress(self, ev: ProgressReported) -> None:
+        r = ev.report
+        s = self.state
+        if r.generation != s.generation or r.worker not in s.members():
+            return
+        newer = not s.has_progress or r.step > s.step or s.step_generation < r.generation
+        if not newer:
+            return
+        productive = s.productive | {slot.index for slot in s.slots if self.is_member(slot)}
+        slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
+        checkpoint = r.checkpoint_step if r.checkpoint_step is not None else s.last_checkpoint_step
+        self.state = replace(
+            s,
+            step=r.step,
+            has_progress=True,
+            step_generation=r.generation,
+            loss=r.loss if r.loss is not None else s.loss,
+            last_checkpoint_step=checkpoint,
+            last_progress_at=self.now,
+            losses_since_progress=0,
+            stall_reformed=False,
+            productive=productive,
+            slots=slots,
+            phase="Running",
+        )
+        for pending in s.pending_recoveries:
+            lost = 0
+            if pending.had_progress:
+                lost = max(0, pending.step_at_detection - r.step + 1)
+            done = RecoveryDone(pending.cause, pending.detected, self.now, lost)
+            self.state = replace(
+                self.state,
+                recoveries=(*self.state.recoveries, done),
+                lost_steps=self.state.lost_steps + lost,
+            )
+            self.emit(done)
+            self.event(
+                "Recovered",
+                f"{pending.cause}: training resumed at step {r.step} after "
+                f"{done.seconds:.2f}s ({lost} steps redone)",
+            )
+        self.state = replace(self.state, pending_recoveries=())
+
+    def on_complete(self, ev: CompletionReported) -> None:
+        r = ev.report
+        if r.worker not in self.state.members():
+            return
+        step = max(self.state.step, r.step)
+        loss = r.loss if r.loss is not None else self.state.loss
+        self.state = replace(self.state, step=step, loss=loss, has_progress=True)
+        view = self.state.membership.model_copy(update={"state": "succeeded"})
+        message = f"completed {self.cfg.total_steps} steps"
+        self.state = replace(self.state, phase="Succeeded", membership=view, message=message)
+        self.emit(Succeed(message))
+        self.event("Succeeded", f"{message}, final loss {loss}")
+
+    def on_tick(self, ev: Tick) -> None:
+        s = self.state
+        for slot in s.slots:
+            if slot.status == "pending" and slot.start_at <= self.now and not s.terminal:
+                self.start(slot)
+        if self.state.terminal:
+            return
+        if self.state.deadline is not None and self.now >= self.state.deadline:
+            self.on_registration_timeout()
+        s = self.state
+        if s.generation == 0 or s.restarting:
+            return
+        if self.now - s.last_progress_at < self.cfg.hang_timeout_s:
+            return
+        quiet_for = self.cfg.hang_timeout_s / 2
+        silent = [
+            slot
+            for slot in s.slots
+            if self.is_member(slot)
+            and self.now - ev.last_seen.get(s.ref(slot).id, s.last_progress_at) >= quiet_for
+        ]
+        self.state = replace(self.state, last_progress_at=self.now)
+        if silent:
+            for slot in silent:
+                self.emit(StopWorker(s.ref(slot), "hang: silent while training stalled"))
+            names = ", ".join(s.ref(x).id for x in silent)
+            self.lose(silent, "hang", warning_detail=f"hang suspects: {names}")
+        elif not s.stall_reformed:
+            # Everyone answers but nobody trains (e.g. a collective error with no lost peer):
+            # re-forming the groups is far cheaper than a restart, so try that first.
+            self.begin_recovery("stall")
+            self.state = replace(self.state, stall_reformed=True)
+            self.publish(f"no progress for {self.cfg.hang_timeout_s:g}s: re-forming")
+        else:
+            self.restart_all(f"hang: no progress for {self.cfg.hang_timeout_s:g}s")
+
+    def on_registration_timeout(self) -> None:
+        registered = self.state.live_count()
+        needed = self.cfg.min_workers
+        if registered >= needed:
+            self.publish(f"registration timeout: starting with {registered} workers")
+        else:
+            self.fail(
+                f"only {registered} of {self.cfg.workers} workers registered within "
+                f"{self.cfg.registration_timeout_s:g}s (minWorkers {needed})"
+            )
+
+
+def _exit_cause(ev: WorkerExited) -> str:
+    if ev.reason:
+        return ev.reason
+    if ev.signal is not None:
+        try:
+            return signals.Signals(ev.signal).name
+        except ValueError:
+            return f"signal {ev.signal}"
+    if ev.exit_code == EXIT_FINISHED:
+        return "exited before the job completed"
+    if ev.exit_code == EXIT_STOPPED:
+        return "stopped unexpectedly (exit code 3)"
+    return f"exit code {ev.exit_code}"

@@ -1,0 +1,202 @@
+"""The actions of the lifecycle policy: what rules do to the state (no I/O, no clock).
+
+``PolicyActions`` holds one application of the policy (a state being rewritten and the
+decisions collected so far); ``bulkhead.operator.lifecycle`` subclasses it with the rules
+that map events to these actions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bulkhead.api.protocol import MembershipView
+from bulkhead.api.status import Member
+from bulkhead.operator.lifecycle_types import (
+    Decision,
+    Fail,
+    LifecycleState,
+    PendingRecovery,
+    PolicyConfig,
+    PublishMembership,
+    RecordEvent,
+    RestartAll,
+    Slot,
+    StartWorker,
+    StopWorker,
+)
+
+
+class PolicyActions:
+    """One application of the policy: rewrites its copy of the state, collects decisions."""
+
+    def __init__(self, state: LifecycleState, now: float):
+        self.state = state
+        self.now = now
+        self.decisions: list[Decision] = []
+        self.cfg: PolicyConfig = state.config
+
+    def emit(self, *decisions: Decision) -> None:
+        self.decisions.extend(decisions)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.emit(RecordEvent(reason, message, warning))
+
+    def is_member(self, slot: Slot) -> bool:
+        return self.state.ref(slot).id in self.state.members()
+
+    def start(self, slot: Slot) -> None:
+        self.state = self.state.with_slot(replace(slot, status="starting"))
+        self.emit(StartWorker(self.state.ref(slot)))
+
+    def begin_recovery(self, cause: str) -> None:
+        pending = self.state.pending_recoveries
+        if pending:
+            # One outage, one recovery: the first detection starts the clock, and a specific
+            # cause (SIGKILL, hang, ...) replaces the survivors' generic collective error.
+            if pending[0].cause == "collective_error" and cause != "collective_error":
+                first = replace(pending[0], cause=cause)
+                self.state = replace(self.state, pending_recoveries=(first, *pending[1:]))
+            return
+        pending = PendingRecovery(cause, self.now, self.state.step, self.state.has_progress)
+        self.state = replace(self.state, pending_recoveries=(pending,), phase="Recovering")
+
+    def lose(self, slots: list[Slot], cause: str, warning_detail: str = "") -> None:
+        """Workers are gone (or being stopped): replace them; reconfigure or restart."""
+        s = self.state
+        lost_ids = {s.ref(slot).id for slot in slots}
+        were_members = [slot for slot in slots if self.is_member(slot)]
+        self.event("WorkerLost", warning_detail or f"{', '.join(sorted(lost_ids))}: {cause}", True)
+        self.state = replace(s, dead=s.dead | lost_ids)
+        for slot in slots:
+            streak = slot.crash_streak + (0 if slot.index in s.productive else 1)
+            if streak > self.cfg.max_restarts + 1:
+                self.fail(
+                    f"worker slot {slot.index} failed {streak} times in a row before training "
+                    f"(last: {cause})"
+                )
+                return
+            nxt = Slot(
+                index=slot.index,
+                incarnation=slot.incarnation + 1,
+                status="pending",
+                start_at=self.now + self.cfg.backoff(streak - 1),
+                crash_streak=streak,
+            )
+            productive = self.state.productive - {slot.index}
+            self.state = replace(self.state.with_slot(nxt), productive=productive)
+        if were_members and not self.state.restarting:
+            self.reconfigure_without(were_members, cause)
+        if self.state.terminal or self.state.restarting:
+            return  # a restart starts every slot itself, after its backoff
+        lost_slots = {x.index for x in slots}
+        for slot in self.state.slots:
+            if slot.index in lost_slots and slot.status == "pending" and slot.start_at <= self.now:
+                self.start(slot)
+
+    def reconfigure_without(self, lost: list[Slot], cause: str) -> None:
+        """Members are gone: publish a generation of the survivors, or restart if the
+        state may be lost with them."""
+        self.begin_recovery(cause)
+        losses = self.state.losses_since_progress + len(lost)
+        self.state = replace(self.state, losses_since_progress=losses)
+        survivors = [x for x in self.state.slots if self.is_member(x)]
+        if len(survivors) < self.cfg.min_workers:
+            self.restart_all(
+                f"{cause}: {len(survivors)} workers left, minWorkers {self.cfg.min_workers}"
+            )
+        elif losses > self.cfg.max_failures:
+            self.restart_all(f"{cause}: {losses} workers lost, maxFailures {self.cfg.max_failures}")
+        else:
+            names = ", ".join(self.state.ref(x).id for x in lost)
+            self.publish(f"{names} lost ({cause})")
+
+    def restart_all(self, reason: str) -> None:
+        s = self.state
+        if s.restarts >= self.cfg.max_restarts:
+            self.fail(f"{reason}; maxRestarts ({self.cfg.max_restarts}) exhausted")
+            return
+        restart = s.restarts + 1
+        self.begin_recovery(reason.split(":")[0])
+        self.emit(RestartAll(reason, restart))
+        self.event("Restarting", f"restart {restart} from checkpoint: {reason}", warning=True)
+        start_at = self.now + self.cfg.backoff(restart)
+        dead = set(self.state.dead)
+        slots = []
+        for slot in self.state.slots:
+            if slot.status in ("starting", "registered"):
+                self.emit(StopWorker(s.ref(slot), f"restart from checkpoint: {reason}"))
+            if slot.status != "pending":
+                dead.add(s.ref(slot).id)
+                slot = Slot(
+                    slot.index, slot.incarnation + 1, "pending", crash_streak=slot.crash_streak
+                )
+            slots.append(replace(slot, start_at=start_at))
+        view = self.state.membership.model_copy(update={"state": "restarting"})
+        self.state = replace(
+            self.state,
+            slots=tuple(slots),
+            dead=frozenset(dead),
+            membership=view,
+            restarts=restart,
+            restarting=True,
+            losses_since_progress=0,
+            stall_reformed=False,
+            productive=frozenset(),
+            deadline=start_at + self.cfg.registration_timeout_s,
+            phase="Recovering",
+        )
+
+    def publish(self, why: str) -> None:
+        """Publish the next generation with every registered, live worker."""
+        s = self.state
+        registered = [x for x in s.slots if x.status == "registered" and s.ref(x).id not in s.dead]
+        if not registered:
+            return
+        order = {m.worker: m.rank for m in s.membership.members}
+        registered.sort(key=lambda x: (order.get(s.ref(x).id, len(order) + x.index), x.index))
+        members = [
+            Member(rank=rank, worker=s.ref(x).id, node=x.node, address=x.address)
+            for rank, x in enumerate(registered)
+        ]
+        restore = s.restarting
+        if restore:
+            resume = (s.last_checkpoint_step + 1) if s.last_checkpoint_step is not None else 0
+        else:
+            resume = s.step + 1 if s.has_progress else 0
+        view = MembershipView(
+            generation=s.generation + 1,
+            coordinator=members[0].address,
+            members=members,
+            state="running",
+            resume_step=resume,
+            restore_from_checkpoint=restore and s.last_checkpoint_step is not None,
+            total_steps=self.cfg.total_steps,
+        )
+        first = s.generation == 0
+        self.state = replace(
+            s,
+            membership=view,
+            restarting=False,
+            deadline=None,
+            phase="Running"
+            if first or (s.phase == "Running" and not s.pending_recoveries)
+            else s.phase,
+            reconfigurations=s.reconfigurations + (0 if first or restore else 1),
+            last_progress_at=self.now,
+        )
+        self.emit(PublishMembership(view))
+        self.event(
+            "MembershipPublished",
+            f"generation {view.generation}: {len(members)} workers, coordinator "
+            f"{members[0].worker} ({why})",
+        )
+
+    def fail(self, reason: str) -> None:
+        s = self.state
+        for slot in s.slots:
+            if slot.status in ("starting", "registered") and s.ref(slot).id not in s.dead:
+                self.emit(StopWorker(s.ref(slot), f"job failed: {reason}"))
+        view = s.membership.model_copy(update={"state": "failed"})
+        self.state = replace(s, phase="Failed", membership=view, message=reason)
+        self.emit(Fail(reason))
+        self.event("Failed", reason, warning=True)

@@ -1,0 +1,291 @@
+"""Events, decisions and state of the lifecycle policy (``bulkhead.operator.lifecycle``).
+
+Plain immutable values: the policy is a pure function of (state, event, now), so these
+types carry everything it needs and nothing that does I/O. Times are floats in the
+session's clock (seconds); the session converts them to wall-clock times for the status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from bulkhead.api.protocol import CompletionReport, FaultReport, MembershipView, ProgressReport
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import Phase
+from bulkhead.operator.driver import WorkerRef
+
+# pending: waiting for its (backoff) start time; starting: asked to start, not registered;
+# registered: registered with the control endpoint. A lost or stopped worker's slot moves
+# on to its next incarnation at once, so a slot never waits on an exit.
+SlotStatus = Literal["pending", "starting", "registered"]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The parts of a TrainingJobSpec the policy acts on."""
+
+    workers: int
+    min_workers: int
+    total_steps: int
+    max_failures: int
+    max_restarts: int
+    backoff_initial_s: float
+    backoff_max_s: float
+    backoff_multiplier: float
+    hang_timeout_s: float
+    registration_timeout_s: float
+    evict_severities: frozenset[str]
+
+    @classmethod
+    def from_spec(cls, spec: TrainingJobSpec) -> PolicyConfig:
+        ft = spec.fault_tolerance
+        return cls(
+            workers=spec.workers,
+            min_workers=spec.min_workers,
+            total_steps=spec.trainer.steps,
+            max_failures=ft.max_failures,
+            max_restarts=ft.max_restarts,
+            backoff_initial_s=ft.backoff.initial_seconds,
+            backoff_max_s=ft.backoff.max_seconds,
+            backoff_multiplier=ft.backoff.multiplier,
+            hang_timeout_s=ft.hang_timeout_seconds,
+            registration_timeout_s=ft.registration_timeout_seconds,
+            evict_severities=frozenset(ft.evict_severities),
+        )
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before the ``attempt``-th retry (1-based): initial * multiplier^(n-1), capped."""
+        if attempt <= 0:
+            return 0.0
+        delay = self.backoff_initial_s * self.backoff_multiplier ** (attempt - 1)
+        return min(delay, self.backoff_max_s)
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class JobStarted:
+    """The session starts a new job: every slot gets its first worker."""
+
+
+@dataclass(frozen=True)
+class WorkerRegistered:
+    worker: str
+    node: str = ""
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerRunning:
+    """The driver saw the worker's process / pod running on a node."""
+
+    worker: str
+    node: str
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    worker: str
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""  # driver's word for it: OOMKilled, Evicted, NodeLost, StartFailed, ...
+
+
+@dataclass(frozen=True)
+class FaultReported:
+    report: FaultReport
+
+
+@dataclass(frozen=True)
+class NodeAnomaly:
+    node: str
+    reason: str
+    severity: str
+
+
+@dataclass(frozen=True)
+class ProgressReported:
+    report: ProgressReport
+
+
+@dataclass(frozen=True)
+class CompletionReported:
+    report: CompletionReport
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The hang timer: ``last_seen`` is when each worker last showed it was alive."""
+
+    last_seen: Mapping[str, float] = field(default_factory=dict)
+
+
+Event = (
+    JobStarted
+    | WorkerRegistered
+    | WorkerRunning
+    | WorkerExited
+    | FaultReported
+    | NodeAnomaly
+    | ProgressReported
+    | CompletionReported
+    | Tick
+)
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class PublishMembership:
+    view: MembershipView
+
+
+@dataclass(frozen=True)
+class StartWorker:
+    worker: WorkerRef
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    worker: WorkerRef
+    reason: str
+
+
+@dataclass(frozen=True)
+class EvictNode:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartAll:
+    """Every worker is replaced and the job resumes from its last checkpoint."""
+
+    reason: str
+    restart: int  # 1 for the first restart
+
+
+@dataclass(frozen=True)
+class Succeed:
+    message: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class RecoveryDone:
+    """A recovery finished: training completed a step after the fault."""
+
+    cause: str
+    detected: float
+    resumed: float
+    lost_steps: int
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.resumed - self.detected)
+
+
+Decision = (
+    PublishMembership
+    | StartWorker
+    | StopWorker
+    | EvictNode
+    | RestartAll
+    | Succeed
+    | Fail
+    | RecordEvent
+    | RecoveryDone
+)
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    incarnation: int
+    status: SlotStatus
+    node: str = ""
+    address: str = ""
+    start_at: float = 0.0  # for pending slots: when to start
+    crash_streak: int = 0  # consecutive incarnations lost before ever training
+
+
+@dataclass(frozen=True)
+class PendingRecovery:
+    cause: str
+    detected: float
+    step_at_detection: int
+    had_progress: bool
+
+
+@dataclass(frozen=True)
+class LifecycleState:
+    """Everything the policy knows about one job. Immutable: ``decide`` returns a new one."""
+
+    job: str
+    config: PolicyConfig
+    phase: Phase = "Pending"
+    slots: tuple[Slot, ...] = ()
+    membership: MembershipView = field(default_factory=MembershipView)
+    dead: frozenset[str] = frozenset()  # worker ids known dead: never published again
+    step: int = 0  # last completed step (0-based) once has_progress
+    has_progress: bool = False
+    step_generation: int = 0
+    loss: float | None = None
+    last_checkpoint_step: int | None = None
+    last_progress_at: float = 0.0
+    deadline: float | None = None  # registration deadline while forming / restarting
+    restarting: bool = False  # gathering a full set of workers to restore from checkpoint
+    restarts: int = 0
+    reconfigurations: int = 0
+    losses_since_progress: int = 0
+    stall_reformed: bool = False  # re-formed once for a stall with no silent member
+    evicted_nodes: tuple[str, ...] = ()
+    pending_recoveries: tuple[PendingRecovery, ...] = ()
+    recoveries: tuple[RecoveryDone, ...] = ()
+    lost_steps: int = 0
+    message: str = ""
+    productive: frozenset[int] = frozenset()  # slots whose incarnation trained a step
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    def slot_of(self, worker: str) -> Slot | None:
+        """The slot whose *current* incarnation is ``worker``."""
+        for slot in self.slots:
+            if self.ref(slot).id == worker:
+                return slot
+        return None
+
+    def ref(self, slot: Slot) -> WorkerRef:
+        return WorkerRef(self.job, slot.index, slot.incarnation, slot.node)
+
+    def members(self) -> list[str]:
+        return [m.worker for m in self.membership.members]
+
+    def live_count(self) -> int:
+        return sum(1 for s in self.slots if s.status == "registered")
+
+    def with_slot(self, slot: Slot) -> LifecycleState:
+        slots = tuple(slot if s.index == slot.index else s for s in self.slots)
+        return replace(self, slots=slots)

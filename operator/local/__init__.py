@@ -1,0 +1,1 @@
+"""Local mode: run a TrainingJob on one machine with worker processes (``bulkhead run``)."""

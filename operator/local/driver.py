@@ -1,0 +1,265 @@
+"""The local driver: each worker "pod" is a process group on this machine.
+
+A worker is started as ``bulkhead-worker`` (or any command, for tests) with the worker
+launch environment, in its own session / process group so that stopping it kills
+everything it started, and with a parent-death signal so that nothing outlives a crashed
+supervisor. Its output goes to ``<run dir>/logs/<worker>.log``. Exits are reported to the
+session with the exit code or the signal. Chaos faults (SIGKILL, SIGSTOP) are injected here.
+An optional sidecar launcher starts a checkpoint sidecar next to each worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from bulkhead.api.protocol import ENDPOINT_ENV, JOB_ENV, TOKEN_ENV, WORKER_ENV
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import TrainingJobStatus
+from bulkhead.operator.driver import WorkerRef
+from bulkhead.operator.local.rundir import RunRecorder
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def default_worker_command() -> list[str]:
+    """``bulkhead-worker`` next to this interpreter (the venv's entry point)."""
+    script = Path(sys.executable).with_name("bulkhead-worker")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from bulkhead.trainer.worker import main; main()"]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when the supervisor dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class SessionHooks(Protocol):
+    """What the driver reports to (``bulkhead.operator.session.JobSession``)."""
+
+    async def on_worker_exit(
+        self, worker_id: str, exit_code: int | None, signal: int | None, reason: str = ""
+    ) -> None: ...
+
+    async def on_worker_running(self, worker_id: str, node: str) -> None: ...
+
+
+class SidecarLauncher(Protocol):
+    """Starts the per-worker checkpoint sidecar; returns env vars for the worker."""
+
+    async def start(self, worker: WorkerRef) -> dict[str, str]: ...
+
+    async def stop(self, worker: WorkerRef) -> None: ...
+
+    async def stop_all(self) -> None: ...
+
+
+@dataclass
+class WorkerProcess:
+    ref: WorkerRef
+    process: asyncio.subprocess.Process
+    log_file: IO[bytes]
+    started_at: float
+    stopping: bool = False
+    hung: bool = False
+    watcher: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+
+class LocalDriver:
+    """Driver (``bulkhead.operator.driver.Driver``) whose workers are local processes."""
+
+    def __init__(
+        self,
+        job_name: str,
+        spec: TrainingJobSpec,
+        run_dir: Path,
+        recorder: RunRecorder,
+        control_url: str,
+        token: str,
+        *,
+        command: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
+        stop_grace_s: float = 5.0,
+        sidecars: SidecarLauncher | None = None,
+    ) -> None:
+        self.job_name = job_name
+        self.spec = spec
+        self.run_dir = run_dir
+        self.recorder = recorder
+        self.control_url = control_url
+        self.token = token
+        self.command = command or default_worker_command()
+        self.extra_env = extra_env or {}
+        self.stop_grace_s = stop_grace_s
+        self.sidecars = sidecars
+        self.session: SessionHooks | None = None
+        self.status: TrainingJobStatus | None = None
+        self.status_listeners: list[Callable[[TrainingJobStatus], None]] = []
+        self._procs: dict[str, WorkerProcess] = {}
+        self._closing = False
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def attach(self, session: SessionHooks) -> None:
+        self.session = session
+
+    # ------------------------------------------------------------ Driver
+
+    async def start_worker(self, worker: WorkerRef) -> None:
+        if self._closing:
+            return
+        node = f"local-{worker.slot}"
+        env = {
+            **os.environ,
+            **self.extra_env,
+            ENDPOINT_ENV: self.control_url,
+            TOKEN_ENV: self.token,
+            JOB_ENV: self.job_name,
+            WORKER_ENV: worker.id,
+            "BULKHEAD_INCARNATION": str(worker.incarnation),
+            "BULKHEAD_NODE": node,
+            "BULKHEAD_ADVERTISE_HOST": "127.0.0.1",
+            "BULKHEAD_JOB_SPEC": json.dumps(self.spec.wire()),
+            "BULKHEAD_RUN_DIR": str(self.run_dir),
+            "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.sidecars is not None:
+            env.update(await self.sidecars.start(worker))
+        log_file = (self.run_dir / "logs" / f"{worker.id}.log").open("ab")
+        process = await asyncio.create_subprocess_exec(
+            *self.command,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        wp = WorkerProcess(worker, process, log_file, time.monotonic())
+        self._procs[worker.id] = wp
+        wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
+        log.info("started %s (pid %d)", worker.id, process.pid)
+        if self.session is not None:
+            await self.session.on_worker_running(worker.id, node)
+
+    async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
+        wp = self._procs.get(worker.id)
+        if wp is None or not wp.running or wp.stopping:
+            return
+        wp.stopping = True
+        asyncio.create_task(self._terminate(wp), name=f"stop-{worker.id}")  # noqa: RUF006
+
+    async def evict_node(self, node: str, reason: str) -> None:
+        self.recorder.event("NodeEvicted", f"{node}: {reason}", warning=True)
+
+    async def record_event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.recorder.event(reason, message, warning=warning)
+
+    async def publish_status(self, status: TrainingJobStatus) -> None:
+        self.status = status
+        for listener in self.status_listeners:
+            listener(status)
+
+    # ------------------------------------------------------------ chaos and shutdown
+
+    def live_slots(self) -> dict[int, WorkerProcess]:
+        """The running process of each slot (the newest incarnation)."""
+        out: dict[int, WorkerProcess] = {}
+        for wp in self._procs.values():
+            if wp.running and not wp.stopping and not wp.hung:
+                current = out.get(wp.ref.slot)
+                if current is None or wp.ref.incarnation > current.ref.incarnation:
+                    out[wp.ref.slot] = wp
+        return out
+
+    def inject(self, action: str, slot: int) -> WorkerRef | None:
+        """SIGKILL (``kill``) or SIGSTOP (``hang``) the worker process of a slot."""
+        wp = self.live_slots().get(slot)
+        if wp is None:
+            return None
+        if action == "hang":
+            wp.hung = True
+            os.kill(wp.process.pid, signal.SIGSTOP)
+        else:
+            os.kill(wp.process.pid, signal.SIGKILL)
+        return wp.ref
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL after the grace) and wait for all."""
+        self._closing = True
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        live = [wp for wp in self._procs.values() if wp.running]
+        for wp in live:
+            wp.stopping = True
+        await asyncio.gather(*(self._terminate(wp, grace) for wp in live))
+        watchers = [wp.watcher for wp in self._procs.values() if wp.watcher is not None]
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*watchers, return_exceptions=True), 10)
+        if self.sidecars is not None:
+            await self.sidecars.stop_all()
+
+    async def wait_exited(self, worker_ids: list[str], timeout_s: float) -> bool:
+        """Whether these workers exited on their own within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        watched = [self._procs[w] for w in worker_ids if w in self._procs]
+        while any(wp.running for wp in watched):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    # ------------------------------------------------------------ internals
+
+    async def _terminate(self, wp: WorkerProcess, grace_s: float | None = None) -> None:
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        pgid = wp.process.pid  # start_new_session: the group id is the leader's pid
+        if wp.hung:
+            _killpg(pgid, signal.SIGKILL)  # a stopped process cannot handle SIGTERM
+        else:
+            _killpg(pgid, signal.SIGTERM)
+            _killpg(pgid, signal.SIGCONT)
+        try:
+            await asyncio.wait_for(wp.process.wait(), grace)
+        except TimeoutError:
+            log.warning("%s ignored SIGTERM for %.1fs; killing it", wp.ref.id, grace)
+        _killpg(pgid, signal.SIGKILL)  # whatever else the worker started
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wp.process.wait(), 10)
+
+    async def _watch(self, wp: WorkerProcess) -> None:
+        code = await wp.process.wait()
+        _killpg(wp.process.pid, signal.SIGKILL)  # leftovers of a crashed worker
+        wp.log_file.close()
+        if self.sidecars is not None:
+            with contextlib.suppress(Exception):
+                await self.sidecars.stop(wp.ref)
+        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        log.info(
+            "%s exited (%s)", wp.ref.id, f"code {exit_code}" if sig is None else f"signal {sig}"
+        )
+        if self.session is not None and not self._closing:
+            await self.session.on_worker_exit(wp.ref.id, exit_code, sig, "")
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

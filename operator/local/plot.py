@@ -1,0 +1,48 @@
+"""The PNG of a local run: loss and throughput over time, failures and recoveries marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bulkhead.operator.local.rundir import EventRow, MetricRow
+
+
+def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title: str) -> Path:
+    """Write the plot to ``path`` (matplotlib, Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tput) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    t = [m.t for m in metrics]
+    ax_loss.plot(t, [m.loss for m in metrics], color="tab:blue", lw=1.2, label="loss")
+    ax_loss.set_ylabel("loss")
+    ax_tput.plot(
+        t, [m.tokens_per_s or 0.0 for m in metrics], color="tab:purple", lw=1.0, label="tokens/s"
+    )
+    ax_tput.set_ylabel("tokens/s")
+    ax_tput.set_xlabel("time since start (s)")
+    # Injected faults mark the failures when there are any; otherwise the detected losses.
+    failure_reason = (
+        "FaultInjected" if any(e.reason == "FaultInjected" for e in events) else ("WorkerLost")
+    )
+    shown: set[str] = set()
+    for event in events:
+        if event.reason == failure_reason:
+            style, label = {"color": "tab:red", "ls": "--"}, "failure"
+        elif event.reason == "Recovered":
+            style, label = {"color": "tab:green", "ls": ":"}, "recovered"
+        else:
+            continue
+        for ax in (ax_loss, ax_tput):
+            ax.axvline(event.t, lw=1.0, label=None if label in shown else label, **style)
+        shown.add(label)
+    ax_loss.legend(loc="upper right")
+    ax_loss.set_title(title)
+    ax_loss.grid(alpha=0.3)
+    ax_tput.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

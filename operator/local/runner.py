@@ -1,0 +1,272 @@
+"""Local mode: one TrainingJob on this machine, with the same session and control protocol
+as the Kubernetes operator, a process driver, optional chaos, live progress and a run dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bulkhead.api.manifest import parse_spec
+from bulkhead.api.protocol import ProgressReport
+from bulkhead.api.spec import TrainingJob, TrainingJobSpec
+from bulkhead.operator.control import ControlServer, create_control_app
+from bulkhead.operator.lifecycle_types import LifecycleState
+from bulkhead.operator.local.chaos import ChaosSchedule, parse_chaos
+from bulkhead.operator.local.driver import LocalDriver
+from bulkhead.operator.local.plot import plot_run
+from bulkhead.operator.local.rundir import RunRecorder
+from bulkhead.operator.local.sidecars import CheckpointSidecars
+from bulkhead.operator.local.view import LiveView
+from bulkhead.operator.session import JobSession, SessionRegistry
+
+log = logging.getLogger(__name__)
+
+# Files of a previous run in the same directory that would mix with this one.
+_RUN_FILES = ("metrics.jsonl", "events.jsonl", "summary.json", "plot.png", "samples.jsonl")
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+@dataclass
+class RunOptions:
+    workers: int | None = None
+    steps: int | None = None
+    chaos: str | None = None
+    run_dir: Path | None = None
+    worker_command: list[str] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    live: bool = True
+    stop_grace_s: float = 5.0
+    timeout_s: float | None = None
+    chaos_seed: int = 0
+    finish_grace_s: float = 30.0
+    checkpoint_sidecars: bool = False
+    shm_root: Path | None = None
+
+
+@dataclass
+class RunResult:
+    phase: str
+    exit_code: int
+    summary: dict[str, Any]
+    run_dir: Path
+
+
+def effective_spec(job: TrainingJob, workers: int | None, steps: int | None) -> TrainingJobSpec:
+    """The job's spec with the command-line overrides, validated again as a whole."""
+    wire = job.spec.wire()
+    if workers is not None:
+        wire["workers"] = workers
+        wire["minWorkers"] = min(wire.get("minWorkers", 1), workers)
+        ft = wire.setdefault("faultTolerance", {})
+        ft["maxFailures"] = min(ft.get("maxFailures", 0), workers - 1)
+    if steps is not None:
+        wire.setdefault("trainer", {})["steps"] = steps
+    return parse_spec(wire, source=f"{job.metadata.name} (with overrides)")
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in _RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    logs = run_dir / "logs"
+    if logs.is_dir():
+        for old in logs.glob("*.log"):
+            old.unlink()
+
+
+class LocalRun:
+    """One run of a job; ``await run()`` returns when it succeeded, failed or was stopped."""
+
+    def __init__(self, job: TrainingJob, options: RunOptions) -> None:
+        self.job = job
+        self.name = job.metadata.name
+        self.options = options
+        self.spec = effective_spec(job, options.workers, options.steps)
+        self.schedule = ChaosSchedule(
+            parse_chaos(options.chaos, self.spec.workers), seed=options.chaos_seed
+        )
+        self.run_dir = options.run_dir or Path("runs") / self.name
+        self.failures_injected = 0
+        self.stop_requested = asyncio.Event()
+        self._tokens_per_s: dict[str, float] = {}
+        self._last_row: tuple[int, int] | None = None
+        self._armed = False
+
+    async def run(self) -> RunResult:
+        prepare_run_dir(self.run_dir)
+        recorder = RunRecorder(self.run_dir)
+        view = LiveView(self.name, self.spec.trainer.steps, enabled=self.options.live)
+        recorder.listeners.append(view.on_event)
+        token = secrets.token_urlsafe(24)
+        registry = SessionRegistry()
+        server = ControlServer(create_control_app(registry))
+        await server.start()
+        driver = LocalDriver(
+            self.name,
+            self.spec,
+            self.run_dir,
+            recorder,
+            server.url,
+            token,
+            command=self.options.worker_command,
+            extra_env=self.options.extra_env,
+            stop_grace_s=self.options.stop_grace_s,
+            sidecars=self._sidecars(),
+        )
+        driver.status_listeners.append(view.on_status)
+        session = JobSession(self.name, self.spec, token, driver)
+        driver.attach(session)
+        registry.add(session)
+        session.add_progress_listener(
+            lambda report, state: self._on_progress(report, state, recorder, driver, view)
+        )
+        self.recorder, self.driver, self.session = recorder, driver, session
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        recorder.event("RunStarted", f"{self.spec.workers} workers, chaos: {self.options.chaos}")
+        chaos_task = asyncio.create_task(self._periodic_chaos(recorder, driver))
+        interrupted = False
+        try:
+            with view:
+                await session.start()
+                interrupted = not await self._wait_for_end(session)
+                if session.state.phase == "Succeeded":
+                    # Members finish by themselves; workers still starting are just stopped.
+                    await driver.wait_exited(session.state.members(), self.options.finish_grace_s)
+        finally:
+            chaos_task.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await driver.shutdown()
+            await session.stop()
+            await server.stop()
+            registry.remove(self.name)
+        phase = "Interrupted" if interrupted else session.state.phase
+        summary = self._summary(session, recorder, phase)
+        recorder.event("RunEnded", f"{phase}: {summary['steps_completed']} steps")
+        recorder.write_summary(summary)
+        try:
+            plot_run(recorder.metrics, recorder.events, self.run_dir / "plot.png", self.name)
+        except Exception:  # a missing plot must not hide the run's result
+            log.exception("plotting failed")
+        recorder.close()
+        code = {"Succeeded": EXIT_OK, "Interrupted": EXIT_INTERRUPTED}.get(phase, EXIT_FAILED)
+        return RunResult(phase, code, summary, self.run_dir)
+
+    def _sidecars(self) -> CheckpointSidecars | None:
+        if not self.options.checkpoint_sidecars:
+            return None
+        shm_root = self.options.shm_root or Path("/dev/shm") / f"bulkhead-{self.name}"
+        return CheckpointSidecars(self.run_dir, shm_root)
+
+    async def _wait_for_end(self, session: JobSession) -> bool:
+        """True when the job ended by itself; False when stopped (signal or timeout)."""
+        done = asyncio.create_task(session.wait_done())
+        stop = asyncio.create_task(self.stop_requested.wait())
+        finished, _ = await asyncio.wait(
+            {done, stop}, timeout=self.options.timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in (done, stop):
+            task.cancel()
+        return done in finished
+
+    # ------------------------------------------------------------ progress and chaos
+
+    def _on_progress(
+        self,
+        report: ProgressReport,
+        state: LifecycleState,
+        recorder: RunRecorder,
+        driver: LocalDriver,
+        view: LiveView,
+    ) -> None:
+        if report.tokens_per_s is not None:
+            self._tokens_per_s[report.worker] = report.tokens_per_s
+        key = (report.generation, report.step)
+        last = self._last_row
+        if last is None or report.step > last[1] or (key[0] > last[0] and key[1] != last[1]):
+            self._last_row = key
+            members = state.members()
+            throughput = sum(self._tokens_per_s.get(w, 0.0) for w in members) or None
+            row = recorder.metric(
+                report.step, report.loss, throughput, report.generation, len(members)
+            )
+            view.on_metric(row)
+        if not self._armed:
+            self._armed = True
+            self.schedule.arm(recorder.clock())
+        self._inject_due(state.step, recorder, driver)
+
+    def _inject_due(self, step: int | None, recorder: RunRecorder, driver: LocalDriver) -> None:
+        members = {
+            int(slot.index)
+            for slot in self.session.state.slots
+            if self.session.state.ref(slot).id in self.session.state.members()
+        }
+        for index, fault in self.schedule.due(step, recorder.clock()):
+            live = [s for s in driver.live_slots() if s in members]
+            slot = self.schedule.pick(fault, live)
+            ref = driver.inject(fault.action, slot) if slot is not None else None
+            if ref is None:
+                continue  # a step fault stays due; a periodic one waits for its next turn
+            self.schedule.fired(index)
+            self.failures_injected += 1
+            what = "SIGKILL" if fault.action == "kill" else "SIGSTOP (hang)"
+            recorder.event("FaultInjected", f"{fault}: {what} {ref.id} at step {step}", True)
+
+    async def _periodic_chaos(self, recorder: RunRecorder, driver: LocalDriver) -> None:
+        if not any(f.every_s for f in self.schedule.faults):
+            return
+        while True:
+            await asyncio.sleep(0.2)
+            if self._armed and not self.session.state.terminal:
+                state = self.session.state
+                self._inject_due(state.step if state.has_progress else None, recorder, driver)
+
+    # ------------------------------------------------------------ summary
+
+    def _summary(self, session: JobSession, recorder: RunRecorder, phase: str) -> dict[str, Any]:
+        state = session.state
+        status = session.status
+        rows = recorder.metrics
+        throughputs = [r.tokens_per_s for r in rows if r.tokens_per_s]
+        return {
+            "job": self.name,
+            "phase": phase,
+            "message": status.message,
+            "workers": self.spec.workers,
+            "steps_total": self.spec.trainer.steps,
+            "steps_completed": state.step + 1 if state.has_progress else 0,
+            "lost_steps": state.lost_steps,
+            "failures_injected": self.failures_injected,
+            "recoveries": [
+                {"cause": r.cause, "seconds": round(r.seconds, 3), "lost_steps": r.lost_steps}
+                for r in state.recoveries
+            ],
+            "restarts": status.restarts,
+            "reconfigurations": status.reconfigurations,
+            "generation": status.membership.generation,
+            "first_loss": next((r.loss for r in rows if r.loss is not None), None),
+            "final_loss": status.loss,
+            "mean_tokens_per_s": round(sum(throughputs) / len(throughputs), 1)
+            if throughputs
+            else None,
+            "wall_seconds": recorder.elapsed(),
+            "chaos": self.options.chaos or "",
+        }
+
+
+def run_local(job: TrainingJob, options: RunOptions) -> RunResult:
+    """Run a job to its end on this machine (blocking)."""
+    run = LocalRun(job, options)
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(run.run())
+    raise SystemExit(EXIT_INTERRUPTED)

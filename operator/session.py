@@ -1,0 +1,416 @@
+"""A job session: applies the lifecycle policy to one job and carries out its decisions.
+
+The session is the only place where the pure policy meets time and I/O. It owns the
+policy state, answers the control protocol (called by ``bulkhead.operator.control``),
+receives the driver's observations, runs the hang timer, and hands start/stop/evict/event/
+status work to the driver in decision order on a single background task, so handlers never
+wait on a slow driver. Everything runs on one asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from bulkhead.api.protocol import (
+    CompletionReport,
+    Directive,
+    FaultReport,
+    MembershipView,
+    ProgressReport,
+    RegisterRequest,
+    RegisterResponse,
+)
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import TrainingJobStatus
+from bulkhead.operator import metrics
+from bulkhead.operator.driver import Driver, parse_worker_id
+from bulkhead.operator.lifecycle import decide, initial_state
+from bulkhead.operator.lifecycle_rebuild import rebuild
+from bulkhead.operator.lifecycle_types import (
+    CompletionReported,
+    Decision,
+    Event,
+    EvictNode,
+    Fail,
+    FaultReported,
+    JobStarted,
+    LifecycleState,
+    NodeAnomaly,
+    ProgressReported,
+    PublishMembership,
+    RecordEvent,
+    RecoveryDone,
+    RestartAll,
+    StartWorker,
+    StopWorker,
+    Succeed,
+    Tick,
+    WorkerExited,
+    WorkerRegistered,
+    WorkerRunning,
+)
+from bulkhead.operator.session_status import StatusView
+
+log = logging.getLogger(__name__)
+
+ProgressListener = Callable[[ProgressReport, LifecycleState], None]
+
+
+class SessionError(Exception):
+    """A request the session refuses; ``status_code`` is the HTTP status to answer with."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+class JobSession:
+    """The lifecycle manager of one TrainingJob."""
+
+    def __init__(
+        self,
+        job_name: str,
+        spec: TrainingJobSpec,
+        token: str,
+        driver: Driver,
+        status: TrainingJobStatus | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        live_workers: dict[str, str] | None = None,
+        tick_seconds: float = 0.5,
+        max_poll_seconds: float | None = None,
+    ) -> None:
+        """``status`` + ``live_workers`` (worker id -> node) rebuild a job after a manager
+        restart; without ``status`` the job starts from scratch.
+        """
+        self.job_name = job_name
+        self.spec = spec
+        self.token = token
+        self.driver = driver
+        self._clock = clock
+        self._resumed_status = status
+        self._live_workers = dict(live_workers or {})
+        self._tick_s = tick_seconds
+        hang = spec.fault_tolerance.hang_timeout_seconds
+        # Healthy workers re-poll well within the silence threshold of the hang timer.
+        self.max_poll_s = max_poll_seconds or max(0.5, hang / 4)
+        self._state: LifecycleState = initial_state(job_name, spec)
+        self._changed = asyncio.Event()
+        self._effects: asyncio.Queue[Decision | None] = asyncio.Queue()
+        self._status_dirty = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._done = asyncio.Event()
+        self._last_seen: dict[str, float] = {}
+        self._polling: Counter[str] = Counter()
+        prior = status.recoveries if status is not None else []
+        self._status_view = StatusView(time.time() - clock(), prior)
+        self._progress_listeners: list[ProgressListener] = []
+        self._started = False
+        self._phase_metric: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start (or, given a status, resume) the job and the hang timer."""
+        if self._started:
+            return
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._run_effects(), name=f"{self.job_name}-fx"))
+        if self._resumed_status is None:
+            self._apply(JobStarted())
+        else:
+            now = self._clock()
+            state, decisions = rebuild(
+                self.job_name, self.spec, self._resumed_status, self._live_workers, now
+            )
+            self._state = state
+            self._status_dirty = True
+            self._carry_out(decisions)
+        self._tasks.append(asyncio.create_task(self._hang_timer(), name=f"{self.job_name}-tick"))
+        log.info("job %s: session started", self.job_name)
+
+    async def stop(self) -> None:
+        """Stop the timers and flush pending driver work; workers are left to the driver."""
+        if not self._tasks:
+            return
+        self._effects.put_nowait(None)
+        timer, effects = self._tasks[1:], self._tasks[:1]
+        for task in timer:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*effects), timeout=30)
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        self._wake()
+        if self._phase_metric is not None:
+            metrics.JOBS_BY_PHASE.labels(phase=self._phase_metric).dec()
+            self._phase_metric = None
+        log.info("job %s: session stopped (%s)", self.job_name, self._state.phase)
+
+    async def wait_done(self, timeout: float | None = None) -> str:
+        """Wait until the job succeeded or failed; returns the phase."""
+        await asyncio.wait_for(self._done.wait(), timeout)
+        return self._state.phase
+
+    @property
+    def state(self) -> LifecycleState:
+        return self._state
+
+    def add_progress_listener(self, listener: ProgressListener) -> None:
+        """Called with every accepted progress report (local mode's live view and chaos)."""
+        self._progress_listeners.append(listener)
+
+    # ------------------------------------------------------------ protocol handlers
+
+    async def register(self, req: RegisterRequest) -> RegisterResponse:
+        self._check_known(req.worker)
+        if self._state.terminal:
+            raise SessionError(409, f"job {self.job_name} is {self._state.phase.lower()}")
+        self._touch(req.worker)
+        self._apply(WorkerRegistered(req.worker, req.node, req.address))
+        return RegisterResponse(worker=req.worker, generation=self._state.generation)
+
+    async def wait_membership(
+        self, after: int, timeout: float, worker: str | None = None
+    ) -> MembershipView:
+        """The current generation as soon as it is newer than ``after``, or after ``timeout``."""
+        if worker is not None:
+            self._check_known(worker)
+            self._touch(worker)
+            self._polling[worker] += 1
+        try:
+            deadline = self._clock() + min(max(timeout, 0.0), self.max_poll_s)
+            while self._state.generation <= after and not self._state.terminal:
+                remaining = deadline - self._clock()
+                if remaining <= 0 or not self._tasks:
+                    break
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+            return self._state.membership
+        finally:
+            if worker is not None:
+                self._polling[worker] -= 1
+                if self._polling[worker] <= 0:
+                    del self._polling[worker]
+                self._touch(worker)
+
+    async def progress(self, report: ProgressReport) -> Directive:
+        early = self._report_directive(report.worker, report.generation)
+        if early is not None:
+            return early
+        self._apply(ProgressReported(report))
+        if self._state.membership.generation == report.generation:
+            for listener in self._progress_listeners:
+                try:
+                    listener(report, self._state)
+                except Exception:  # an observer must never fail a worker's report
+                    log.exception("job %s: progress listener failed", self.job_name)
+        return self._directive(report.generation)
+
+    async def fault(self, report: FaultReport) -> Directive:
+        early = self._report_directive(report.worker, report.generation)
+        if early is not None and report.kind != "user_error":
+            return early
+        self._apply(FaultReported(report))
+        return self._directive(report.generation)
+
+    async def complete(self, report: CompletionReport) -> Directive:
+        early = self._report_directive(report.worker, report.generation)
+        if early is not None:
+            return early
+        self._apply(CompletionReported(report))
+        return self._directive(report.generation)
+
+    # ------------------------------------------------------------ driver observations
+
+    async def on_worker_exit(
+        self, worker_id: str, exit_code: int | None, signal: int | None, reason: str = ""
+    ) -> None:
+        self._last_seen.pop(worker_id, None)
+        self._apply(WorkerExited(worker_id, exit_code, signal, reason))
+
+    async def on_worker_running(self, worker_id: str, node: str) -> None:
+        self._apply(WorkerRunning(worker_id, node))
+
+    async def on_node_anomaly(self, node: str, reason: str, severity: str) -> None:
+        self._apply(NodeAnomaly(node, reason, severity))
+
+    # ------------------------------------------------------------ status
+
+    @property
+    def status(self) -> TrainingJobStatus:
+        return self._status_view.build(self._state, self._clock())
+
+    # ------------------------------------------------------------ internals
+
+    def _check_known(self, worker: str) -> None:
+        if worker in self._state.dead:
+            raise SessionError(409, f"worker {worker} was declared dead and has been replaced")
+        parsed = parse_worker_id(worker)
+        if self._state.slot_of(worker) is None:
+            if parsed is not None and any(
+                s.index == parsed[0] and s.incarnation > parsed[1] for s in self._state.slots
+            ):
+                raise SessionError(409, f"worker {worker} has been replaced")
+            raise SessionError(404, f"worker {worker} was not started by job {self.job_name}")
+
+    def _report_directive(self, worker: str, generation: int) -> Directive | None:
+        current = self._state.generation
+        if worker in self._state.dead or self._state.terminal:
+            why = self._state.message or f"worker {worker} is no longer part of the job"
+            return Directive(action="stop", generation=current, reason=why)
+        self._check_known(worker)
+        if generation > current:
+            raise SessionError(
+                409, f"generation {generation} was never published (current {current})"
+            )
+        self._touch(worker)
+        return None
+
+    def _directive(self, generation: int) -> Directive:
+        s = self._state
+        if s.terminal:
+            return Directive(action="stop", generation=s.generation, reason=s.message)
+        if generation < s.generation:
+            return Directive(
+                action="reconfigure", generation=s.generation, reason="newer generation published"
+            )
+        return Directive(action="continue", generation=s.generation)
+
+    def _touch(self, worker: str) -> None:
+        self._last_seen[worker] = self._clock()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _apply(self, event: Event) -> None:
+        before = self._state
+        self._state, decisions = decide(before, event, self._clock())
+        if self._state is not before:
+            self._status_dirty = True
+        self._carry_out(decisions)
+
+    def _carry_out(self, decisions: list[Decision]) -> None:
+        for decision in decisions:
+            match decision:
+                case PublishMembership(view=view):
+                    metrics.GENERATIONS.inc()
+                    log.info(
+                        "job %s: generation %d: %s",
+                        self.job_name,
+                        view.generation,
+                        ", ".join(m.worker for m in view.members),
+                    )
+                    self._wake()
+                case RecoveryDone():
+                    metrics.RECOVERIES.labels(cause=decision.cause).inc()
+                    metrics.RECOVERY_SECONDS.labels(cause=decision.cause).observe(decision.seconds)
+                case RestartAll():
+                    metrics.RESTARTS.inc()
+                case Succeed() | Fail():
+                    self._wake()
+                    self._done.set()
+                case StartWorker():
+                    metrics.WORKER_STARTS.inc()
+                case EvictNode():
+                    metrics.EVICTIONS.labels(reason=decision.reason.split(" ")[0]).inc()
+                case RecordEvent(reason="WorkerLost"):
+                    metrics.WORKER_LOSSES.inc()
+            if isinstance(decision, StartWorker | StopWorker | EvictNode | RecordEvent):
+                self._effects.put_nowait(decision)
+        if self._state.phase != self._phase_metric and self._started:
+            metrics.job_phase_changed(self._phase_metric, self._state.phase)
+            self._phase_metric = self._state.phase
+        if self._status_dirty and self._effects.empty():
+            self._effects.put_nowait(_PUBLISH_STATUS)
+
+    async def _run_effects(self) -> None:
+        while True:
+            decision = await self._effects.get()
+            if decision is None:
+                await self._publish_status()
+                return
+            try:
+                await self._perform(decision)
+            except Exception as exc:  # a driver failure must not stop the session
+                log.exception("job %s: %s failed", self.job_name, decision)
+                if isinstance(decision, StartWorker):
+                    self._apply(WorkerExited(decision.worker.id, reason=f"StartFailed: {exc}"))
+            if self._status_dirty and self._effects.empty():
+                await self._publish_status()
+
+    async def _perform(self, decision: Decision) -> None:
+        match decision:
+            case StartWorker(worker=ref):
+                log.info("job %s: starting %s", self.job_name, ref.id)
+                await self.driver.start_worker(ref)
+            case StopWorker(worker=ref, reason=reason):
+                log.info("job %s: stopping %s: %s", self.job_name, ref.id, reason)
+                await self.driver.stop_worker(ref, reason)
+            case EvictNode(node=node, reason=reason):
+                log.warning("job %s: evicting node %s: %s", self.job_name, node, reason)
+                await self.driver.evict_node(node, reason)
+            case RecordEvent(reason=reason, message=message, warning=warning):
+                (log.warning if warning else log.info)("job %s: %s", self.job_name, message)
+                await self.driver.record_event(reason, message, warning)
+            case _PublishStatus():
+                await self._publish_status()
+
+    async def _publish_status(self) -> None:
+        if not self._status_dirty:
+            return
+        self._status_dirty = False
+        try:
+            await self.driver.publish_status(self.status)
+        except Exception:
+            log.exception("job %s: publishing status failed", self.job_name)
+
+    async def _hang_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            now = self._clock()
+            for worker in self._polling:
+                self._last_seen[worker] = now
+            try:
+                self._apply(Tick(last_seen=dict(self._last_seen)))
+            except Exception:  # keep the timer alive: the next tick may well succeed
+                log.exception("job %s: hang timer tick failed", self.job_name)
+
+
+class _PublishStatus:
+    """Marker in the effect queue: publish the status once the queue has drained."""
+
+
+_PUBLISH_STATUS: Any = _PublishStatus()
+
+
+class SessionRegistry:
+    """Job name -> session, for the control endpoint (one per manager process)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, JobSession] = {}
+
+    def add(self, session: JobSession) -> None:
+        self._sessions[session.job_name] = session
+
+    def remove(self, job_name: str) -> JobSession | None:
+        return self._sessions.pop(job_name, None)
+
+    def get(self, job_name: str) -> JobSession | None:
+        return self._sessions.get(job_name)
+
+    def __contains__(self, job_name: object) -> bool:
+        return job_name in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)

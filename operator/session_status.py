@@ -1,0 +1,83 @@
+"""The TrainingJobStatus of a job session, built from the lifecycle policy state.
+
+Times in the policy state are in the session's clock; they become RFC 3339 wall-clock
+times here. Conditions keep their last transition time across rebuilds of the status.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from bulkhead.api.status import Condition, Membership, Recovery, TrainingJobStatus
+from bulkhead.operator.lifecycle_types import LifecycleState
+
+# The status lists at most this many recoveries (the newest): it is stored in etcd.
+MAX_RECOVERIES_IN_STATUS = 50
+
+
+class StatusView:
+    def __init__(self, wall_offset_s: float, prior_recoveries: list[Recovery]) -> None:
+        """``wall_offset_s`` = wall clock - session clock; ``prior_recoveries`` come from the
+        status of a previous manager."""
+        self._wall_offset = wall_offset_s
+        self._prior = list(prior_recoveries)
+        self._conditions: dict[str, Condition] = {}
+
+    def build(self, s: LifecycleState, now: float) -> TrainingJobStatus:
+        recoveries = [*self._prior]
+        for done in s.recoveries:
+            recoveries.append(
+                Recovery(
+                    cause=done.cause,
+                    detected=self.rfc3339(done.detected),
+                    resumed=self.rfc3339(done.resumed),
+                    seconds=round(done.seconds, 3),
+                )
+            )
+        for pending in s.pending_recoveries:
+            recoveries.append(
+                Recovery(cause=pending.cause, detected=self.rfc3339(pending.detected))
+            )
+        membership = Membership.model_validate(
+            s.membership.model_dump(include={"generation", "coordinator", "members"})
+        )
+        return TrainingJobStatus(
+            phase=s.phase,
+            conditions=self._conditions_for(s, now),
+            membership=membership,
+            workers=f"{s.live_count()}/{s.config.workers}",
+            step=s.step,
+            loss=s.loss,
+            last_checkpoint_step=s.last_checkpoint_step,
+            restarts=s.restarts,
+            reconfigurations=s.reconfigurations,
+            evicted_nodes=list(s.evicted_nodes),
+            recoveries=recoveries[-MAX_RECOVERIES_IN_STATUS:],
+            message=s.message,
+        )
+
+    def rfc3339(self, t: float) -> str:
+        return datetime.fromtimestamp(t + self._wall_offset, UTC).isoformat(timespec="milliseconds")
+
+    def _conditions_for(self, s: LifecycleState, now: float) -> list[Condition]:
+        wanted = {
+            "Ready": ("True", "Training") if s.phase == "Running" else ("False", s.phase),
+            "Progressing": (
+                ("True", "Steps") if s.phase in ("Running", "Recovering") else ("False", s.phase)
+            ),
+            "Degraded": (
+                ("True", "Recovering") if s.phase == "Recovering" else ("False", "AllHealthy")
+            ),
+        }
+        for kind, (value, reason) in wanted.items():
+            old = self._conditions.get(kind)
+            if old is None or old.status != value or old.reason != reason:
+                changed = old is None or old.status != value
+                self._conditions[kind] = Condition(
+                    type=kind,
+                    status=value,
+                    reason=reason,
+                    message=s.message if value == "False" else "",
+                    last_transition_time=self.rfc3339(now) if changed else old.last_transition_time,
+                )
+        return list(self._conditions.values())

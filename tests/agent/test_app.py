@@ -1,0 +1,127 @@
+"""The agent's HTTP API on a real server (127.0.0.1, free port) with its loop running:
+valid reports are detected, malformed or unauthenticated ones get 4xx and the agent lives on."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+from agent_helpers import TEST_SETTINGS, TOKEN
+
+from bulkhead.agent.service import Built, Sources, build
+from bulkhead.agent.settings import AgentSettings
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def _serve(settings: AgentSettings) -> Iterator[tuple[Built, httpx.Client]]:
+    built = build(settings, Sources(gpu=None, kernel_log=None, api=None, host=True))
+    stop = threading.Event()
+    loop = threading.Thread(target=built.agent.run, args=(stop, settings.interval_s), daemon=True)
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(built.app, host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    thread.start()
+    _wait(lambda: server.started, "the HTTP server")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        yield built, http
+    server.should_exit = True
+    stop.set()
+    thread.join(timeout=10)
+    loop.join(timeout=10)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Built, httpx.Client]]:
+    with _serve(AgentSettings(**TEST_SETTINGS, interval_s=0.05)) as pair:
+        yield pair
+
+
+def test_probes_and_metrics(served):
+    _, http = served
+    _wait(lambda: http.get("/readyz").status_code == 200, "readiness")
+    assert http.get("/healthz").json() == {"status": "ok"}
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200
+    assert "bulkhead_agent_ticks_total" in metrics.text
+    assert "bulkhead_agent_tick_duration_seconds_bucket" in metrics.text
+
+
+def test_nan_report_becomes_an_anomaly(served):
+    _, http = served
+    body = b'{"worker": "job-w3", "step": 12, "loss": NaN, "stepTimeS": 0.5}'
+    reply = http.post(
+        "/v1/report", content=body, headers={**AUTH, "content-type": "application/json"}
+    )
+    assert reply.status_code == 202, reply.text
+
+    def anomaly() -> dict | None:
+        data = http.get("/v1/anomalies").json()
+        return data if data["condition"]["status"] == "True" else None
+
+    _wait(lambda: anomaly() is not None, "the NanLoss condition")
+    data = anomaly()
+    assert data["node"] == "test-node"
+    assert data["condition"]["reason"] == "NanLoss"
+    assert [(p["reason"], p["subject"]) for p in data["problems"]] == [("NanLoss", "job-w3")]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status"),
+    [
+        ({}, b'{"worker": "w", "step": 1}', 401),
+        ({"Authorization": "Bearer wrong"}, b'{"worker": "w", "step": 1}', 403),
+        ({"Authorization": "Basic abc"}, b'{"worker": "w", "step": 1}', 401),
+        (AUTH, b"{not json", 422),
+        (AUTH, b'{"worker": "w"}', 422),  # step missing
+        (AUTH, b'{"worker": "w", "step": -1}', 422),
+        (AUTH, b'{"worker": "", "step": 1}', 422),
+        (AUTH, b'{"worker": "w", "step": 1, "stepTimeS": NaN}', 422),
+        (AUTH, b'{"worker": "w", "step": 1, "surprise": true}', 422),
+        (AUTH, b"[1, 2, 3]", 422),
+        (AUTH, b'{"worker": "w", "step": 1, "pad": "' + b"x" * 70_000 + b'"}', 413),
+    ],
+)
+def test_bad_reports_get_4xx_and_the_agent_keeps_running(served, headers, body, status):
+    built, http = served
+    reply = http.post(
+        "/v1/report", content=body, headers={**headers, "content-type": "application/json"}
+    )
+    assert reply.status_code == status, reply.text
+    assert "detail" in reply.json()
+    ticks = built.metrics.ticks._value.get()
+    _wait(lambda: built.metrics.ticks._value.get() > ticks + 2, "more ticks")
+    assert http.get("/healthz").status_code == 200
+    assert built.agent.problems() == []
+    assert built.metrics.reports.labels("rejected")._value.get() >= 1
+
+
+def test_reports_are_refused_without_a_configured_token():
+    settings = AgentSettings(**{**TEST_SETTINGS, "report_token": None, "interval_s": 0.05})
+    with _serve(settings) as (_, http):
+        reply = http.post("/v1/report", json={"worker": "w", "step": 1}, headers=AUTH)
+    assert reply.status_code == 403
+    assert "no report token" in reply.json()["detail"]

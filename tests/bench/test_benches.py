@@ -1,0 +1,56 @@
+"""Benchmarks run in their --quick form and write the JSON figures they promise.
+
+Benchmarks are not timed assertions: these tests only keep them from rotting. The planner,
+checkpoint and operator benches have their smoke tests next to their components' tests;
+this file covers the rest and checks that no bench is left without one.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# bench -> keys its --out JSON must carry (from the issues that asked for the bench).
+EXPECTED_KEYS = {
+    "agent": {
+        "cpu_core_fraction",
+        "rss_mb",
+        "baseline_cpu_core_fraction",
+        "baseline_rss_mb",
+        "cpu_of_budget",
+        "rss_of_budget",
+        "detection_latency_max_s",
+    },
+    "recovery": {"bulkhead_recovery_s", "torchrun_recovery_s", "ratio"},
+}
+
+
+def test_every_bench_has_a_smoke_test():
+    benches = {p.stem for p in (REPO / "bench").glob("*.py") if not p.stem.startswith("_")}
+    tests = "\n".join(p.read_text() for p in (REPO / "tests").rglob("test_*.py"))
+    covered = set(EXPECTED_KEYS) | {
+        b for b in benches if re.search(rf'"bench"\s*/\s*"{b}\.py"|bench/{b}\.py', tests)
+    }
+    assert benches <= covered, f"benches without a --quick smoke test: {benches - covered}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECTED_KEYS))
+def test_bench_quick(name: str, tmp_path: Path):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / f"{name}.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), f"{name} printed nothing"
+    figures = json.loads(out.read_text())
+    missing = EXPECTED_KEYS[name] - set(figures)
+    assert not missing, f"{name} JSON lacks {sorted(missing)}"
+    for key in EXPECTED_KEYS[name]:
+        assert isinstance(figures[key], int | float) and figures[key] >= 0, (key, figures[key])

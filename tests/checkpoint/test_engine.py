@@ -1,0 +1,136 @@
+"""Snapshot into shared memory and restore from it, with an in-process sidecar."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_helpers import assert_state_is, make_state, wait_for
+
+from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology
+from bulkhead.trainer.checkpoint.shm import all_slots
+
+
+def settings(shm_dir, **extra) -> CheckpointSettings:
+    return CheckpointSettings(**{"job": "job1", "shm_dir": shm_dir, "seal_timeout_s": 30, **extra})
+
+
+def test_snapshot_restore_roundtrip_from_shared_memory(shm_dir, sidecar_factory) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        first = engine.snapshot(10, make_state(10))
+        second = engine.snapshot(20, make_state(20))
+        assert {first.slot, second.slot} == {0, 1}  # double buffering
+        assert first.nbytes > 0 and first.blocking_s >= 0
+        restored = engine.restore()
+    assert restored is not None
+    assert (restored.step, restored.tier) == (20, "shm")
+    assert_state_is(restored.state, 20)
+
+
+def test_restore_into_live_tensors_and_max_step(shm_dir, sidecar_factory) -> None:
+    sidecar_factory(shm_dir)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        engine.snapshot(2, {"model": {k: v + 1 for k, v in saved.items()}})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        live = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        restored = engine.restore(into=live, max_step=1)
+    assert restored is not None and restored.step == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key  # filled in place into the parameters
+    optimizer.load_state_dict(restored.state["optim"])
+
+
+def test_corrupt_shared_memory_falls_back_to_older_snapshot(shm_dir, sidecar_factory) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(10, make_state(10))
+        newest = engine.snapshot(20, make_state(20))
+        wait_for(lambda: engine.status()["sealed_step"] == 20, what="seal of step 20")
+        wait_for(
+            lambda: all(f.record().crc32c is not None for f in all_slots(shm_dir)), what="seals"
+        )
+        data = all_slots(shm_dir)[newest.slot].data
+        with open(data, "r+b") as file:  # one bit flipped in the newest snapshot
+            file.seek(100)
+            byte = file.read(1)[0]
+            file.seek(100)
+            file.write(bytes([byte ^ 0x01]))
+        restored = engine.restore()
+    assert restored is not None
+    assert (restored.step, restored.tier) == (10, "shm")
+    assert any("step 20" in s and "CRC" in s for s in restored.skipped)
+    assert_state_is(restored.state, 10)
+
+
+def test_other_shards_and_jobs_are_never_restored(shm_dir, sidecar_factory) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir), Topology(shard="a", shards=("a",))) as engine:
+        engine.snapshot(5, make_state(5))
+        engine.set_topology(Topology(shard="b", shards=("b",)))
+        assert engine.restore() is None
+    with CheckpointEngine(settings(shm_dir).model_copy(update={"job": "other"})) as engine:
+        assert engine.restore() is None
+
+
+def test_without_a_sidecar_snapshots_still_work_but_are_unverified(shm_dir) -> None:
+    with CheckpointEngine(settings(shm_dir, seal_timeout_s=0)) as engine:
+        result = engine.snapshot(3, make_state(3))
+        assert result.nbytes > 0
+        assert engine.restore() is None  # never load what nobody has sealed
+
+
+def test_interrupted_copy_leaves_the_previous_snapshot(shm_dir, sidecar_factory) -> None:
+    """A copy that dies midway (here: a tensor that cannot be read) publishes nothing."""
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(10, make_state(10))
+        engine.snapshot(20, make_state(20))
+        broken = make_state(30)
+        broken["zz_unreadable"] = torch.empty(1024, device="meta")  # copied last, raises
+        with pytest.raises(NotImplementedError):
+            engine.snapshot(30, broken)
+        restored = engine.restore()
+    assert restored is not None and restored.step == 20
+    assert_state_is(restored.state, 20)
+
+
+def test_after_falling_back_the_abandoned_newer_snapshot_never_wins(
+    shm_dir, sidecar_factory
+) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(10, make_state(10))
+        engine.snapshot(20, make_state(20))
+        restored = engine.restore(max_step=10)  # e.g. the ranks agreed on step 10
+        assert restored is not None and restored.step == 10
+        engine.snapshot(15, make_state(15))
+    with CheckpointEngine(settings(shm_dir)) as engine:  # the trainer restarts again
+        restored = engine.restore()
+    assert restored is not None and restored.step == 15
+    assert_state_is(restored.state, 15)
+
+
+def test_settings_from_the_job_spec(shm_dir) -> None:
+    from bulkhead.api.spec import CheckpointConfig
+
+    config = CheckpointConfig.model_validate(
+        {"intervalSteps": 25, "keep": 4, "storage": {"path": "/data/ckpt"}}
+    )
+    made = CheckpointSettings.from_spec(config, job="job1", shm_dir=shm_dir)
+    assert (made.interval_steps, made.keep, str(made.storage_dir)) == (25, 4, "/data/ckpt")
+    assert made.socket_path == shm_dir / "checkpointd.sock"
+    engine = CheckpointEngine(made)
+    assert [engine.due(step) for step in (0, 24, 25, 50)] == [False, False, True, True]
+    engine.close()
+    on_pvc = CheckpointSettings.from_spec(
+        CheckpointConfig.model_validate({"storage": {"pvc": "ckpt"}}), job="job1"
+    )
+    assert str(on_pvc.storage_dir) == "/checkpoints"

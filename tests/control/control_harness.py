@@ -1,0 +1,81 @@
+"""A real control endpoint on 127.0.0.1 in a background event loop, for the control tests.
+
+The driver records what the session asked for (starting real workers is the local
+driver's job, tested in tests/local); everything else is the production code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import TrainingJobStatus
+from bulkhead.operator.control import ControlServer, create_control_app
+from bulkhead.operator.driver import WorkerRef
+from bulkhead.operator.session import JobSession, SessionRegistry
+
+
+class RecordingDriver:
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.stopped: list[tuple[str, str]] = []
+        self.evicted: list[str] = []
+        self.events: list[tuple[str, str, bool]] = []
+        self.statuses: list[TrainingJobStatus] = []
+
+    async def start_worker(self, worker: WorkerRef) -> None:
+        self.started.append(worker.id)
+
+    async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
+        self.stopped.append((worker.id, reason))
+
+    async def evict_node(self, node: str, reason: str) -> None:
+        self.evicted.append(node)
+
+    async def record_event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append((reason, message, warning))
+
+    async def publish_status(self, status: TrainingJobStatus) -> None:
+        self.statuses.append(status)
+
+
+class Harness:
+    """One job session behind a real HTTP server, on its own thread and event loop."""
+
+    def __init__(self, job: str, spec: TrainingJobSpec, token: str = "s3cret") -> None:
+        self.job = job
+        self.token = token
+        self.driver = RecordingDriver()
+        self.loop = asyncio.new_event_loop()
+        self.session = JobSession(job, spec, token, self.driver, tick_seconds=0.1)
+        self.registry = SessionRegistry()
+        self.registry.add(self.session)
+        self.server = ControlServer(create_control_app(self.registry))
+        self.url = self.server.url
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> Harness:
+        self._thread.start()
+        self.call(self.session.start())
+        self.call(self.server.start())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.call(self.session.stop())
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not met within the deadline")
+            time.sleep(0.02)

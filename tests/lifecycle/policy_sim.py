@@ -1,0 +1,96 @@
+"""Shared helpers of the lifecycle policy tests: a spec builder and an event driver."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bulkhead.api.protocol import CompletionReport, FaultReport, ProgressReport
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.lifecycle import decide, initial_state
+from bulkhead.operator.lifecycle_types import (
+    CompletionReported,
+    Decision,
+    Event,
+    FaultReported,
+    JobStarted,
+    LifecycleState,
+    ProgressReported,
+    PublishMembership,
+    Tick,
+    WorkerExited,
+    WorkerRegistered,
+)
+
+
+def make_spec(workers: int = 4, **fault_tolerance: Any) -> TrainingJobSpec:
+    ft = {"maxFailures": 1, "maxRestarts": 2, "hangTimeoutSeconds": 10.0}
+    ft.update(fault_tolerance)
+    return TrainingJobSpec.model_validate(
+        {
+            "workers": workers,
+            "minWorkers": min(2, workers),
+            "trainer": {"steps": 100},
+            "faultTolerance": ft,
+        }
+    )
+
+
+class Sim:
+    """Feeds events to the policy with a manual clock and keeps every decision."""
+
+    def __init__(self, spec: TrainingJobSpec | None = None, job: str = "job"):
+        self.state: LifecycleState = initial_state(job, spec or make_spec())
+        self.now = 0.0
+        self.log: list[Decision] = []
+
+    def feed(self, event: Event, advance: float = 0.0) -> list[Decision]:
+        self.now += advance
+        self.state, decisions = decide(self.state, event, self.now)
+        self.log.extend(decisions)
+        return decisions
+
+    def wid(self, slot: int) -> str:
+        current = self.state.slots[slot]
+        return self.state.ref(current).id
+
+    def start_and_register_all(self) -> None:
+        self.feed(JobStarted())
+        for slot in range(len(self.state.slots)):
+            self.feed(WorkerRegistered(self.wid(slot), f"node-{slot}", f"127.0.0.1:{9000 + slot}"))
+
+    def progress(
+        self,
+        step: int,
+        worker: str | None = None,
+        advance: float = 1.0,
+        checkpoint: int | None = None,
+    ) -> None:
+        worker = worker or self.state.members()[0]
+        report = ProgressReport(
+            worker=worker,
+            generation=self.state.generation,
+            step=step,
+            loss=1.0,
+            checkpoint_step=checkpoint,
+        )
+        self.feed(ProgressReported(report), advance)
+
+    def exit(self, worker: str, code: int | None = None, sig: int | None = 9) -> list[Decision]:
+        return self.feed(WorkerExited(worker, code, sig if code is None else None))
+
+    def fault(self, worker: str, kind: str, suspects: list[str] | None = None) -> list[Decision]:
+        report = FaultReport(
+            worker=worker, generation=self.state.generation, kind=kind, suspects=suspects or []
+        )
+        return self.feed(FaultReported(report))
+
+    def complete(self, step: int) -> list[Decision]:
+        worker = self.state.members()[0]
+        report = CompletionReport(worker=worker, generation=self.state.generation, step=step)
+        return self.feed(CompletionReported(report))
+
+    def tick(self, advance: float, last_seen: dict[str, float] | None = None) -> list[Decision]:
+        return self.feed(Tick(last_seen=last_seen or {}), advance)
+
+    def published(self) -> list[PublishMembership]:
+        return [d for d in self.log if isinstance(d, PublishMembership)]

@@ -1,0 +1,272 @@
+"""Unit tests of the lifecycle policy: one scenario per rule, with a manual clock."""
+
+from __future__ import annotations
+
+import signal
+
+from policy_sim import Sim, make_spec
+
+from bulkhead.api.status import Member, Membership, TrainingJobStatus
+from bulkhead.operator.lifecycle_rebuild import rebuild
+from bulkhead.operator.lifecycle_types import (
+    EvictNode,
+    Fail,
+    JobStarted,
+    NodeAnomaly,
+    PublishMembership,
+    RecoveryDone,
+    RestartAll,
+    StartWorker,
+    StopWorker,
+    Succeed,
+    WorkerRegistered,
+)
+
+
+def _of(kind: type, decisions: list) -> list:
+    return [d for d in decisions if isinstance(d, kind)]
+
+
+def test_first_generation_waits_for_every_worker() -> None:
+    sim = Sim()
+    starts = _of(StartWorker, sim.feed(JobStarted()))
+    assert [d.worker.id for d in starts] == ["job-w0-0", "job-w1-0", "job-w2-0", "job-w3-0"]
+    for slot in range(3):
+        sim.feed(WorkerRegistered(sim.wid(slot), "n", f"h:{slot}"))
+    assert sim.published() == []
+    sim.feed(WorkerRegistered(sim.wid(3), "n", "h:3"))
+    (pub,) = sim.published()
+    assert pub.view.generation == 1
+    assert [m.worker for m in pub.view.members] == [f"job-w{i}-0" for i in range(4)]
+    assert pub.view.coordinator == "h:0"
+    assert pub.view.resume_step == 0
+    assert sim.state.phase == "Running"
+
+
+def test_lost_worker_is_dropped_replaced_and_rejoins() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    decisions = sim.exit("job-w2-0")
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == 2
+    assert "job-w2-0" not in [m.worker for m in pub.view.members]
+    assert pub.view.resume_step == 11
+    assert not pub.view.restore_from_checkpoint
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
+    assert sim.state.phase == "Recovering"
+    # The replacement registers: generation 3 brings it back, appended after the survivors.
+    sim.feed(WorkerRegistered("job-w2-1", "n", "h:22"))
+    view = sim.published()[-1].view
+    assert view.generation == 3
+    assert [m.worker for m in view.members] == ["job-w0-0", "job-w1-0", "job-w3-0", "job-w2-1"]
+    assert sim.state.reconfigurations == 2
+
+
+def test_recovery_is_timed_from_detection_to_next_step() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    sim.now = 100.0
+    sim.exit("job-w1-0", sig=signal.SIGKILL)
+    sim.progress(11, advance=2.5)
+    (done,) = _of(RecoveryDone, sim.log)
+    assert done.cause == "SIGKILL"
+    assert done.seconds == 2.5
+    assert done.lost_steps == 0
+    assert sim.state.phase == "Running"
+
+
+def test_coordinator_loss_moves_rank_zero_to_the_next_survivor() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.exit("job-w0-0")
+    view = sim.published()[-1].view
+    assert view.members[0].worker == "job-w1-0"
+    assert view.coordinator == "127.0.0.1:9001"
+    assert [m.rank for m in view.members] == [0, 1, 2]
+
+
+def test_user_error_fails_fast_without_retry() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    decisions = sim.exit("job-w1-0", code=2)
+    (fail,) = _of(Fail, decisions)
+    assert "user error" in fail.reason
+    assert sim.state.phase == "Failed"
+    assert _of(StartWorker, decisions) == []
+    assert {d.worker.id for d in _of(StopWorker, decisions)} == {
+        "job-w0-0",
+        "job-w2-0",
+        "job-w3-0",
+    }
+
+
+def test_user_error_report_fails_the_job() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.fault("job-w0-0", "user_error")
+    assert sim.state.phase == "Failed"
+    assert sim.state.membership.state == "failed"
+
+
+def test_more_losses_than_max_failures_restarts_from_checkpoint() -> None:
+    sim = Sim(make_spec(workers=4, maxFailures=1, backoff={"initialSeconds": 2}))
+    sim.start_and_register_all()
+    sim.progress(30, checkpoint=25)
+    sim.exit("job-w1-0")
+    decisions = sim.exit("job-w2-0")
+    (restart,) = _of(RestartAll, decisions)
+    assert restart.restart == 1
+    assert sim.state.restarts == 1
+    # Every live worker is stopped (w1's replacement too); all restart after the backoff.
+    stopped = {d.worker.id for d in _of(StopWorker, decisions)}
+    assert stopped == {"job-w0-0", "job-w3-0", "job-w1-1"}
+    assert _of(StartWorker, decisions) == []
+    starts = _of(StartWorker, sim.tick(2.0))
+    assert sorted(d.worker.id for d in starts) == ["job-w0-1", "job-w1-2", "job-w2-1", "job-w3-1"]
+    for d in starts:
+        sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
+    view = sim.published()[-1].view
+    assert view.restore_from_checkpoint
+    assert view.resume_step == 26
+    sim.progress(26)
+    (done,) = _of(RecoveryDone, sim.log)
+    assert done.lost_steps == 30 - 26 + 1
+
+
+def test_restarts_are_bounded_by_max_restarts() -> None:
+    sim = Sim(make_spec(workers=2, maxFailures=0, maxRestarts=1))
+    sim.start_and_register_all()
+    sim.exit("job-w0-0")
+    assert sim.state.restarts == 1
+    for d in _of(StartWorker, sim.tick(5.0)):
+        sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
+    sim.progress(1)
+    decisions = sim.exit(sim.state.members()[1])
+    assert sim.state.phase == "Failed"
+    assert "maxRestarts (1) exhausted" in _of(Fail, decisions)[0].reason
+    assert sim.state.restarts == 1
+
+
+def test_hang_timer_replaces_the_silent_member() -> None:
+    sim = Sim(make_spec(hangTimeoutSeconds=10.0))
+    sim.start_and_register_all()
+    sim.progress(5)
+    stalled_at = sim.now
+    seen = {sim.wid(i): stalled_at + 9 for i in range(4)}
+    seen["job-w2-0"] = stalled_at  # silent since the stall
+    assert sim.tick(9.0, seen) == []
+    decisions = sim.tick(1.5, seen)
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w2-0"]
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
+    assert "job-w2-0" not in sim.published()[-1].view.members
+
+
+def test_stall_without_a_silent_member_reforms_then_restarts() -> None:
+    sim = Sim(make_spec(hangTimeoutSeconds=10.0))
+    sim.start_and_register_all()
+    sim.progress(5)
+    seen = {sim.wid(i): sim.now + 10 for i in range(4)}
+    decisions = sim.tick(10.5, seen)
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == 2 and len(pub.view.members) == 4
+    assert _of(RestartAll, decisions) == []
+    seen = {sim.wid(i): sim.now + 10 for i in range(4)}
+    decisions = sim.tick(10.5, seen)
+    assert _of(RestartAll, decisions)
+    assert sim.state.restarts == 1
+
+
+def test_peer_suspect_stops_and_replaces_the_suspect() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    decisions = sim.fault("job-w0-0", "peer_suspect", ["job-w3-0"])
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w3-0"]
+    assert "job-w3-0" in sim.state.dead
+    assert sim.state.generation == 2
+
+
+def test_critical_node_anomaly_evicts_and_replaces() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    decisions = sim.feed(NodeAnomaly("node-1", "XidError", "critical"))
+    assert _of(EvictNode, decisions)[0].node == "node-1"
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w1-0"]
+    assert sim.state.evicted_nodes == ("node-1",)
+    # A warning only records an event.
+    decisions = sim.feed(NodeAnomaly("node-2", "ThermalThrottle", "warning"))
+    assert _of(EvictNode, decisions) == [] and _of(StopWorker, decisions) == []
+
+
+def test_crash_loop_before_registering_backs_off_then_fails() -> None:
+    sim = Sim(make_spec(workers=2, maxRestarts=2, backoff={"initialSeconds": 1}))
+    sim.feed(JobStarted())
+    sim.exit("job-w1-0", code=1)
+    assert sim.state.slots[1].incarnation == 1  # first crash: replaced at once
+    sim.exit("job-w1-1", code=1)
+    assert sim.state.slots[1].status == "pending"  # second: after the backoff
+    assert [d.worker.id for d in _of(StartWorker, sim.tick(1.0))] == ["job-w1-2"]
+    sim.exit("job-w1-2", code=1)
+    sim.tick(2.0)
+    decisions = sim.exit("job-w1-3", code=1)
+    assert "failed 4 times in a row" in _of(Fail, decisions)[0].reason
+
+
+def test_registration_timeout_starts_with_min_workers_or_fails() -> None:
+    sim = Sim(make_spec(workers=4, registrationTimeoutSeconds=30))
+    sim.feed(JobStarted())
+    sim.feed(WorkerRegistered("job-w0-0", "n", "h:0"))
+    sim.feed(WorkerRegistered("job-w1-0", "n", "h:1"))
+    sim.tick(31.0)
+    assert sim.state.generation == 1 and len(sim.state.members()) == 2
+
+    lonely = Sim(make_spec(workers=4, registrationTimeoutSeconds=30))
+    lonely.feed(JobStarted())
+    lonely.feed(WorkerRegistered("job-w0-0", "n", "h:0"))
+    lonely.tick(31.0)
+    assert lonely.state.phase == "Failed"
+    assert "only 1 of 4 workers registered within 30s" in lonely.state.message
+
+
+def test_completion_succeeds_and_late_exits_are_quiet() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(99)
+    (ok,) = _of(Succeed, sim.complete(99))
+    assert sim.state.phase == "Succeeded"
+    assert "100 steps" in ok.message
+    assert sim.exit("job-w1-0", code=0) == []
+    assert sim.state.phase == "Succeeded"
+
+
+def test_exit_zero_after_the_last_step_is_not_a_loss() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(99)
+    assert _of(StartWorker, sim.exit("job-w3-0", code=0)) == []
+    assert sim.state.generation == 1
+
+
+def test_rebuild_keeps_live_members_and_replaces_the_rest() -> None:
+    spec = make_spec(workers=3)
+    status = TrainingJobStatus(
+        phase="Running",
+        step=40,
+        loss=2.0,
+        membership=Membership(
+            generation=5,
+            coordinator="h:0",
+            members=[
+                Member(rank=0, worker="job-w0-2", node="a", address="h:0"),
+                Member(rank=1, worker="job-w1-0", node="b", address="h:1"),
+                Member(rank=2, worker="job-w2-1", node="c", address="h:2"),
+            ],
+        ),
+    )
+    live = {"job-w0-2": "a", "job-w1-0": "b"}  # w2-1 vanished while the manager was down
+    state, decisions = rebuild("job", spec, status, live, now=0.0)
+    assert state.generation == 6
+    assert state.members() == ["job-w0-2", "job-w1-0"]
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-2"]
+    assert "job-w2-1" in state.dead

@@ -1,0 +1,182 @@
+"""The local supervisor with a torch-free stand-in worker: bad input, start-up failures,
+Ctrl-C with no orphans. The real worker is exercised in test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from local_harness import (
+    BULKHEAD,
+    FAKE_WORKER,
+    processes_of_job,
+    read_jsonl,
+    wait_no_processes,
+    write_job,
+)
+
+from bulkhead.cli.main import cli
+
+FAKE = shlex.join(FAKE_WORKER)
+
+
+def _command(job: Path, run_dir: Path) -> list[str]:
+    return [
+        BULKHEAD,
+        "run",
+        str(job),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        "--worker-command",
+        FAKE,
+    ]
+
+
+def test_bad_job_file_is_refused_with_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: bulkhead.dev/v1alpha1\nkind: TrainingJob\nmetadata: {name: x}\n"
+        "spec: {workers: 2, minWorkers: 3}\n"
+    )
+    result = CliRunner().invoke(cli, ["run", str(bad)])
+    assert result.exit_code == 2
+    assert "spec.minWorkers: must be <= workers (2), got 3" in result.output
+    missing = CliRunner().invoke(cli, ["run", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2 and "cannot read file" in missing.output
+
+
+def test_bad_chaos_and_overrides_are_usage_errors(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", "usage", workers=2)
+    result = CliRunner().invoke(cli, ["run", str(job), "--chaos", "kill:worker=5@step=1"])
+    assert result.exit_code == 2 and "worker=5 but the job has 2 workers" in result.output
+    result = CliRunner().invoke(cli, ["run", str(job), "--workers", "0"])
+    assert result.exit_code == 2 and "--workers" in result.output
+
+
+@pytest.mark.slow
+def test_user_error_fails_fast_without_retries(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", "fake-user-error", workers=2)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "FAKE_MODE": "user_error"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        _command(job, run_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - started < 60
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Failed"
+    assert "user error (exit code 2)" in summary["message"]
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert all(name.endswith("-0.log") for name in logs), f"a user error was retried: {logs}"
+    assert "bad config" in (run_dir / "logs" / logs[0]).read_text()
+
+
+@pytest.mark.slow
+def test_crash_loop_is_bounded(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", "fake-crash", workers=1, maxRestarts=1)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        _command(job, run_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FAKE_MODE": "crash"},
+        check=False,
+    )
+    assert proc.returncode == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "failed 3 times in a row before training" in summary["message"]
+    assert len(list((run_dir / "logs").iterdir())) == 3
+
+
+@pytest.mark.slow
+def test_sigint_stops_everything_and_leaves_no_orphans(tmp_path: Path) -> None:
+    name = "fake-sigint"
+    job = write_job(tmp_path / "job.yaml", name, workers=3, steps=100_000)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _command(job, run_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(read_jsonl(metrics)) >= 5):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        # Workers and their grandchildren are running.
+        assert len(processes_of_job(name)) >= 6
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert wait_no_processes(name) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Interrupted" and summary["steps_completed"] >= 5
+    assert (run_dir / "plot.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_run_dir_records_events_metrics_and_summary(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", "fake-events", workers=2, steps=10)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        _command(job, run_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    reasons = [e["reason"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert reasons[0] == "RunStarted" and reasons[-1] == "RunEnded"
+    assert "MembershipPublished" in reasons and "Succeeded" in reasons
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(10))
+    assert "Succeeded" in proc.stdout and "steps 10/10" in proc.stdout
+
+
+@pytest.mark.slow
+def test_periodic_random_kills_are_survived(tmp_path: Path) -> None:
+    name = "fake-random-kills"
+    job = write_job(tmp_path / "job.yaml", name, workers=3, steps=150)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*_command(job, run_dir), "--chaos", "kill:random@every=2s"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "FAKE_STEP_SECONDS": "0.05"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == 150
+    assert summary["failures_injected"] >= 2
+    assert len(summary["recoveries"]) >= 2
+    assert {r["cause"] for r in summary["recoveries"]} == {"SIGKILL"}
+    events = read_jsonl(run_dir / "events.jsonl")
+    injected = [e for e in events if e["reason"] == "FaultInjected"]
+    lost = [e for e in events if e["reason"] == "WorkerLost"]
+    assert len(lost) >= len(injected) == summary["failures_injected"]
+    assert wait_no_processes(name) == []

@@ -1,0 +1,61 @@
+"""The live view and the plot of a local run (rendering only, no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from bulkhead.api.status import Membership, Recovery, TrainingJobStatus
+from bulkhead.operator.local.plot import plot_run
+from bulkhead.operator.local.rundir import EventRow, MetricRow, RunRecorder
+from bulkhead.operator.local.view import LiveView
+
+
+def _status() -> TrainingJobStatus:
+    return TrainingJobStatus(
+        phase="Recovering",
+        workers="3/4",
+        membership=Membership(generation=3),
+        recoveries=[Recovery(cause="SIGKILL", detected="2026-01-01T00:00:00Z", seconds=0.42)],
+    )
+
+
+def test_live_panel_shows_step_loss_throughput_generation_and_recoveries() -> None:
+    console = Console(record=True, force_terminal=True, width=100)
+    with LiveView("demo", 150, console=console) as view:
+        view.on_status(_status())
+        view.on_metric(
+            MetricRow(t=1.0, step=41, loss=2.5, tokens_per_s=12345.0, generation=3, workers=3)
+        )
+    text = console.export_text()
+    for expected in ("Recovering", "42/150", "2.5000", "12,345", "3/4", "0.42s"):
+        assert expected in text, expected
+
+
+def test_plain_output_prints_events_and_progress_lines() -> None:
+    console = Console(record=True, force_terminal=False, width=200)
+    with LiveView("demo", 100, console=console) as view:
+        view.on_status(_status())
+        view.on_event(EventRow(t=3.0, reason="FaultInjected", message="kill w1", warning=True))
+        view.on_metric(
+            MetricRow(t=4.0, step=10, loss=3.0, tokens_per_s=None, generation=3, workers=3)
+        )
+    text = console.export_text()
+    assert "FaultInjected kill w1" in text
+    assert "step 11/100" in text and "gen 3" in text and "recoveries 1" in text
+
+
+def test_recorder_writes_lines_and_the_plot(tmp_path: Path) -> None:
+    recorder = RunRecorder(tmp_path, clock=iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__)
+    recorder.metric(0, 5.0, 100.0, 1, 2)
+    recorder.event("FaultInjected", "kill", warning=True)
+    recorder.event("Recovered", "ok")
+    recorder.metric(1, 4.0, 90.0, 2, 1)
+    recorder.write_summary({"steps_completed": 2})
+    recorder.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert '"reason": "Recovered"' in (tmp_path / "events.jsonl").read_text()
+    assert (tmp_path / "summary.json").read_text().strip().endswith("}")
+    png = plot_run(recorder.metrics, recorder.events, tmp_path / "plot.png", "demo")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

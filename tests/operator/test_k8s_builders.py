@@ -1,0 +1,127 @@
+"""The pure builders: worker pods carry the launch contract, the sidecar, and our labels."""
+
+import json
+
+from bulkhead.api import parse_spec, protocol
+from bulkhead.operator.k8s import builders, names
+from bulkhead.operator.k8s.builders import JobContext
+
+
+def _ctx(**spec_overrides) -> JobContext:
+    spec = parse_spec({"workers": 4, "minWorkers": 2, **spec_overrides})
+    return JobContext(
+        name="llm",
+        namespace="team-a",
+        uid="uid-1",
+        spec=spec,
+        control_url="http://bulkhead-operator.bulkhead-system.svc:8080",
+        image="ghcr.io/bulkhead/bulkhead:0.1.0",
+    )
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_worker_pod_injects_launch_contract_and_sidecar():
+    pod = builders.build_worker_pod(_ctx(), "llm-w3-1", slot=3, incarnation=1)
+    spec = pod["spec"]
+    trainer = spec["containers"][0]
+    assert trainer["name"] == "trainer"
+    assert trainer["command"] == ["bulkhead-worker"]
+    env = _env(trainer)
+    assert env[protocol.ENDPOINT_ENV] == "http://bulkhead-operator.bulkhead-system.svc:8080"
+    assert env[protocol.TOKEN_ENV] == {"secretKeyRef": {"name": "llm-control", "key": "token"}}
+    assert env[protocol.JOB_ENV] == "team-a.llm"
+    assert env[protocol.WORKER_ENV] == "llm-w3-1"
+    assert env["BULKHEAD_INCARNATION"] == "1"
+    assert env["BULKHEAD_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["BULKHEAD_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert json.loads(env["BULKHEAD_JOB_SPEC"])["workers"] == 4
+    assert env["BULKHEAD_CHECKPOINT_SOCKET"].startswith(env["BULKHEAD_SHM_DIR"])
+
+    sidecar = spec["initContainers"][-1]
+    assert sidecar["name"] == "checkpoint"
+    assert sidecar["command"] == ["bulkhead-checkpointd"]
+    assert sidecar["restartPolicy"] == "Always"
+    shm = next(v for v in spec["volumes"] if v["name"] == names.SHM_VOLUME)
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for container in (trainer, sidecar):
+        assert {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT} in container["volumeMounts"]
+
+    assert spec["restartPolicy"] == "Never"
+    term = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert term[0]["labelSelector"]["matchLabels"][names.LABEL_JOB] == "llm"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    meta = pod["metadata"]
+    assert meta["name"] == "llm-w3-1" and meta["namespace"] == "team-a"
+    assert meta["labels"][names.LABEL_SLOT] == "3"
+    assert meta["labels"][names.LABEL_INCARNATION] == "1"
+    owner = meta["ownerReferences"][0]
+    assert owner["kind"] == "TrainingJob" and owner["uid"] == "uid-1" and owner["controller"]
+
+
+def test_template_is_kept_but_cannot_override_contract_or_labels():
+    template = {
+        "metadata": {"labels": {"team": "a", names.LABEL_JOB: "other"}},
+        "spec": {
+            "containers": [
+                {"name": "helper", "image": "busybox"},
+                {
+                    "name": "trainer",
+                    "image": "my/trainer:1",
+                    "resources": {"limits": {"nvidia.com/gpu": 8}},
+                    "env": [
+                        {"name": "USER_VAR", "value": "x"},
+                        {"name": protocol.WORKER_ENV, "value": "spoofed"},
+                    ],
+                },
+            ],
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {}},
+        },
+    }
+    pod = builders.build_worker_pod(_ctx(template=template), "llm-w0-0", 0, 0)
+    trainer = pod["spec"]["containers"][0]
+    assert trainer["image"] == "my/trainer:1"
+    assert trainer["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    env = _env(trainer)
+    assert env["USER_VAR"] == "x" and env[protocol.WORKER_ENV] == "llm-w0-0"
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "helper"]
+    assert pod["metadata"]["labels"]["team"] == "a"
+    assert pod["metadata"]["labels"][names.LABEL_JOB] == "llm"
+    assert pod["spec"]["affinity"] == {"nodeAffinity": {}}  # the user's own affinity wins
+    assert {"key": "dedicated", "operator": "Exists"} in pod["spec"]["tolerations"]
+    # The template in the spec is not mutated by building pods from it.
+    assert "volumeMounts" not in template["spec"]["containers"][1]
+
+
+def test_building_is_deterministic():
+    ctx = _ctx()
+    assert builders.build_worker_pod(ctx, "llm-w1-0", 1, 0) == builders.build_worker_pod(
+        ctx, "llm-w1-0", 1, 0
+    )
+
+
+def test_pvc_storage_is_mounted_in_both_containers():
+    ctx = _ctx(checkpoint={"storage": {"pvc": "ckpt", "path": "/ckpt"}})
+    spec = builders.build_worker_pod(ctx, "llm-w0-0", 0, 0)["spec"]
+    claim = next(v for v in spec["volumes"] if v["name"] == names.CHECKPOINT_VOLUME)
+    assert claim["persistentVolumeClaim"]["claimName"] == "ckpt"
+    for container in (spec["containers"][0], spec["initContainers"][-1]):
+        assert {"name": names.CHECKPOINT_VOLUME, "mountPath": "/ckpt"} in container["volumeMounts"]
+
+
+def test_service_and_secret():
+    ctx = _ctx()
+    service = builders.build_service(ctx)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == names.job_selector("llm")
+    secret = builders.build_secret(ctx, "s3cret")
+    assert secret["metadata"]["name"] == "llm-control"
+    assert secret["stringData"] == {"token": "s3cret"}
+    for obj in (service, secret):
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "llm"

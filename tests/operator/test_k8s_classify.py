@@ -1,0 +1,162 @@
+"""Pod and node classification, the evict/untaint patches and the status write policy."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from bulkhead.operator.k8s import classify, names
+from bulkhead.operator.k8s.status_writer import is_significant, write_delay
+
+
+def _pod(phase="Running", trainer_state=None, **status):
+    statuses = [{"name": "trainer", "state": trainer_state or {"running": {}}}]
+    return {
+        "metadata": {"name": "j-w0-0"},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": phase, "containerStatuses": statuses, **status},
+    }
+
+
+@pytest.mark.parametrize(
+    ("pod", "expected"),
+    [
+        (_pod(), ("running", None, "")),
+        (_pod("Pending", {"waiting": {"reason": "ContainerCreating"}}), ("pending", None, "")),
+        (
+            _pod("Failed", {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}),
+            ("exited", 137, "OOMKilled"),
+        ),
+        (
+            _pod("Failed", {"terminated": {"exitCode": 2, "reason": "Error"}}),
+            ("exited", 2, "Error"),
+        ),
+        (
+            _pod("Succeeded", {"terminated": {"exitCode": 0, "reason": "Completed"}}),
+            ("exited", 0, "Completed"),
+        ),
+        (_pod("Failed", {"running": {}}, reason="Evicted"), ("exited", None, "Evicted")),
+        (_pod("Failed", {"running": {}}, reason="NodeShutdown"), ("exited", None, "NodeLost")),
+        (_pod("Unknown"), ("exited", None, "NodeLost")),
+        (
+            _pod("Pending", {"waiting": {"reason": "InvalidImageName"}}),
+            ("exited", 2, "InvalidImageName"),
+        ),
+    ],
+)
+def test_classify_pod(pod, expected):
+    seen = classify.classify_pod(pod)
+    assert (seen.state, seen.exit_code, seen.reason) == expected
+
+
+def test_exit_codes_split_user_and_infrastructure_failures():
+    def code(c):
+        return classify.classify_pod(_pod("Failed", {"terminated": {"exitCode": c}}))
+
+    assert code(137).infrastructure_failure and code(137).signal == 9
+    assert code(1).infrastructure_failure
+    assert not code(2).infrastructure_failure  # user error: fail fast
+    assert not code(3).infrastructure_failure  # told to stop
+    assert not code(0).infrastructure_failure
+
+
+def test_deleted_running_pod_is_an_exit():
+    seen = classify.classify_pod(_pod(), deleted=True)
+    assert (seen.state, seen.reason, seen.node) == ("exited", "Deleted", "n1")
+    disrupted = _pod(
+        conditions=[
+            {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
+        ]
+    )
+    disrupted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert classify.classify_pod(disrupted).reason == "DeletionByTaintManager"
+
+
+def _node(ready="True", anomaly=None, taints=(), unschedulable=False, when="2026-01-01T00:00:00Z"):
+    conditions = [{"type": "Ready", "status": ready, "lastTransitionTime": when}]
+    if anomaly is not None:
+        status, reason, message = anomaly
+        conditions.append(
+            {
+                "type": names.ANOMALY_CONDITION,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": when,
+            }
+        )
+    return {
+        "metadata": {"name": "gpu-1", "resourceVersion": "7", "annotations": {}},
+        "spec": {"taints": list(taints), "unschedulable": unschedulable},
+        "status": {"conditions": conditions},
+    }
+
+
+def test_node_problems_and_severity():
+    assert classify.node_problems(_node()) == []
+    (p,) = classify.node_problems(_node(anomaly=("True", "XidError", "xid 79")))
+    assert (p.reason, p.severity) == ("XidError", "critical")
+    (p,) = classify.node_problems(_node(anomaly=("True", "Straggler", "")))
+    assert p.severity == "warning"
+    (p,) = classify.node_problems(_node(anomaly=("True", "Straggler", "severity=critical slow")))
+    assert p.severity == "critical"
+    (p,) = classify.node_problems(_node(anomaly=("True", "Straggler", "critical: rank 3: slow")))
+    assert p.severity == "critical"
+    (p,) = classify.node_problems(_node(anomaly=("True", "XidError", "warning: gpu0: xid 31")))
+    assert p.severity == "warning"
+    assert classify.node_problems(_node(anomaly=("False", "XidError", ""))) == []
+    problems = classify.node_problems(_node("Unknown", ("True", "ThermalThrottle", "")))
+    assert [p.reason for p in problems] == ["NodeUnreachable", "ThermalThrottle"]
+
+
+def test_evict_patch_cordons_taints_and_is_idempotent():
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    other = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
+    node = _node(taints=[other])
+    patch = classify.evict_patch(node, "Xid/79 (critical)", now)
+    assert patch["spec"]["unschedulable"] is True
+    assert other in patch["spec"]["taints"]
+    ours = patch["spec"]["taints"][-1]
+    assert ours == {"key": names.TAINT_UNHEALTHY, "value": "Xid-79", "effect": "NoSchedule"}
+    assert patch["metadata"]["resourceVersion"] == "7"
+    assert patch["metadata"]["annotations"][names.ANNOTATION_CORDONED] == "true"
+    assert classify.evict_patch(_node(taints=[other, ours]), "again", now) is None
+    # A node an admin already cordoned is not marked as cordoned by us.
+    admin = classify.evict_patch(_node(unschedulable=True), "XidError", now)
+    assert names.ANNOTATION_CORDONED not in admin["metadata"]["annotations"]
+
+
+def test_untaint_policy():
+    ours = {"key": names.TAINT_UNHEALTHY, "value": "XidError", "effect": "NoSchedule"}
+    healed_at = datetime(2026, 1, 1, tzinfo=UTC)
+    node = _node(
+        anomaly=("False", "NoAnomaly", ""),
+        taints=[ours],
+        unschedulable=True,
+        when="2026-01-01T00:00:00Z",
+    )
+    node["metadata"]["annotations"][names.ANNOTATION_CORDONED] = "true"
+    later = healed_at + timedelta(seconds=600)
+    # Default policy: the taint stays until an admin removes it.
+    assert classify.untaint_patch(node, later, None) is None
+    assert classify.untaint_patch(node, healed_at + timedelta(seconds=10), 300) is None
+    patch = classify.untaint_patch(node, later, 300)
+    assert patch["spec"] == {"taints": [], "unschedulable": False}
+    # Still anomalous: never untainted.
+    sick = _node(anomaly=("True", "XidError", ""), taints=[ours])
+    assert classify.untaint_patch(sick, later, 300) is None
+    # Cordoned by an admin (no annotation): the cordon stays.
+    del node["metadata"]["annotations"][names.ANNOTATION_CORDONED]
+    assert "unschedulable" not in classify.untaint_patch(node, later, 300)["spec"]
+
+
+def test_status_write_policy():
+    base = {"phase": "Running", "step": 10, "membership": {"generation": 1}}
+    assert write_delay(None, base, 0.0, 2.0) == 0.0
+    assert write_delay(base, base, 0.0, 2.0) is None
+    progressed = {**base, "step": 11}
+    assert not is_significant(base, progressed)
+    assert write_delay(base, progressed, 0.5, 2.0) == pytest.approx(1.5)
+    assert write_delay(base, progressed, 5.0, 2.0) == 0.0
+    regenerated = {**base, "membership": {"generation": 2}}
+    assert write_delay(base, regenerated, 0.1, 2.0) == 0.0
+    assert write_delay(base, {**base, "phase": "Recovering"}, 0.1, 2.0) == 0.0

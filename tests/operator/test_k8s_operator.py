@@ -1,0 +1,194 @@
+"""The operator on a real control plane with KWOK GPU nodes; workers are played over HTTP.
+
+Each test has its own namespace, its own nodes (a unique zone label the job selects) and
+its own operator process, so tests never see each other's objects.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from k8s_operator_harness import (
+    FakeWorker,
+    Job,
+    OperatorProcess,
+    OperatorRbac,
+    ensure_crd,
+    job_manifest,
+    members,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+
+@pytest.fixture
+def zone(k8s_cluster) -> Iterator[tuple[str, list[str]]]:
+    """Three fresh KWOK GPU nodes in a zone of their own; deleted afterwards."""
+    name = f"z-{uuid.uuid4().hex[:6]}"
+    nodes = k8s_cluster.add_gpu_nodes(3, prefix=f"op-{name}", zone=name)
+    try:
+        yield name, nodes
+    finally:
+        k8s_cluster.delete_nodes(nodes)
+
+
+@pytest.fixture
+def operator(k8s_cluster, k8s_namespace, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator authenticated as its own ServiceAccount with the RBAC of deploy/, so
+    the scenario also proves those rights are enough."""
+    ensure_crd(k8s_cluster)
+    rbac = OperatorRbac(k8s_cluster, k8s_namespace)
+    kubeconfig = rbac.apply()
+    proc = OperatorProcess(kubeconfig, k8s_namespace, tmp_path / "operator.log")
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        rbac.delete()
+        print(proc.logs()[-20000:])  # shown by pytest when the test failed
+
+
+def _apply(cluster, manifest: str) -> None:
+    cluster.kubectl("apply", "-f", "-", input=manifest)
+
+
+def _form_generation(job: Job, operator: OperatorProcess, count: int) -> dict[str, FakeWorker]:
+    """Wait for ``count`` Running pods, register a fake worker for each, return them."""
+    pods = wait_until(
+        lambda: (p := job.running_pods()) and len(p) == count and p,
+        f"{count} running worker pods",
+    )
+    token = job.token()
+    workers = {name: FakeWorker(operator.url, job, token, pod) for name, pod in pods.items()}
+    for worker in workers.values():
+        worker.register()
+    return workers
+
+
+def _set_anomaly(cluster, node: str, reason: str = "XidError") -> None:
+    patch = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "BulkheadAnomaly",
+                    "status": "True",
+                    "reason": reason,
+                    "message": "xid 79: GPU has fallen off the bus",
+                    "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ]
+        }
+    }
+    cluster.kubectl(
+        "patch", "node", node, "--subresource=status", "--type=strategic", "-p", json.dumps(patch)
+    )
+
+
+def test_job_runs_survives_a_bad_node_and_a_lost_pod_then_cleans_up(
+    k8s_cluster, k8s_namespace, zone, operator
+):
+    zone_name, nodes = zone
+    job = Job(k8s_cluster, k8s_namespace, "llm")
+    _apply(k8s_cluster, job_manifest("llm", k8s_namespace, zone_name, workers=2))
+
+    # Created: Secret, headless Service, one pod per worker on distinct nodes, owned by the job.
+    workers = _form_generation(job, operator, 2)
+    uid = job.get()["metadata"]["uid"]
+    for kind, name in (("service", "llm"), ("secret", "llm-control")):
+        owners = k8s_cluster.get_json(kind, name, "-n", k8s_namespace)["metadata"]
+        assert owners["ownerReferences"][0]["uid"] == uid
+    pods = job.running_pods()
+    assert len({p["spec"]["nodeName"] for p in pods.values()}) == 2
+    assert all(p["spec"]["nodeName"] in nodes for p in pods.values())
+    assert "bulkhead.dev/finalizer" in job.get()["metadata"]["finalizers"]
+
+    first = next(iter(workers.values()))
+    view = wait_until(lambda: (v := first.membership(0)) and v["generation"] >= 1 and v, "gen 1")
+    assert members(view) == set(workers)
+    wait_until(lambda: job.status().get("phase") == "Running", "phase Running")
+    status = job.status()
+    assert status["membership"]["generation"] == view["generation"]
+    assert status["workers"] == "2/2"
+    assert {c["type"] for c in status["conditions"]} >= {"Valid", "Ready", "Progressing"}
+
+    # A GPU fault on one node: cordoned and tainted, its worker dropped and replaced elsewhere.
+    victim = min(workers)
+    bad_node = workers[victim].node
+    survivor = next(w for w in workers.values() if w.id != victim)
+    _set_anomaly(k8s_cluster, bad_node)
+
+    def tainted():
+        node = k8s_cluster.get_json("node", bad_node)
+        taints = node["spec"].get("taints", [])
+        return node["spec"].get("unschedulable") and any(
+            t["key"] == "bulkhead.dev/unhealthy" and t["value"] == "XidError" for t in taints
+        )
+
+    wait_until(tainted, f"{bad_node} cordoned and tainted")
+    shrunk = wait_until(
+        lambda: (
+            (v := survivor.membership(view["generation"]))
+            and v["generation"] > view["generation"]
+            and v
+        ),
+        "a generation without the lost worker",
+    )
+    assert members(shrunk) == {survivor.id}
+    replacement = wait_until(
+        lambda: [p for n, p in job.running_pods().items() if n not in workers],
+        "a replacement pod Running",
+    )[0]
+    assert replacement["spec"]["nodeName"] not in (bad_node, survivor.node)
+    wait_until(lambda: victim not in job.running_pods(), "the lost worker's pod deleted")
+    newcomer = FakeWorker(operator.url, job, job.token(), replacement)
+    newcomer.register()
+    grown = wait_until(
+        lambda: (
+            (v := survivor.membership(shrunk["generation"]))
+            and v["generation"] > shrunk["generation"]
+            and v
+        ),
+        "the scale-up generation",
+    )
+    assert members(grown) == {survivor.id, newcomer.id}
+    for worker in (survivor, newcomer):
+        worker.progress(grown["generation"], step=3)
+    recovered = wait_until(
+        lambda: (s := job.status()) and s["phase"] == "Running" and s.get("recoveries") and s,
+        "the recovery recorded and phase Running again",
+    )
+    assert recovered["recoveries"][-1]["seconds"] >= 0
+    assert recovered["reconfigurations"] >= 1
+    wait_until(lambda: bad_node in job.status().get("evictedNodes", []), "evictedNodes in status")
+    node_events = k8s_cluster.get_json(
+        "events", "-A", "--field-selector", f"involvedObject.name={bad_node}"
+    )
+    assert any(e["reason"] == "BulkheadEvicted" for e in node_events["items"])
+    wait_until(lambda: job.events(), "Events on the TrainingJob")
+
+    # A worker pod deleted by hand is replaced too.
+    k8s_cluster.kubectl("delete", "pod", survivor.id, "-n", k8s_namespace, "--wait=false")
+    wait_until(
+        lambda: any(n not in (survivor.id, newcomer.id, victim) for n in job.running_pods()),
+        "a replacement for the deleted pod",
+    )
+
+    # Deleting the job removes its pods and lets the job go (our finalizer is released).
+    k8s_cluster.kubectl("delete", "trainingjob", "llm", "-n", k8s_namespace, "--wait=false")
+    wait_until(
+        lambda: (
+            not k8s_cluster.kubectl(
+                "get", "trainingjob", "llm", "-n", k8s_namespace, "--ignore-not-found", "-o", "name"
+            ).stdout.strip()
+        ),
+        "the job gone",
+    )
+    wait_until(lambda: not job.pods(), "the pods gone")
+    assert operator.alive()

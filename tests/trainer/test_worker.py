@@ -1,0 +1,91 @@
+"""The bulkhead-worker entry point: launch environment, user errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bulkhead.trainer.worker import EXIT_USER_ERROR, read_env, run
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    posts: list[tuple[str, dict]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.posts.append((self.path, body))
+        reply = json.dumps({"action": "stop", "generation": 0, "reason": "failed"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def control() -> Iterator[tuple[str, list[tuple[str, dict]]]]:
+    _Recorder.posts = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", _Recorder.posts
+    server.shutdown()
+
+
+def _env(url: str, spec: dict) -> dict[str, str]:
+    return {
+        "BULKHEAD_CONTROL_URL": url,
+        "BULKHEAD_CONTROL_TOKEN": "t0k",
+        "BULKHEAD_JOB": "demo",
+        "BULKHEAD_WORKER": "demo-w0-0",
+        "BULKHEAD_INCARNATION": "0",
+        "BULKHEAD_JOB_SPEC": json.dumps(spec),
+    }
+
+
+def test_launch_env_is_read_and_validated(tmp_path: Path) -> None:
+    env = {**_env("http://x", {"workers": 1}), "BULKHEAD_RUN_DIR": str(tmp_path)}
+    launch = read_env(env)
+    assert (launch.worker, launch.incarnation, launch.run_dir) == ("demo-w0-0", 0, tmp_path)
+    assert launch.advertise_host == "127.0.0.1"
+    with pytest.raises(ValueError, match="BULKHEAD_JOB_SPEC"):
+        read_env({k: v for k, v in env.items() if k != "BULKHEAD_JOB_SPEC"})
+    with pytest.raises(ValueError, match="BULKHEAD_INCARNATION"):
+        read_env({**env, "BULKHEAD_INCARNATION": "first"})
+
+
+def test_bad_spec_is_a_user_error_reported_to_the_manager(control) -> None:
+    url, posts = control
+    spec = {"workers": 2, "trainer": {"model": {"dModel": 64, "nHeads": 5}}}
+    assert run(_env(url, spec)) == EXIT_USER_ERROR
+    assert len(posts) == 1
+    path, body = posts[0]
+    assert path == "/v1/jobs/demo/faults"
+    assert body["kind"] == "user_error" and body["worker"] == "demo-w0-0"
+    assert "nHeads" in body["message"]
+
+
+def test_missing_data_is_a_user_error(control) -> None:
+    url, posts = control
+    spec = {"workers": 1, "trainer": {"data": {"source": "/nonexistent/*.txt"}}}
+    assert run(_env(url, spec)) == EXIT_USER_ERROR
+    assert posts and "no text files" in posts[0][1]["message"]
+
+
+def test_entry_point_exits_2_on_an_incomplete_environment() -> None:
+    code = "from bulkhead.trainer.worker import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={"PATH": ""}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EXIT_USER_ERROR
+    assert "missing environment variables" in done.stderr

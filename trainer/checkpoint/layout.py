@@ -1,0 +1,154 @@
+"""Flattening a training state into one byte buffer and back, without pickling tensor data.
+
+``plan_layout`` finds every tensor in a nested state (model and optimizer state dicts, RNG
+states, data position...), assigns it an aligned offset in a flat buffer and pickles the
+rest of the state as a small skeleton in which tensors are references. ``copy_into``
+fills a buffer; ``assemble`` rebuilds the state from a buffer, optionally copying into
+the caller's existing tensors in place (like torch.distributed.checkpoint's load).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bulkhead.trainer.checkpoint.records import SnapshotRecord, TensorEntry
+
+# Every tensor starts on a cache-line boundary, so any dtype can be viewed in place.
+ALIGN = 64
+Path = tuple[str | int, ...]
+
+
+@dataclass
+class Layout:
+    """The tensors of a state, where each goes in the buffer, and the pickled remainder."""
+
+    entries: list[TensorEntry]
+    tensors: list[torch.Tensor]
+    skeleton: str
+    nbytes: int
+
+
+def _walk(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """(key path, leaf) for the dict/list/tuple structure; other objects are leaves."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(key, str | int):
+                yield from _walk(value, (*path, key))
+    elif isinstance(obj, list | tuple):
+        for index, value in enumerate(obj):
+            yield from _walk(value, (*path, index))
+    else:
+        yield path, obj
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(
+            f"cannot snapshot a {type(tensor).__name__}: convert it to a local tensor first "
+            "(e.g. DTensor.to_local())"
+        )
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"cannot snapshot a {tensor.layout} / quantized tensor; densify it first")
+
+
+class _SkeletonPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        key = id(obj)
+        if key not in self._index:
+            _check_tensor(obj)
+            self._index[key] = len(self.tensors)
+            self.tensors.append(obj)
+        return self._index[key]
+
+
+def plan_layout(state: dict[str, Any]) -> Layout:
+    """Where every tensor of ``state`` goes; raises TypeError for unsupported objects."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    paths = {id(leaf): list(path) for path, leaf in _walk(state) if isinstance(leaf, torch.Tensor)}
+    buffer = io.BytesIO()
+    pickler = _SkeletonPickler(buffer)
+    try:
+        pickler.dump(state)
+    except (pickle.PicklingError, AttributeError) as exc:
+        raise TypeError(f"state is not picklable apart from its tensors: {exc}") from exc
+    entries = []
+    offset = 0
+    for tensor in pickler.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(
+            TensorEntry(
+                path=paths.get(id(tensor)),
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                shape=list(tensor.shape),
+                offset=offset,
+                nbytes=nbytes,
+            )
+        )
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return Layout(entries, pickler.tensors, base64.b64encode(buffer.getvalue()).decode(), offset)
+
+
+def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    dtype = getattr(torch, entry.dtype)
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(dtype).view(entry.shape)
+
+
+def copy_into(layout: Layout, buffer: torch.Tensor) -> None:
+    """Copy every tensor of ``layout`` into the uint8 ``buffer`` (device -> host if needed)."""
+    if buffer.numel() < layout.nbytes:
+        raise ValueError(f"buffer of {buffer.numel()} bytes cannot hold {layout.nbytes}")
+    for entry, tensor in zip(layout.entries, layout.tensors, strict=True):
+        if entry.nbytes:
+            _view(buffer, entry).copy_(tensor.detach())
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[pid]
+
+
+def assemble(
+    record: SnapshotRecord,
+    buffer: torch.Tensor,
+    into: dict[str, Any] | None = None,
+    copy: bool = True,
+) -> dict[str, Any]:
+    """Rebuild the state described by ``record`` from the uint8 ``buffer``.
+
+    A tensor whose key path exists in ``into`` with the same dtype and shape is filled in
+    place and reused. Other tensors are fresh copies when ``copy`` is true (the buffer is
+    shared memory that will be overwritten), otherwise views of ``buffer``.
+    """
+    targets: dict[Path, torch.Tensor] = {}
+    if into is not None:
+        targets = {p: leaf for p, leaf in _walk(into) if isinstance(leaf, torch.Tensor)}
+    tensors = []
+    for entry in record.tensors:
+        source = _view(buffer, entry)
+        target = targets.get(tuple(entry.path)) if entry.path is not None else None
+        if target is not None and target.dtype == source.dtype and target.shape == source.shape:
+            target.copy_(source)
+            tensors.append(target)
+        else:
+            tensors.append(source.clone() if copy else source)
+    return _SkeletonUnpickler(base64.b64decode(record.skeleton), tensors).load()

@@ -1,0 +1,246 @@
+"""Peer replicas: a sidecar keeps the newest snapshot of another node's shard in its memory.
+
+A sidecar pushes each sealed snapshot to one peer sidecar over TCP (``put``); a restoring
+trainer whose own memory is gone asks peers what they hold (``list``) and pulls a replica
+(``get``). Replicas are files in the receiver's memory-backed directory
+(``<shm_dir>/replicas``), so they survive a restart of the receiving sidecar. Every
+transfer is checked against the record's CRC-32C on arrival; a bad one is dropped.
+When the job has a control token, requests must carry it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import mmap
+import os
+import socketserver
+import threading
+from pathlib import Path
+from typing import Any
+
+import crc32c
+from pydantic import ValidationError
+
+from bulkhead.trainer.checkpoint.records import SnapshotRecord, read_record, write_json_atomic
+from bulkhead.trainer.checkpoint.storage import ChecksumMismatch
+from bulkhead.trainer.checkpoint.wire import (
+    ProtocolError,
+    parse_address,
+    recv_message,
+    recv_payload_into,
+    request,
+    send_message,
+    send_payload,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaError(Exception):
+    """A peer refused or failed a replica transfer."""
+
+
+class ReplicaStore:
+    """The replicas this sidecar holds for peers: newest snapshot per (job, shard)."""
+
+    def __init__(self, shm_dir: Path) -> None:
+        self.directory = shm_dir / "replicas"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def _meta(self, job: str, shard: str) -> Path:
+        return self.directory / f"{job}--{shard}.json"
+
+    def _data(self, record: SnapshotRecord) -> Path:
+        return self.directory / f"{record.job}--{record.shard}--{record.nonce}.bin"
+
+    def current(self, job: str, shard: str) -> SnapshotRecord | None:
+        return read_record(self._meta(job, shard), SnapshotRecord)
+
+    def records(self, job: str) -> list[SnapshotRecord]:
+        found = (
+            read_record(path, SnapshotRecord) for path in self.directory.glob(f"{job}--*.json")
+        )
+        return [record for record in found if record is not None]
+
+    def wants(self, record: SnapshotRecord) -> bool:
+        held = self.current(record.job, record.shard)
+        if held is None:
+            return True
+        # The pusher owns its shard's history: its latest snapshot wins, even at a lower step
+        # (it fell back to an older checkpoint).
+        return held.nonce != record.nonce and held.created <= record.created
+
+    def receive(self, record: SnapshotRecord, reader: Any) -> None:
+        """Store a replica streamed from ``reader``; keeps the old one until it verifies."""
+        path = self._data(record)
+        tmp = path.with_name(f".{path.name}.incoming")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if record.nbytes:
+                os.ftruncate(fd, record.nbytes)
+                with mmap.mmap(fd, record.nbytes) as mapping:
+                    view = memoryview(mapping)
+                    try:
+                        crc = recv_payload_into(reader, view)
+                    finally:
+                        view.release()
+            else:
+                crc = crc32c.crc32c(b"")
+            if crc != record.crc32c:
+                raise ChecksumMismatch(
+                    f"replica of {record.shard} step {record.step} arrived corrupt"
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            previous = self.current(record.job, record.shard)
+            write_json_atomic(
+                self._meta(record.job, record.shard), record.model_dump(mode="json"), durable=False
+            )
+            if previous is not None and previous.nonce != record.nonce:
+                self._data(previous).unlink(missing_ok=True)
+
+    def open_data(self, record: SnapshotRecord) -> int:
+        return os.open(self._data(record), os.O_RDONLY)
+
+
+def _authorized(message: dict[str, Any], token: str | None) -> bool:
+    return token is None or hmac.compare_digest(str(message.get("token", "")), token)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: ReplicaServer
+
+    def handle(self) -> None:
+        try:
+            message = recv_message(self.rfile)
+            if not _authorized(message, self.server.token):
+                send_message(self.request, {"ok": False, "error": "unauthorized"})
+                return
+            op = message.get("op")
+            if op == "put":
+                self._put(message)
+            elif op == "list":
+                records = self.server.store.records(str(message.get("job", "")))
+                send_message(
+                    self.request,
+                    {"ok": True, "records": [r.model_dump(mode="json") for r in records]},
+                )
+            elif op == "get":
+                self._get(message)
+            else:
+                send_message(self.request, {"ok": False, "error": f"unknown op {op!r}"})
+        except (ProtocolError, ValidationError, ChecksumMismatch, OSError) as exc:
+            log.warning("replica request from %s failed: %s", self.client_address, exc)
+            with contextlib.suppress(OSError):
+                send_message(self.request, {"ok": False, "error": str(exc)})
+
+    def _put(self, message: dict[str, Any]) -> None:
+        record = SnapshotRecord.model_validate(message.get("record"))
+        if record.crc32c is None:
+            raise ProtocolError("a replica must be sealed (crc32c set)")
+        want = self.server.store.wants(record)
+        send_message(self.request, {"ok": True, "want": want})
+        if want:
+            self.server.store.receive(record, self.rfile)
+            log.info("holding replica of %s/%s step %d", record.job, record.shard, record.step)
+            send_message(self.request, {"ok": True})
+
+    def _get(self, message: dict[str, Any]) -> None:
+        store = self.server.store
+        record = store.current(str(message.get("job", "")), str(message.get("shard", "")))
+        if record is None or record.nonce != message.get("nonce"):
+            send_message(self.request, {"ok": False, "error": "replica not held"})
+            return
+        fd = store.open_data(record)
+        try:
+            send_message(self.request, {"ok": True, "record": record.model_dump(mode="json")})
+            if record.nbytes:
+                with mmap.mmap(fd, record.nbytes, access=mmap.ACCESS_READ) as mapping:
+                    view = memoryview(mapping)
+                    try:
+                        send_payload(self.request, view)
+                    finally:
+                        view.release()
+        finally:
+            os.close(fd)
+
+
+class ReplicaServer(socketserver.ThreadingTCPServer):
+    """The sidecar's TCP endpoint for peers."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, listen: str, store: ReplicaStore, token: str | None) -> None:
+        self.store = store
+        self.token = token
+        super().__init__(parse_address(listen), _Handler)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host}:{port}"
+
+
+def push_replica(
+    address: str, record: SnapshotRecord, data: memoryview, token: str | None, timeout: float
+) -> bool:
+    """Send a sealed snapshot to a peer; False if the peer already holds it (or newer)."""
+    message = {"op": "put", "record": record.model_dump(mode="json"), "token": token or ""}
+    reply, sock, reader = request(parse_address(address), message, timeout)
+    try:
+        if not reply.get("ok"):
+            raise ReplicaError(f"peer {address} refused the replica: {reply.get('error')}")
+        if not reply.get("want"):
+            return False
+        send_payload(sock, data[: record.nbytes])
+        final = recv_message(reader)
+        if not final.get("ok"):
+            raise ReplicaError(f"peer {address} rejected the replica: {final.get('error')}")
+        return True
+    finally:
+        sock.close()
+
+
+def list_replicas(
+    address: str, job: str, token: str | None, timeout: float
+) -> list[SnapshotRecord]:
+    reply, sock, _ = request(
+        parse_address(address), {"op": "list", "job": job, "token": token or ""}, timeout
+    )
+    sock.close()
+    if not reply.get("ok"):
+        raise ReplicaError(f"peer {address} refused to list replicas: {reply.get('error')}")
+    return [SnapshotRecord.model_validate(item) for item in reply.get("records", [])]
+
+
+def fetch_replica(
+    address: str, record: SnapshotRecord, buffer: memoryview, token: str | None, timeout: float
+) -> None:
+    """Fill ``buffer`` with a peer's replica; raises ChecksumMismatch if it arrives corrupt."""
+    message = {
+        "op": "get",
+        "job": record.job,
+        "shard": record.shard,
+        "nonce": record.nonce,
+        "token": token or "",
+    }
+    reply, sock, reader = request(parse_address(address), message, timeout)
+    try:
+        if not reply.get("ok"):
+            raise ReplicaError(f"peer {address} cannot serve the replica: {reply.get('error')}")
+        crc = recv_payload_into(reader, buffer[: record.nbytes])
+    finally:
+        sock.close()
+    if crc != record.crc32c:
+        raise ChecksumMismatch(
+            f"replica of {record.shard} step {record.step} from {address} is corrupt"
+        )

@@ -1,0 +1,217 @@
+"""Restore: the newest complete, verified snapshot across tiers (own memory -> peer -> storage).
+
+Candidates are gathered cheaply from records (slot metadata, peers' replica lists, storage
+manifests), ordered newest step first and, for one step, fastest tier first. Each is
+verified against its CRC-32C before a single byte reaches the caller's tensors; one that
+fails is logged, counted in ``bulkhead_checkpoint_corrupt_total`` and skipped, and the
+next (older or slower) candidate is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bulkhead.trainer.checkpoint import metrics
+from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
+from bulkhead.trainer.checkpoint.layout import assemble
+from bulkhead.trainer.checkpoint.records import (
+    SlotMeta,
+    SnapshotRecord,
+    Topology,
+    checksum_of,
+    chunks_of,
+)
+from bulkhead.trainer.checkpoint.replica import ReplicaError, fetch_replica, list_replicas
+from bulkhead.trainer.checkpoint.shm import LockTimeout, SlotFiles, all_slots
+from bulkhead.trainer.checkpoint.storage import ChecksumMismatch, FileStorage
+from bulkhead.trainer.checkpoint.wire import ProtocolError
+
+log = logging.getLogger(__name__)
+
+TIERS = ("shm", "peer", "storage")  # preference order for the same step
+# Opens own slot ``index`` for reading: (record, uint8 buffer) under a shared lock, or None.
+SlotReader = Callable[[int], AbstractContextManager[tuple[SlotMeta, torch.Tensor] | None]]
+
+
+@dataclass
+class Restored:
+    """A restored snapshot. ``skipped`` lists newer candidates that failed verification."""
+
+    step: int
+    generation: int
+    tier: str
+    state: dict[str, Any]
+    plan: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Candidate:
+    tier: str
+    record: SnapshotRecord
+    source: Any  # SlotFiles, a peer address, or a FileStorage
+
+    def describe(self) -> str:
+        where = self.source if self.tier == "peer" else ""
+        return f"step {self.record.step} from {self.tier} {where}".rstrip()
+
+
+@dataclass
+class RestoreOptions:
+    job: str
+    shm_dir: Path
+    storage_dir: Path | None
+    token: str | None
+    lock_timeout: float
+    seal_timeout: float
+    peer_timeout: float
+
+
+def _empty_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+
+class Restorer:
+    def __init__(
+        self,
+        options: RestoreOptions,
+        topology: Topology,
+        sidecar: SidecarClient,
+        read_slot: SlotReader,
+    ) -> None:
+        self.options = options
+        self.topology = topology
+        self.sidecar = sidecar
+        self.read_slot = read_slot
+
+    def candidates(self, max_step: int | None) -> tuple[list[Candidate], list[str]]:
+        """Every snapshot of our shard that claims to be complete, best first; plus notes."""
+        notes: list[str] = []
+        found = self._from_memory(notes) + self._from_peers(notes) + self._from_storage()
+        found = [c for c in found if max_step is None or c.record.step <= max_step]
+        found.sort(key=lambda c: (-c.record.step, TIERS.index(c.tier)))
+        return found, notes
+
+    def _ours(self, record: SnapshotRecord) -> bool:
+        return record.job == self.options.job and record.shard == self.topology.shard
+
+    def _from_memory(self, notes: list[str]) -> list[Candidate]:
+        try:  # the sidecar seals snapshots the trainer wrote just before it died
+            reply = self.sidecar.flush("sealed", self.options.seal_timeout)
+            if not reply.get("ok"):
+                notes.append(f"sidecar did not seal in time: {reply.get('error')}")
+        except SidecarUnavailable as exc:
+            notes.append(str(exc))
+        out = []
+        for files in all_slots(self.options.shm_dir):
+            record = files.record()
+            if record is None or not self._ours(record):
+                continue
+            if record.crc32c is None:
+                notes.append(f"shm step {record.step} is not sealed, so cannot be verified")
+                continue
+            out.append(Candidate("shm", record, files))
+        return out
+
+    def _from_peers(self, notes: list[str]) -> list[Candidate]:
+        out = []
+        for address in self.topology.peers:
+            try:
+                records = list_replicas(
+                    address, self.options.job, self.options.token, self.options.peer_timeout
+                )
+            except (OSError, ProtocolError, ReplicaError) as exc:
+                metrics.REPLICA_ERRORS.inc()
+                notes.append(f"peer {address} unreachable: {exc}")
+                continue
+            out += [Candidate("peer", r, address) for r in records if self._ours(r)]
+        return out
+
+    def _from_storage(self) -> list[Candidate]:
+        if self.options.storage_dir is None:
+            return []
+        storage = FileStorage(self.options.storage_dir)
+        return [
+            Candidate("storage", r, storage)
+            for _, r in storage.complete_steps(self.options.job, self.topology.shard)
+        ]
+
+    def load(self, candidate: Candidate, into: dict[str, Any] | None) -> dict[str, Any]:
+        """The candidate's state, verified first; raises ChecksumMismatch, OSError, ..."""
+        record = candidate.record
+        if candidate.tier == "shm":
+            return self._load_slot(candidate.source, record, into)
+        buffer = _empty_buffer(record.nbytes)
+        view = memoryview(buffer.numpy())
+        if candidate.tier == "peer":
+            fetch_replica(
+                candidate.source, record, view, self.options.token, self.options.peer_timeout
+            )
+        else:
+            candidate.source.read_into(record, view)
+        return assemble(record, buffer, into, copy=False)
+
+    def _load_slot(
+        self, files: SlotFiles, record: SnapshotRecord, into: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        with self.read_slot(files.index) as held:
+            if held is None or held[0].nonce != record.nonce:
+                raise FileNotFoundError(f"shm step {record.step} was overwritten meanwhile")
+            _, buffer = held
+            view = memoryview(buffer.numpy())[: record.nbytes]
+            try:
+                if checksum_of(chunks_of(view)) != record.crc32c:
+                    raise ChecksumMismatch(f"shm slot {files.data} fails its CRC-32C check")
+            finally:
+                view.release()
+            return assemble(record, buffer, into, copy=True)
+
+    def restore(self, into: dict[str, Any] | None, max_step: int | None) -> Restored | None:
+        candidates, notes = self.candidates(max_step)
+        for note in notes:
+            log.warning("restore: %s", note)
+        skipped: list[str] = []
+        for candidate in candidates:
+            started = time.monotonic()
+            try:
+                state = self.load(candidate, into)
+            except ChecksumMismatch as exc:
+                metrics.CORRUPT.labels(tier=candidate.tier).inc()
+                skipped.append(f"{candidate.describe()}: {exc}")
+                log.error("restore: skipping corrupt %s: %s", candidate.describe(), exc)
+                continue
+            except (OSError, ProtocolError, ReplicaError, LockTimeout) as exc:
+                skipped.append(f"{candidate.describe()}: {exc}")
+                log.warning("restore: %s unavailable: %s", candidate.describe(), exc)
+                continue
+            seconds = time.monotonic() - started
+            metrics.RESTORES.labels(tier=candidate.tier).inc()
+            metrics.RESTORE_SECONDS.labels(tier=candidate.tier).observe(seconds)
+            record = candidate.record
+            log.info(
+                "restored step %d (generation %d) of %s from %s in %.2fs%s",
+                record.step,
+                record.generation,
+                record.shard,
+                candidate.tier,
+                seconds,
+                f" after skipping {len(skipped)} bad candidate(s)" if skipped else "",
+            )
+            return Restored(
+                record.step, record.generation, candidate.tier, state, record.plan, skipped
+            )
+        log.warning(
+            "restore: no usable snapshot of %s/%s (%d rejected)",
+            self.options.job,
+            self.topology.shard,
+            len(skipped),
+        )
+        return None

@@ -1,0 +1,194 @@
+"""Persisted checkpoints on a filesystem (local disk, NFS, a PVC mount).
+
+Layout: ``<root>/<job>/step-<step:012d>/<shard>-<nonce>.bin`` plus
+``<shard>.manifest.json`` (the shard's ``SnapshotRecord``). A shard's bytes are written to
+a temp file, fsynced and renamed; its manifest is written last (temp + fsync + rename +
+directory fsync), so a crash at any point leaves either the previous state or a complete
+new shard, never a visible partial one. A step is complete when every shard listed in the
+manifests has a manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import crc32c
+
+from bulkhead.trainer.checkpoint.records import (
+    CHECKSUM_CHUNK_BYTES,
+    SnapshotRecord,
+    fsync_dir,
+    read_record,
+    write_json_atomic,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+class ChecksumMismatch(Exception):
+    """Bytes do not match their record's CRC-32C: never load them."""
+
+
+def error_reason(exc: BaseException) -> str:
+    """A short label for metrics: the errno name (ENOSPC, EACCES...) or the exception type."""
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        return errno.errorcode[exc.errno]
+    return type(exc).__name__
+
+
+def shard_file(record: SnapshotRecord) -> str:
+    return f"{record.shard}-{record.nonce}.bin"
+
+
+class FileStorage:
+    """Writes, lists, reads and prunes persisted shards under ``root``.
+
+    ``max_write_bytes_per_s`` caps persist bandwidth so checkpoints do not starve the data
+    loader on shared storage.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        max_write_bytes_per_s: float | None = None,
+        chunk_bytes: int = CHECKSUM_CHUNK_BYTES,
+    ) -> None:
+        self.root = Path(root)
+        self.max_write_bytes_per_s = max_write_bytes_per_s
+        self.chunk_bytes = chunk_bytes
+
+    def step_dir(self, job: str, step: int) -> Path:
+        return self.root / job / f"step-{step:012d}"
+
+    def manifest_path(self, job: str, step: int, shard: str) -> Path:
+        return self.step_dir(job, step) / f"{shard}{MANIFEST_SUFFIX}"
+
+    def write_chunk(self, fd: int, data: memoryview) -> None:
+        """Write all of ``data``: the one primitive every persisted byte goes through."""
+        while data:
+            written = os.write(fd, data)
+            data = data[written:]
+
+    def has(self, record: SnapshotRecord) -> bool:
+        existing = read_record(
+            self.manifest_path(record.job, record.step, record.shard), SnapshotRecord
+        )
+        return existing is not None and existing.nonce == record.nonce
+
+    def persist(self, record: SnapshotRecord, data: memoryview) -> None:
+        """Write one sealed shard durably; raises OSError or ChecksumMismatch, leaving no trace."""
+        if record.crc32c is None:
+            raise ValueError("only sealed snapshots (with a CRC-32C) are persisted")
+        directory = self.step_dir(record.job, record.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / shard_file(record)
+        tmp = directory / f".{final.name}.tmp"
+        try:
+            crc = self._write_file(tmp, data[: record.nbytes])
+            if crc != record.crc32c:
+                raise ChecksumMismatch(
+                    f"shard {record.shard} step {record.step} changed while persisting"
+                )
+            os.replace(tmp, final)
+            fsync_dir(directory)
+            write_json_atomic(
+                self.manifest_path(record.job, record.step, record.shard),
+                record.model_dump(mode="json"),
+                durable=True,
+            )
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        for stale in directory.glob(f"{record.shard}-*.bin"):
+            if stale.name != final.name:
+                stale.unlink(missing_ok=True)
+
+    def _write_file(self, path: Path, data: memoryview) -> int:
+        crc = 0
+        started = time.monotonic()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for start in range(0, len(data), self.chunk_bytes):
+                chunk = data[start : start + self.chunk_bytes]
+                crc = crc32c.crc32c(chunk, crc)
+                self.write_chunk(fd, chunk)
+                self._throttle(start + len(chunk), started)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return crc
+
+    def _throttle(self, written: int, started: float) -> None:
+        if not self.max_write_bytes_per_s:
+            return
+        ahead = written / self.max_write_bytes_per_s - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
+
+    def manifests(self, job: str) -> dict[int, dict[str, SnapshotRecord]]:
+        """Every readable manifest of ``job``: step -> shard -> record."""
+        found: dict[int, dict[str, SnapshotRecord]] = {}
+        job_dir = self.root / job
+        if not job_dir.is_dir():
+            return found
+        for step_dir in job_dir.glob("step-*"):
+            for path in step_dir.glob(f"*{MANIFEST_SUFFIX}"):
+                record = read_record(path, SnapshotRecord)
+                if record is not None:
+                    found.setdefault(record.step, {})[record.shard] = record
+        return found
+
+    def complete_steps(self, job: str, shard: str) -> list[tuple[int, SnapshotRecord]]:
+        """Steps, newest first, that have ``shard`` and every shard its manifest lists."""
+        out = []
+        for step, records in self.manifests(job).items():
+            mine = records.get(shard)
+            if mine is not None and all(name in records for name in mine.shards):
+                out.append((step, mine))
+        return sorted(out, key=lambda item: item[0], reverse=True)
+
+    def read_into(self, record: SnapshotRecord, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the shard's bytes; raises ChecksumMismatch if they are bad."""
+        path = self.step_dir(record.job, record.step) / shard_file(record)
+        crc = 0
+        with open(path, "rb", buffering=0) as file:
+            if os.fstat(file.fileno()).st_size != record.nbytes:
+                raise ChecksumMismatch(f"{path} has the wrong size (expected {record.nbytes})")
+            for start in range(0, record.nbytes, self.chunk_bytes):
+                chunk = buffer[start : min(start + self.chunk_bytes, record.nbytes)]
+                got = file.readinto(chunk)
+                if got != len(chunk):
+                    raise ChecksumMismatch(f"{path} ended early at byte {start + (got or 0)}")
+                crc = crc32c.crc32c(chunk, crc)
+        if crc != record.crc32c:
+            raise ChecksumMismatch(f"{path} fails its CRC-32C check")
+
+    def retain(self, job: str, shard: str, keep: int) -> list[int]:
+        """Delete ``shard``'s steps beyond the newest ``keep`` and its stale temp files.
+
+        Call it only when no persist of ``shard`` is in flight. Returns the deleted steps.
+        """
+        mine = sorted(
+            (step for step, records in self.manifests(job).items() if shard in records),
+            reverse=True,
+        )
+        for leftover in (self.root / job).glob(f"step-*/.{shard}-*.bin.tmp"):
+            leftover.unlink(missing_ok=True)  # from a persist killed midway
+        deleted = []
+        for step in mine[keep:]:
+            directory = self.step_dir(job, step)
+            # The manifest goes first: from then on the shard is invisible, never half-there.
+            self.manifest_path(job, step, shard).unlink(missing_ok=True)
+            for path in directory.glob(f"{shard}-*.bin"):
+                path.unlink(missing_ok=True)
+            deleted.append(step)
+            if not any(directory.glob(f"*{MANIFEST_SUFFIX}")):
+                shutil.rmtree(directory, ignore_errors=True)
+        return deleted

@@ -1,0 +1,162 @@
+"""The trainer's one config object, resolved from a TrainingJobSpec.
+
+``spec.trainer.model`` may name a preset (tiny, tiny-moe, small, small-moe); explicit
+fields override it. Because the spec travels to workers in its wire form (defaults
+included), a field counts as explicit when it differs from the ModelConfig default: setting
+a field to exactly its default value does not override a preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bulkhead.api.spec import ModelConfig, MoEConfig, OptimizerConfig, TrainingJobSpec
+
+# Each preset is a complete set of ModelConfig fields (wire names are not used here).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64, "ffn_dim": 256},
+    "tiny-moe": {
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "seq_len": 64,
+        "ffn_dim": 128,
+        "moe": {"num_experts": 4, "top_k": 2, "every": 2, "load_balance_coef": 0.01},
+    },
+    "small": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128, "ffn_dim": 512},
+    "small-moe": {
+        "d_model": 128,
+        "n_layers": 4,
+        "n_heads": 4,
+        "seq_len": 128,
+        "ffn_dim": 256,
+        "moe": {"num_experts": 8, "top_k": 2, "every": 2, "load_balance_coef": 0.01},
+    },
+}
+
+# Byte-level data: cap the corpus so every worker loads it in well under a second.
+DEFAULT_DATA_MAX_BYTES = 4 * 1024 * 1024
+# How long one membership long poll waits at the control endpoint.
+MEMBERSHIP_POLL_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class MoESizes:
+    num_experts: int
+    top_k: int
+    every: int
+    load_balance_coef: float
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Concrete model dimensions (no presets, no optionals except ``moe``)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    ffn_dim: int
+    dropout: float
+    moe: MoESizes | None = None
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether decoder block ``layer`` (0-based) uses an MoE feed-forward."""
+        return self.moe is not None and (layer + 1) % self.moe.every == 0
+
+
+def resolve_model(model: ModelConfig) -> ModelSizes:
+    """Concrete sizes: preset values, overridden by every field that differs from its default."""
+    values: dict[str, Any] = {}
+    if model.preset is not None:
+        values.update(PRESETS[model.preset])
+    defaults = ModelConfig()
+    for name in ModelConfig.model_fields:
+        if name in ("preset", "moe"):
+            continue
+        value = getattr(model, name)
+        if name not in values or value != getattr(defaults, name):
+            values[name] = value
+    if model.moe is not None:
+        values["moe"] = model.moe.model_dump()
+    moe = values.pop("moe", None)
+    moe_sizes = MoESizes(**MoEConfig.model_validate(moe).model_dump()) if moe else None
+    d_model = values["d_model"]
+    if d_model % values["n_heads"]:
+        raise ValueError(
+            f"spec.trainer.model.nHeads: must divide dModel ({d_model}), got {values['n_heads']}"
+        )
+    if moe_sizes is not None and moe_sizes.every > values["n_layers"]:
+        raise ValueError(
+            f"spec.trainer.model.moe.every: must be <= nLayers ({values['n_layers']}) "
+            f"or no block would be MoE, got {moe_sizes.every}"
+        )
+    return ModelSizes(
+        vocab_size=values["vocab_size"],
+        d_model=d_model,
+        n_layers=values["n_layers"],
+        n_heads=values["n_heads"],
+        seq_len=values["seq_len"],
+        ffn_dim=values.get("ffn_dim") or 4 * d_model,
+        dropout=values["dropout"],
+        moe=moe_sizes,
+    )
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of the runtime, in seconds (from spec.faultTolerance)."""
+
+    collective_s: float = 30.0
+    # A collective still waiting this long when a newer generation exists is abandoned
+    # (healthy collectives take milliseconds; a rank whose peer died may never see an error).
+    abandon_after_s: float = 0.5
+    registration_s: float = 300.0
+    membership_poll_s: float = MEMBERSHIP_POLL_SECONDS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the trainer needs, concrete and immutable."""
+
+    model: ModelSizes
+    optimizer: OptimizerConfig
+    global_batch_size: int
+    micro_batch_size: int
+    steps: int
+    seed: int
+    data_source: str = "python-stdlib"
+    data_seed: int = 0
+    data_max_bytes: int = DEFAULT_DATA_MAX_BYTES
+    log_interval_steps: int = 1
+    checkpoint_interval_steps: int = 50
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+def train_config(spec: TrainingJobSpec) -> TrainConfig:
+    """Resolve a validated spec into the trainer's config (raises ValueError on bad sizes)."""
+    trainer = spec.trainer
+    if trainer.model.vocab_size < 256:
+        raise ValueError(
+            "spec.trainer.model.vocabSize: byte-level data needs >= 256, "
+            f"got {trainer.model.vocab_size}"
+        )
+    ft = spec.fault_tolerance
+    return TrainConfig(
+        model=resolve_model(trainer.model),
+        optimizer=trainer.optimizer,
+        global_batch_size=trainer.batch.global_batch_size,
+        micro_batch_size=trainer.batch.micro_batch_size,
+        steps=trainer.steps,
+        seed=trainer.seed,
+        data_source=trainer.data.source,
+        data_seed=trainer.data.seed,
+        log_interval_steps=trainer.log_interval_steps,
+        checkpoint_interval_steps=spec.checkpoint.interval_steps,
+        timeouts=Timeouts(
+            collective_s=ft.collective_timeout_seconds,
+            registration_s=ft.registration_timeout_seconds,
+        ),
+    )

@@ -1,0 +1,220 @@
+"""``bulkhead plan JOB.yaml --nodes N [--fail K]``: show what the planners decide for a job.
+
+Prints rich tables: pipeline templates, the chosen pipelines and batch split, the expert
+placement of the first MoE layer with its recovery probability against a spread placement,
+and what moves when K nodes fail. ``--json FILE`` writes the same plans as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from bulkhead.api.manifest import ManifestError, load_job
+from bulkhead.trainer.config import resolve_model
+from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
+from bulkhead.trainer.planning.errors import PlanError
+from bulkhead.trainer.planning.expert_migration import replace_after_failure
+from bulkhead.trainer.planning.experts import (
+    allocate_replicas,
+    place_experts,
+    spread_placement,
+    zipf_loads,
+)
+from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
+from bulkhead.trainer.planning.reconfigure import reconfigure
+from bulkhead.trainer.planning.recovery import recovery_probability
+from bulkhead.trainer.planning.templates import TemplateSet, generate_templates
+
+GIB = 2**30
+SHOWN = 8  # rows of long tables shown at each end
+
+
+def _rows(items: list[Any]) -> list[Any]:
+    """All items, or the first and last SHOWN with a gap marker (None) between them."""
+    return items if len(items) <= 2 * SHOWN else [*items[:SHOWN], None, *items[-SHOWN:]]
+
+
+def _secs(value: float) -> str:
+    """Seconds with 4 significant digits: tiny test models and large jobs both read well."""
+    return f"{value:.4g}"
+
+
+def _layer_counts(stages: Any, width: int = 32) -> str:
+    text = ",".join(str(s.layer_end - s.layer_start) for s in stages)
+    return text if len(text) <= width else text[: width - 3].rsplit(",", 1)[0] + ",..."
+
+
+def templates_table(templates: TemplateSet) -> Table:
+    table = Table(title=f"Pipeline templates (n0 = {templates.min_nodes})")
+    for col in ("nodes", "stages", "layers per stage", "GPUs/stage", "1F1B s", "max GiB/GPU"):
+        table.add_column(col, justify="right" if col != "layers per stage" else "left")
+    for t in _rows(list(templates.templates)):
+        if t is None:
+            table.add_row("...", "", "", "", "", "")
+            continue
+        gpus = sorted({s.gpus for s in t.stages})
+        mem = max(s.memory_bytes for s in t.stages) / GIB
+        table.add_row(
+            str(t.num_nodes), str(t.num_stages), _layer_counts(t.stages),
+            ",".join(map(str, gpus)), _secs(t.iteration_time_s), f"{mem:.1f}",
+        )  # fmt: skip
+    return table
+
+
+def pipelines_table(plan: Instantiation, title: str, fates: tuple[str, ...] = ()) -> Table:
+    table = Table(title=f"{title}: {_secs(plan.iteration_time_s)} s per iteration")
+    for col in ("pipeline", "nodes", "stages", "micro-batches", "time s", "fate"):
+        table.add_column(col, justify="left" if col in ("nodes", "fate") else "right")
+    for i, p in enumerate(plan.pipelines):
+        nodes = p.nodes[0] if len(p.nodes) == 1 else f"{p.nodes[0]} .. {p.nodes[-1]}"
+        table.add_row(
+            str(i), f"{nodes} ({len(p.nodes)})", str(p.template.num_stages),
+            str(p.microbatches), _secs(p.time_ns * 1e-9), fates[i] if fates else "",
+        )  # fmt: skip
+    return table
+
+
+def transfers_table(transfers: Any) -> Table:
+    table = Table(title="What moves: layer shards fetched by new owners (new ranks)")
+    for col in ("layer", "shard", "from rank", "to rank", "MiB", "network"):
+        table.add_column(col, justify="right")
+    for t in _rows(list(transfers)):
+        if t is None:
+            table.add_row("...", "", "", "", "", "")
+            continue
+        table.add_row(
+            str(t.layer), f"{t.shard + 1}/{t.shards}", str(t.src), str(t.dst),
+            f"{t.nbytes / 2**20:.1f}", "yes" if t.network else "no",
+        )  # fmt: skip
+    return table
+
+
+def _node_names(count: int) -> list[str]:
+    return [f"node-{i}" for i in range(count)]
+
+
+@click.command("plan")
+@click.argument("job_file", type=click.Path(path_type=Path))
+@click.option("--nodes", "-n", type=click.IntRange(min=1), help="Nodes (default: spec.workers).")
+@click.option(
+    "--fail", "fail", type=click.IntRange(min=0), default=0,
+    help="Nodes to lose (the first pipeline's first nodes) to show what moves.",
+)  # fmt: skip
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--gpu-memory-gb", type=click.FloatRange(min=0.1), default=80.0, show_default=True)
+@click.option("--gpu-tflops", type=click.FloatRange(min=0.1), default=989.0, show_default=True)
+@click.option("--slots-per-gpu", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--expert-skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
+    help="Zipf exponent of the synthetic expert loads (0 = uniform).",
+)  # fmt: skip
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write plans as JSON.")
+def plan(
+    job_file: Path,
+    nodes: int | None,
+    fail: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    gpu_tflops: float,
+    slots_per_gpu: int,
+    expert_skew: float,
+    json_out: Path | None,
+) -> None:
+    """Show the pipeline templates, pipelines, expert placement and failure plan of a job."""
+    try:
+        job = load_job(job_file)
+        model = resolve_model(job.spec.trainer.model)
+    except (ManifestError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    spec = job.spec
+    n = nodes or spec.workers
+    f = spec.fault_tolerance.max_failures
+    batch = spec.trainer.batch
+    microbatches = max(1, batch.global_batch_size // batch.micro_batch_size)
+    gpu = GpuSpec(
+        gpus_per_node=gpus_per_node,
+        memory_bytes=int(gpu_memory_gb * GIB),
+        peak_flops=gpu_tflops * 1e12,
+    )
+    console = Console()
+    out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
+    try:
+        layers = estimate_layer_costs(model, gpu, batch.micro_batch_size)
+        templates = generate_templates(layers, gpu, n)
+        console.print(templates_table(templates))
+        chosen = instantiate(templates, _node_names(n), f, microbatches)
+        console.print(pipelines_table(chosen, f"{len(chosen.pipelines)} pipelines on {n} nodes"))
+        out |= {"templates": templates.to_dict(), "plan": chosen.to_dict()}
+        lost = list(chosen.pipelines[0].nodes[:fail])
+        if fail:
+            if fail > len(chosen.pipelines[0].nodes):
+                lost = chosen.nodes[:fail]
+            result = reconfigure(chosen, templates, lost, layers)
+            console.print(pipelines_table(result.plan, f"After losing {fail}", result.fates))
+            console.print(transfers_table(result.transfers))
+            console.print(
+                f"layer shards to fetch: {len(result.transfers)}, "
+                f"{result.network_bytes / GIB:.2f} GiB over the network; "
+                f"layers lost with every replica: {list(result.missing_layers) or 'none'}"
+            )
+            out["reconfiguration"] = result.to_dict()
+        if model.moe is not None:
+            out["experts"] = _experts(console, model.moe.num_experts, n, gpus_per_node,
+                                      slots_per_gpu, spec, expert_skew, fail, lost)  # fmt: skip
+    except PlanError as exc:
+        raise click.ClickException(str(exc)) from None
+    if json_out:
+        json_out.write_text(json.dumps(out, indent=2))
+        console.print(f"wrote {json_out}")
+
+
+def _experts(
+    console: Console, experts: int, n: int, gpus: int, slots_per_gpu: int, spec: Any,
+    skew: float, fail: int, lost: list[str],
+) -> dict[str, Any]:  # fmt: skip
+    f = spec.trainer.parallelism.experts.min_replicas
+    slots = gpus * slots_per_gpu
+    loads = zipf_loads(experts, skew)
+    replicas = allocate_replicas(loads, n, slots, f)
+    names = _node_names(n)
+    target = max(1, spec.fault_tolerance.max_failures, fail)
+    placement = place_experts(replicas, names, slots, loads, failures=target)
+    table = Table(title=f"Expert placement, first MoE layer ({experts} experts, {slots} slots)")
+    table.add_column("node")
+    table.add_column("experts in slots")
+    for row in _rows(list(zip(names, placement.slots, strict=True))):
+        table.add_row(*(("...", "") if row is None else (row[0], " ".join(map(str, row[1])))))
+    console.print(table)
+    spread = spread_placement(replicas, names, slots)
+    prob = Table(title="Recovery probability (all experts survive k random node failures)")
+    for col in ("k", "MRO", "spread"):
+        prob.add_column(col, justify="right")
+    figures = {}
+    for k in range(1, min(n - 1, max(target, 4)) + 1):
+        ours, base = recovery_probability(placement, k), recovery_probability(spread, k)
+        prob.add_row(str(k), f"{float(ours):.4f}", f"{float(base):.4f}")
+        figures[k] = {"mro": float(ours), "spread": float(base)}
+    console.print(prob)
+    out: dict[str, Any] = {"replicas": replicas, "loads": loads, "recovery": figures,
+                           "placement": placement.to_dict()}  # fmt: skip
+    if fail and lost:
+        mig = replace_after_failure(placement, lost, loads, f, failures=target)
+        moves = Table(title="What moves: expert replicas copied after the failure")
+        for col in ("expert", "from", "to", "slot"):
+            moves.add_column(col)
+        for m in _rows(list(mig.moves)):
+            moves.add_row(*(("...", "", "", "") if m is None else
+                            (str(m.expert), m.src, m.dst, str(m.slot))))  # fmt: skip
+        console.print(moves)
+        console.print(
+            f"experts to migrate after losing {len(lost)} nodes: {len(mig.moves)} replicas; "
+            f"lost with every replica: {list(mig.missing_experts) or 'none'}"
+        )
+        out["migration"] = mig.to_dict()
+    return out

@@ -1,0 +1,12 @@
+"""The elastic worker runtime: per-generation process groups, state sync, the training loop.
+
+- ``sampler``: which stream positions each rank trains on at a step (pure).
+- ``group``: the TCPStore this worker hosts and the torch.distributed group of a generation.
+- ``state``: the training state and its broadcast from the newest surviving replica.
+- ``step``: one data-parallel optimizer step (gradients weighted by samples).
+- ``control``: the control-endpoint interface and the membership watcher thread.
+- ``samples_log``: the consumed-samples log rank 0 keeps in local mode.
+- ``stragglers``: persistent-straggler verdicts from the compute times each step shares.
+- ``checkpointing``: the adapter to the checkpoint engine (snapshots, restore).
+- ``loop``: ``ElasticTrainer``, which ties them together and survives membership changes.
+"""

@@ -1,0 +1,166 @@
+"""The runtime's view of the control endpoint: a client interface and two background threads.
+
+``ControlClient`` is what the runtime needs from the trainer-side control client
+(``bulkhead.api.client.ControlClient``, which identifies the polling worker itself); each
+thread that blocks on the endpoint gets its own client.
+``MembershipWatcher`` long-polls membership so a newer generation is seen while training
+(a worker that polls is also alive to the lifecycle manager). ``Reporter`` posts progress
+off the training thread and remembers what the manager's directives asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from bulkhead.api.protocol import (
+    CompletionReport,
+    Directive,
+    FaultReport,
+    MembershipView,
+    ProgressReport,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+log = logging.getLogger(__name__)
+
+# HTTP statuses with which the manager says this worker is no longer part of the job.
+_GONE_STATUSES = {404, 409}
+
+
+class ControlClient(Protocol):
+    def register(self, request: RegisterRequest) -> RegisterResponse: ...
+
+    def membership(self, after: int = 0, timeout_s: float = 30.0) -> MembershipView: ...
+
+    def progress(self, report: ProgressReport) -> Directive: ...
+
+    def fault(self, report: FaultReport) -> Directive: ...
+
+    def complete(self, report: CompletionReport) -> Directive: ...
+
+
+def is_gone(exc: BaseException) -> bool:
+    """Whether a control error means the manager has dropped this worker for good."""
+    return getattr(exc, "status_code", None) in _GONE_STATUSES
+
+
+class MembershipWatcher:
+    """Keeps the newest published MembershipView, long-polling in a daemon thread."""
+
+    def __init__(self, client: ControlClient, poll_s: float, retry_s: float = 0.5) -> None:
+        self._client = client
+        self._poll_s = poll_s
+        self._retry_s = retry_s
+        self._latest: MembershipView | None = None
+        self._gone: BaseException | None = None
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="membership-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def latest(self) -> MembershipView | None:
+        with self._cond:
+            return self._latest
+
+    @property
+    def generation(self) -> int:
+        latest = self.latest
+        return latest.generation if latest is not None else 0
+
+    def wait_for(
+        self, accept: Callable[[MembershipView], bool], timeout_s: float
+    ) -> MembershipView | None:
+        """The newest view once ``accept`` holds for it, or None at the deadline.
+
+        Raises the control error if the manager has dropped this worker.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._gone is not None:
+                    raise self._gone
+                if self._latest is not None and accept(self._latest):
+                    return self._latest
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                view = self._client.membership(self.generation, self._poll_s)
+            except Exception as exc:
+                if is_gone(exc):
+                    log.warning("membership: the manager dropped this worker: %s", exc)
+                    with self._cond:
+                        self._gone = exc
+                        self._cond.notify_all()
+                    return
+                log.debug("membership poll failed, retrying: %s", exc)
+                self._stopping.wait(self._retry_s)
+                continue
+            with self._cond:
+                if self._latest is None or view.generation >= self._latest.generation:
+                    if self._latest is None or view != self._latest:
+                        log.debug("membership: generation %d (%s)", view.generation, view.state)
+                    self._latest = view
+                    self._cond.notify_all()
+
+
+class Reporter:
+    """Posts progress reports from a daemon thread; keeps the last directive's wishes."""
+
+    def __init__(self, client: ControlClient) -> None:
+        self._client = client
+        self._queue: queue.Queue[ProgressReport | None] = queue.Queue(maxsize=64)
+        self.reconfigure = threading.Event()
+        self.stop_requested = threading.Event()
+        self.stop_reason = ""
+        self._thread = threading.Thread(target=self._run, name="progress-reporter", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, then stop the thread."""
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)
+
+    def post(self, report: ProgressReport) -> None:
+        try:
+            self._queue.put_nowait(report)
+        except queue.Full:  # the manager is slow; the next report supersedes this one
+            log.debug("progress queue full, dropping the report of step %d", report.step)
+
+    def observe(self, directive: Directive) -> None:
+        if directive.action == "reconfigure":
+            self.reconfigure.set()
+        elif directive.action == "stop":
+            self.stop_reason = directive.reason
+            self.stop_requested.set()
+
+    def _run(self) -> None:
+        while (report := self._queue.get()) is not None:
+            try:
+                self.observe(self._client.progress(report))
+            except Exception as exc:
+                if is_gone(exc):
+                    self.stop_reason = str(exc)
+                    self.stop_requested.set()
+                log.debug("progress report of step %d failed: %s", report.step, exc)

@@ -1,0 +1,206 @@
+"""``bulkhead-worker``: one elastic training worker, configured by the launch environment.
+
+Reads the worker launch contract (BULKHEAD_CONTROL_URL, BULKHEAD_CONTROL_TOKEN,
+BULKHEAD_JOB, BULKHEAD_WORKER, BULKHEAD_INCARNATION, BULKHEAD_NODE,
+BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR), runs the
+``ElasticTrainer`` and maps the outcome to the exit codes the lifecycle manager reads:
+0 finished, 2 user error (never retried), 3 told to stop, anything else = replace me.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bulkhead.api.manifest import ManifestError, parse_spec
+from bulkhead.api.protocol import ENDPOINT_ENV, JOB_ENV, TOKEN_ENV, WORKER_ENV, FaultReport
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.checkpoint.paths import SHM_DIR_ENV, SOCKET_ENV
+from bulkhead.trainer.config import train_config
+from bulkhead.trainer.runtime.control import ControlClient
+
+if TYPE_CHECKING:
+    from bulkhead.trainer.runtime.loop import Checkpointer
+
+EXIT_FINISHED = 0
+EXIT_INFRASTRUCTURE = 1
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 3
+
+INCARNATION_ENV = "BULKHEAD_INCARNATION"
+NODE_ENV = "BULKHEAD_NODE"
+ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
+JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
+RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
+LOG_LEVEL_ENV = "BULKHEAD_LOG_LEVEL"
+
+log = logging.getLogger("bulkhead.trainer.worker")
+
+
+class LaunchError(ValueError):
+    """The launch environment is incomplete or malformed (a user / deployment error)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    control_url: str
+    token: str
+    job: str
+    worker: str
+    incarnation: int
+    node: str
+    advertise_host: str
+    spec_json: str
+    run_dir: Path | None
+
+
+def read_env(env: Mapping[str, str]) -> LaunchEnv:
+    required = [ENDPOINT_ENV, TOKEN_ENV, JOB_ENV, WORKER_ENV, JOB_SPEC_ENV]
+    missing = [name for name in required if not env.get(name)]
+    if missing:
+        raise LaunchError(f"missing environment variables: {', '.join(missing)}")
+    try:
+        incarnation = int(env.get(INCARNATION_ENV, "0"))
+    except ValueError:
+        raise LaunchError(f"{INCARNATION_ENV} must be an integer") from None
+    run_dir = env.get(RUN_DIR_ENV)
+    return LaunchEnv(
+        control_url=env[ENDPOINT_ENV],
+        token=env[TOKEN_ENV],
+        job=env[JOB_ENV],
+        worker=env[WORKER_ENV],
+        incarnation=incarnation,
+        node=env.get(NODE_ENV, ""),
+        advertise_host=env.get(ADVERTISE_HOST_ENV, "127.0.0.1"),
+        spec_json=env[JOB_SPEC_ENV],
+        run_dir=Path(run_dir) if run_dir else None,
+    )
+
+
+def _setup_logging(worker: str) -> None:
+    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{worker}] %(name)s: %(message)s",
+    )
+
+
+def run(env: Mapping[str, str]) -> int:
+    """Run one worker to its end; returns the process exit code."""
+    try:
+        launch = read_env(env)
+    except LaunchError as exc:
+        logging.basicConfig(level=logging.INFO)
+        log.error("bad launch environment: %s", exc)
+        return EXIT_USER_ERROR
+    _setup_logging(launch.worker)
+    from bulkhead.api.client import ControlClient as HttpControlClient
+    from bulkhead.api.client import ControlError
+
+    def connect(retries: int = 5) -> ControlClient:
+        return HttpControlClient(
+            launch.control_url, launch.token, launch.job, launch.worker, retries=retries
+        )
+
+    def user_error(exc: Exception, generation: int = 0, trace: bool = False) -> int:
+        log.error("user error: %s", exc, exc_info=trace)
+        _report_user_error(connect(retries=1), launch.worker, generation, str(exc))
+        return EXIT_USER_ERROR
+
+    # The spec is checked before torch is imported: a bad job fails in well under a second.
+    try:
+        spec = parse_spec(json.loads(launch.spec_json), source=JOB_SPEC_ENV)
+        cfg = train_config(spec)
+    except (ManifestError, ValueError) as exc:
+        return user_error(exc)
+
+    import torch
+
+    from bulkhead.trainer.data import DataError, open_dataset
+    from bulkhead.trainer.runtime.loop import ElasticTrainer, NoGeneration, Stopped, WorkerIdentity
+    from bulkhead.trainer.runtime.samples_log import SamplesLog
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    trainer: ElasticTrainer | None = None
+    try:
+        dataset = open_dataset(
+            cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes
+        )
+        samples = None
+        if launch.run_dir is not None:
+            samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)
+        identity = WorkerIdentity(
+            launch.worker, launch.node, launch.incarnation, launch.advertise_host
+        )
+        trainer = ElasticTrainer(
+            cfg,
+            connect,
+            identity,
+            dataset,
+            samples_log=samples,
+            checkpointer=_checkpointer(env, spec, launch),
+        )
+        trainer.run()
+        return EXIT_FINISHED
+    except DataError as exc:
+        return user_error(exc)
+    except (ValueError, TypeError) as exc:  # raised by the model or data code on bad sizes
+        generation = trainer.watcher.generation if trainer is not None else 0
+        return user_error(exc, generation, trace=True)
+    except Stopped as exc:
+        log.info("stopping: %s", exc)
+        return EXIT_STOPPED
+    except (NoGeneration, ControlError) as exc:
+        log.error("giving up: %s", exc)
+        return EXIT_INFRASTRUCTURE
+    except KeyboardInterrupt:
+        log.info("interrupted")
+        return 128 + signal.SIGINT
+
+
+def _report_user_error(client: ControlClient, worker: str, generation: int, message: str) -> None:
+    """Best effort: the manager fails the job at once instead of waiting for the exit."""
+    try:
+        client.fault(
+            FaultReport(worker=worker, generation=generation, kind="user_error", message=message)
+        )
+    except Exception as exc:
+        log.debug("could not report the user error: %s", exc)
+
+
+def _checkpointer(
+    env: Mapping[str, str], spec: TrainingJobSpec, launch: LaunchEnv
+) -> Checkpointer | None:
+    """The checkpoint engine when a sidecar runs next to this worker (its env is set)."""
+    if not (env.get(SHM_DIR_ENV) or env.get(SOCKET_ENV)):
+        log.info("no checkpoint sidecar (%s unset): snapshots off", SHM_DIR_ENV)
+        return None
+    from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointSettings
+    from bulkhead.trainer.runtime.checkpointing import EngineCheckpointer
+
+    settings = CheckpointSettings.from_spec(spec.checkpoint, job=launch.job, worker=launch.worker)
+    return EngineCheckpointer(CheckpointEngine(settings))
+
+
+def main() -> None:
+    # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
+    # the state that matters lives in the surviving replicas and the checkpoint sidecar.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_STOPPED))
+    code = run(os.environ)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: the interpreter's teardown would wait for gloo groups parked after a failure.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
