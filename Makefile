@@ -15,10 +15,12 @@ PYTEST_ARGS ?=
 
 .PHONY: venv run test lint bench k8s cluster cluster-down crd clean
 
+# `python -P`: the repository root must never be on sys.path, or the folder operator/
+# would shadow Python's standard operator module (installed, it is bulkhead.operator).
 $(STAMP): pyproject.toml setup.py constraints.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,dev]'
+	@test -x $(PY) || $(PYTHON) -P -m venv $(VENV)
+	$(PY) -P -m pip install --quiet --upgrade pip
+	$(PY) -P -m pip install --quiet -c constraints.txt -e '.[all,dev]'
 	@touch $@
 
 venv: $(STAMP)
@@ -32,7 +34,7 @@ k8s:
 	@bash hack/build-k8s.sh
 
 test: venv k8s
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _bulkhead(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bulkhead.cli.main", *args],
+        [sys.executable, "-P", "-m", "bulkhead.cli.main", *args],
         capture_output=True, text=True, cwd=REPO, timeout=240,
     )  # fmt: skip
 
@@ -44,7 +44,7 @@ def test_agent_entry_point_rejects_a_bad_config(tmp_path):
     config = tmp_path / "agent.yaml"
     config.write_text("interval_s: -1\nno_such_key: 1\n")
     out = subprocess.run(
-        [sys.executable, "-m", "bulkhead.agent.main", "--config", str(config)],
+        [sys.executable, "-P", "-m", "bulkhead.agent.main", "--config", str(config)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2
@@ -57,5 +57,5 @@ def test_the_agent_never_imports_torch():
         "bulkhead.agent.replay, bulkhead.agent.reporters.kube; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

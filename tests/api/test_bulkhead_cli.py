@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "bulkhead.cli.main"]
+CLI = [sys.executable, "-P", "-m", "bulkhead.cli.main"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -55,5 +55,5 @@ def test_operator_and_agent_packages_do_not_import_torch():
         "        importlib.import_module(m.name)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -62,7 +62,7 @@ def test_planning_imports_and_plans_without_torch() -> None:
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

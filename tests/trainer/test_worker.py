@@ -85,7 +85,7 @@ def test_missing_data_is_a_user_error(control) -> None:
 def test_entry_point_exits_2_on_an_incomplete_environment() -> None:
     code = "from bulkhead.trainer.worker import main; main()"
     done = subprocess.run(
-        [sys.executable, "-c", code], env={"PATH": ""}, capture_output=True, text=True, timeout=60
+        [sys.executable, "-P", "-c", code], env={"PATH": ""}, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == EXIT_USER_ERROR
     assert "missing environment variables" in done.stderr
