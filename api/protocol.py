@@ -16,6 +16,7 @@ Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name`
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Literal
 
 from pydantic import Field
@@ -28,6 +29,27 @@ TOKEN_ENV = "BULKHEAD_CONTROL_TOKEN"
 ENDPOINT_ENV = "BULKHEAD_CONTROL_URL"
 JOB_ENV = "BULKHEAD_JOB"
 WORKER_ENV = "BULKHEAD_WORKER"
+# The rest of the worker launch contract (DESIGN.md "Worker launch contract").
+INCARNATION_ENV = "BULKHEAD_INCARNATION"
+NODE_ENV = "BULKHEAD_NODE"
+ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
+JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
+RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
+SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
+CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
+
+
+class WorkerExit(IntEnum):
+    """Exit codes of ``bulkhead-worker``, as the lifecycle manager reads them.
+
+    Any other code, or death by a signal (OOMKilled, Evicted, a lost node), is an
+    infrastructure failure: the worker is replaced.
+    """
+
+    DONE = 0  # the job is complete
+    USER_ERROR = 2  # bad config or an exception in user code: the job fails, never retried
+    STOPPED = 3  # told to stop by the manager
+
 
 JobState = Literal["forming", "running", "restarting", "succeeded", "failed"]
 FaultKind = Literal[

@@ -36,6 +36,18 @@ SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Serv
 KWOK_STAGES = HACK_DIR / "kwok-stages.yaml"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
 START_ATTEMPTS = 3
+# Sized for up to ~1000 KWOK nodes and a 1000-pod job on 2 shared cores (see hack/README.md).
+# Client rate limits of the scheduler and controller-manager: the defaults (scheduler 50/s,
+# controller-manager 20/s) would make binding 1000 pods take 20 s on their own.
+SCHEDULER_QPS, SCHEDULER_BURST = 300, 600
+CONTROLLER_MANAGER_QPS, CONTROLLER_MANAGER_BURST = 100, 200
+# Each KWOK node renews its Lease every quarter of this; with the kubelet's 40 s, 1000 nodes
+# are 100 writes/s, enough to starve a 2-core machine. The node lifecycle controller must
+# allow longer than one renewal interval before it calls a node unreachable.
+NODE_LEASE_SECONDS = 120
+NODE_MONITOR_GRACE = "180s"
+# Coalesce endpoint updates of a big headless Service (one per worker pod) into one per second.
+ENDPOINT_BATCH_PERIOD = "1s"
 STOP_ORDER = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
 
 
@@ -148,11 +160,22 @@ class ControlPlane:
                 f"--cluster-signing-cert-file={pki.ca_cert}",
                 f"--cluster-signing-key-file={pki.ca_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--kube-api-qps={CONTROLLER_MANAGER_QPS}",
+                f"--kube-api-burst={CONTROLLER_MANAGER_BURST}",
+                f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+                f"--endpoint-updates-batch-period={ENDPOINT_BATCH_PERIOD}",
+                f"--endpointslice-updates-batch-period={ENDPOINT_BATCH_PERIOD}",
             ]  # fmt: skip
 
+        scheduler_config = d / "scheduler-config.json"
+        write_scheduler_config(scheduler_config, self.kubeconfig)
+
         def scheduler(ports: list[int]) -> list[str]:
+            # The kubeconfig, client rate limits and leader election come from the config
+            # file (the equivalent flags are deprecated and ignored when one is given).
             return [
-                str(b["kube-scheduler"]), *common, f"--secure-port={ports[0]}",
+                str(b["kube-scheduler"]), f"--config={scheduler_config}",
+                "--bind-address=127.0.0.1", f"--secure-port={ports[0]}",
                 f"--cert-dir={d / 'scheduler-certs'}",
             ]  # fmt: skip
 
@@ -161,7 +184,8 @@ class ControlPlane:
                 str(b["kwok"]), f"--kubeconfig={kube}", f"--config={KWOK_STAGES}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}",
-                f"--server-address=127.0.0.1:{ports[0]}", "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{ports[0]}",
+                f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
                 "--cidr=10.244.0.0/16", "--node-ip=10.1.0.1",
             ]  # fmt: skip
 
@@ -252,6 +276,19 @@ class ControlPlane:
             directory, state["server"], pathlib.Path(state["kubeconfig"]),
             pathlib.Path(state["caCert"]), components, binaries,
         )  # fmt: skip
+
+
+def write_scheduler_config(path: pathlib.Path, kubeconfig: pathlib.Path) -> None:
+    """kube-scheduler's configuration file (JSON is valid YAML)."""
+    config = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {
+            "kubeconfig": str(kubeconfig), "qps": SCHEDULER_QPS, "burst": SCHEDULER_BURST,
+        },
+        "leaderElection": {"leaderElect": False},
+    }  # fmt: skip
+    path.write_text(json.dumps(config, indent=2))
 
 
 def _b64(path: pathlib.Path) -> str:

@@ -16,6 +16,10 @@ driver. Rules, in short:
 - Hang timer: no progress for ``hangTimeoutSeconds`` -> members silent for half of it
   are replaced as above; if every member still answers, the groups are re-formed once
   (a new generation with the same members), and only then is the job restarted.
+- Fast hang detection: when every other member of the generation reported a collective
+  error (or is long-polling membership) and exactly one member has been silent (no poll,
+  no report) for ``suspect_grace_s``, that member is the hang suspect and is replaced at
+  once, without waiting for the hang timeout.
 - User errors (exit code 2, ``user_error`` reports) fail the job at once, never retried.
 - A slot whose incarnations keep dying before training is backed off, and fails the job
   after ``maxRestarts + 1`` consecutive crashes.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
+from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle_actions import PolicyActions
 from bulkhead.operator.lifecycle_types import (
@@ -49,14 +54,12 @@ from bulkhead.operator.lifecycle_types import (
 )
 from bulkhead.operator.lifecycle_types import EvictNode as EvictNodeDecision
 
-EXIT_FINISHED = 0
-EXIT_USER_ERROR = 2
-EXIT_STOPPED = 3
 
-
-def initial_state(job: str, spec: TrainingJobSpec) -> LifecycleState:
+def initial_state(
+    job: str, spec: TrainingJobSpec, suspect_grace_s: float | None = None
+) -> LifecycleState:
     """A new job: every slot waits for its first worker."""
-    config = PolicyConfig.from_spec(spec)
+    config = PolicyConfig.from_spec(spec, suspect_grace_s)
     slots = tuple(Slot(index=i, incarnation=0, status="pending") for i in range(config.workers))
     return LifecycleState(job=job, config=config, slots=slots)
 
@@ -138,12 +141,16 @@ class _Policy(PolicyActions):
         if self.state.terminal:
             self.state = replace(self.state, dead=self.state.dead | {ev.worker})
             return
-        if ev.exit_code == EXIT_USER_ERROR:
+        if ev.exit_code == WorkerExit.USER_ERROR:
             self.state = replace(self.state, dead=self.state.dead | {ev.worker})
             self.fail(f"worker {ev.worker} failed with a user error (exit code 2); see its log")
             return
         s = self.state
-        if ev.exit_code == EXIT_FINISHED and s.has_progress and s.step + 1 >= self.cfg.total_steps:
+        if (
+            ev.exit_code == WorkerExit.DONE
+            and s.has_progress
+            and s.step + 1 >= self.cfg.total_steps
+        ):
             # Finished the last step; its completion report may still be on the way.
             self.state = replace(s, dead=s.dead | {ev.worker})
             return
@@ -171,6 +178,9 @@ class _Policy(PolicyActions):
                 self.lose(lost, "peer_suspect")
             return
         if report.kind == "collective_error" and report.generation == self.state.generation:
+            if report.worker in self.state.members():
+                reporters = self.state.collective_errors | {report.worker}
+                self.state = replace(self.state, collective_errors=reporters)
             self.begin_recovery(report.kind)
 
     def on_node_anomaly(self, ev: NodeAnomaly) -> None:
@@ -212,6 +222,7 @@ class _Policy(PolicyActions):
             last_progress_at=self.now,
             losses_since_progress=0,
             stall_reformed=False,
+            collective_errors=frozenset(),
             productive=productive,
             slots=slots,
             phase="Running",
@@ -259,29 +270,7 @@ class _Policy(PolicyActions):
         s = self.state
         if s.generation == 0 or s.restarting:
             return
-        if self.now - s.last_progress_at < self.cfg.hang_timeout_s:
-            return
-        quiet_for = self.cfg.hang_timeout_s / 2
-        silent = [
-            slot
-            for slot in s.slots
-            if self.is_member(slot)
-            and self.now - ev.last_seen.get(s.ref(slot).id, s.last_progress_at) >= quiet_for
-        ]
-        self.state = replace(self.state, last_progress_at=self.now)
-        if silent:
-            for slot in silent:
-                self.emit(StopWorker(s.ref(slot), "hang: silent while training stalled"))
-            names = ", ".join(s.ref(x).id for x in silent)
-            self.lose(silent, "hang", warning_detail=f"hang suspects: {names}")
-        elif not s.stall_reformed:
-            # Everyone answers but nobody trains (e.g. a collective error with no lost peer):
-            # re-forming the groups is far cheaper than a restart, so try that first.
-            self.begin_recovery("stall")
-            self.state = replace(self.state, stall_reformed=True)
-            self.publish(f"no progress for {self.cfg.hang_timeout_s:g}s: re-forming")
-        else:
-            self.restart_all(f"hang: no progress for {self.cfg.hang_timeout_s:g}s")
+        self.check_hang(ev)
 
     def on_registration_timeout(self) -> None:
         registered = self.state.live_count()
@@ -303,8 +292,8 @@ def _exit_cause(ev: WorkerExited) -> str:
             return signals.Signals(ev.signal).name
         except ValueError:
             return f"signal {ev.signal}"
-    if ev.exit_code == EXIT_FINISHED:
+    if ev.exit_code == WorkerExit.DONE:
         return "exited before the job completed"
-    if ev.exit_code == EXIT_STOPPED:
+    if ev.exit_code == WorkerExit.STOPPED:
         return "stopped unexpectedly (exit code 3)"
     return f"exit code {ev.exit_code}"

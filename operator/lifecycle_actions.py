@@ -2,7 +2,8 @@
 
 ``PolicyActions`` holds one application of the policy (a state being rewritten and the
 decisions collected so far); ``bulkhead.operator.lifecycle`` subclasses it with the rules
-that map events to these actions.
+that map events to these actions. The hang checks of a timer tick live here too (see the
+rules in ``bulkhead.operator.lifecycle``), which keeps the rules module short.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bulkhead.operator.lifecycle_types import (
     Slot,
     StartWorker,
     StopWorker,
+    Tick,
 )
 
 
@@ -183,6 +185,7 @@ class PolicyActions:
             else s.phase,
             reconfigurations=s.reconfigurations + (0 if first or restore else 1),
             last_progress_at=self.now,
+            collective_errors=frozenset(),
         )
         self.emit(PublishMembership(view))
         self.event(
@@ -190,6 +193,68 @@ class PolicyActions:
             f"generation {view.generation}: {len(members)} workers, coordinator "
             f"{members[0].worker} ({why})",
         )
+
+    # ------------------------------------------------------------ hang detection
+
+    def check_hang(self, ev: Tick) -> None:
+        """The hang rules of a timer tick, for a formed job that is not restarting."""
+        s = self.state
+        suspect = self.lone_silent_member(ev)
+        if suspect is not None:
+            wid = s.ref(suspect).id
+            quiet = self.now - ev.last_seen.get(wid, s.last_progress_at)
+            self.event(
+                "HangSuspect",
+                f"{wid} silent for {quiet:.1f}s while every other member reported a "
+                "collective error or polled membership",
+                warning=True,
+            )
+            self.emit(StopWorker(s.ref(suspect), "hang: silent while its peers reported errors"))
+            self.lose([suspect], "hang", warning_detail=f"hang suspects: {wid}")
+            return
+        if self.now - s.last_progress_at < self.cfg.hang_timeout_s:
+            return
+        quiet_for = self.cfg.hang_timeout_s / 2
+        silent = [
+            slot
+            for slot in s.slots
+            if self.is_member(slot)
+            and s.ref(slot).id not in ev.polling  # a poller is alive by definition
+            and self.now - ev.last_seen.get(s.ref(slot).id, s.last_progress_at) >= quiet_for
+        ]
+        self.state = replace(self.state, last_progress_at=self.now)
+        if silent:
+            for slot in silent:
+                self.emit(StopWorker(s.ref(slot), "hang: silent while training stalled"))
+            names = ", ".join(s.ref(x).id for x in silent)
+            self.lose(silent, "hang", warning_detail=f"hang suspects: {names}")
+        elif not s.stall_reformed:
+            # Everyone answers but nobody trains (e.g. a collective error with no lost peer):
+            # re-forming the groups is far cheaper than a restart, so try that first.
+            self.begin_recovery("stall")
+            self.state = replace(self.state, stall_reformed=True)
+            self.publish(f"no progress for {self.cfg.hang_timeout_s:g}s: re-forming")
+        else:
+            self.restart_all(f"hang: no progress for {self.cfg.hang_timeout_s:g}s")
+
+    def lone_silent_member(self, ev: Tick) -> Slot | None:
+        """The one member that neither reported a collective error nor polls membership,
+        silent for the grace, while at least one other member reported a collective error
+        in this generation; None unless exactly one member fits."""
+        s = self.state
+        if not s.collective_errors:
+            return None
+        members = [slot for slot in s.slots if self.is_member(slot)]
+        silent = [
+            slot
+            for slot in members
+            if s.ref(slot).id not in s.collective_errors and s.ref(slot).id not in ev.polling
+        ]
+        if len(members) < 2 or len(silent) != 1:
+            return None
+        (slot,) = silent
+        last_seen = ev.last_seen.get(s.ref(slot).id, s.last_progress_at)
+        return slot if self.now - last_seen >= self.cfg.suspect_grace_s else None
 
     def fail(self, reason: str) -> None:
         s = self.state

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bulkhead.api.protocol import (
@@ -84,11 +84,17 @@ class JobSession:
         clock: Callable[[], float] = time.monotonic,
         *,
         live_workers: dict[str, str] | None = None,
+        started_incarnations: Mapping[int, int] | None = None,
+        suspect_grace_seconds: float | None = None,
         tick_seconds: float = 0.5,
         max_poll_seconds: float | None = None,
     ) -> None:
         """``status`` + ``live_workers`` (worker id -> node) rebuild a job after a manager
-        restart; without ``status`` the job starts from scratch.
+        restart; without ``status`` the job starts from scratch. ``started_incarnations``
+        (slot -> newest incarnation ever started, if the driver keeps it) makes sure a
+        restarted manager never reuses the id of a worker that is gone without a trace.
+        ``suspect_grace_seconds`` overrides the policy's grace for a lone silent member
+        (default min(5 s, hangTimeoutSeconds / 4)).
         """
         self.job_name = job_name
         self.spec = spec
@@ -97,11 +103,13 @@ class JobSession:
         self._clock = clock
         self._resumed_status = status
         self._live_workers = dict(live_workers or {})
+        self._started_incarnations = dict(started_incarnations or {})
+        self._suspect_grace_s = suspect_grace_seconds
         self._tick_s = tick_seconds
         hang = spec.fault_tolerance.hang_timeout_seconds
         # Healthy workers re-poll well within the silence threshold of the hang timer.
         self.max_poll_s = max_poll_seconds or max(0.5, hang / 4)
-        self._state: LifecycleState = initial_state(job_name, spec)
+        self._state: LifecycleState = initial_state(job_name, spec, suspect_grace_seconds)
         self._changed = asyncio.Event()
         self._effects: asyncio.Queue[Decision | None] = asyncio.Queue()
         self._status_dirty = False
@@ -109,7 +117,9 @@ class JobSession:
         self._done = asyncio.Event()
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
-        prior = status.recoveries if status is not None else []
+        # Open recoveries of a previous manager go back into the policy state (see rebuild),
+        # which closes them on the next step; only closed ones stay as they are.
+        prior = [r for r in status.recoveries if r.resumed is not None] if status else []
         self._status_view = StatusView(time.time() - clock(), prior)
         self._progress_listeners: list[ProgressListener] = []
         self._started = False
@@ -128,7 +138,14 @@ class JobSession:
         else:
             now = self._clock()
             state, decisions = rebuild(
-                self.job_name, self.spec, self._resumed_status, self._live_workers, now
+                self.job_name,
+                self.spec,
+                self._resumed_status,
+                self._live_workers,
+                now,
+                started=self._started_incarnations,
+                wall_offset_s=self._status_view.wall_offset_s,
+                suspect_grace_s=self._suspect_grace_s,
             )
             self._state = state
             self._status_dirty = True
@@ -382,7 +399,7 @@ class JobSession:
             for worker in self._polling:
                 self._last_seen[worker] = now
             try:
-                self._apply(Tick(last_seen=dict(self._last_seen)))
+                self._apply(Tick(last_seen=dict(self._last_seen), polling=frozenset(self._polling)))
             except Exception:  # keep the timer alive: the next tick may well succeed
                 log.exception("job %s: hang timer tick failed", self.job_name)
 

@@ -56,6 +56,11 @@ class StatusView:
             message=s.message,
         )
 
+    @property
+    def wall_offset_s(self) -> float:
+        """Wall clock - session clock, in seconds."""
+        return self._wall_offset
+
     def rfc3339(self, t: float) -> str:
         return datetime.fromtimestamp(t + self._wall_offset, UTC).isoformat(timespec="milliseconds")
 

@@ -20,25 +20,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bulkhead.api.manifest import ManifestError, parse_spec
-from bulkhead.api.protocol import ENDPOINT_ENV, JOB_ENV, TOKEN_ENV, WORKER_ENV, FaultReport
+from bulkhead.api.protocol import (
+    ADVERTISE_HOST_ENV,
+    CHECKPOINT_SOCKET_ENV,
+    ENDPOINT_ENV,
+    INCARNATION_ENV,
+    JOB_ENV,
+    JOB_SPEC_ENV,
+    NODE_ENV,
+    RUN_DIR_ENV,
+    SHM_DIR_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
+    FaultReport,
+    WorkerExit,
+)
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.trainer.checkpoint.paths import SHM_DIR_ENV, SOCKET_ENV
 from bulkhead.trainer.config import train_config
 from bulkhead.trainer.runtime.control import ControlClient
 
 if TYPE_CHECKING:
     from bulkhead.trainer.runtime.loop import Checkpointer
 
-EXIT_FINISHED = 0
+# Any code outside WorkerExit means "infrastructure failure: replace me".
 EXIT_INFRASTRUCTURE = 1
-EXIT_USER_ERROR = 2
-EXIT_STOPPED = 3
-
-INCARNATION_ENV = "BULKHEAD_INCARNATION"
-NODE_ENV = "BULKHEAD_NODE"
-ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
-JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
-RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
 LOG_LEVEL_ENV = "BULKHEAD_LOG_LEVEL"
 
 log = logging.getLogger("bulkhead.trainer.worker")
@@ -100,7 +105,7 @@ def run(env: Mapping[str, str]) -> int:
     except LaunchError as exc:
         logging.basicConfig(level=logging.INFO)
         log.error("bad launch environment: %s", exc)
-        return EXIT_USER_ERROR
+        return WorkerExit.USER_ERROR
     _setup_logging(launch.worker)
     from bulkhead.api.client import ControlClient as HttpControlClient
     from bulkhead.api.client import ControlError
@@ -113,7 +118,7 @@ def run(env: Mapping[str, str]) -> int:
     def user_error(exc: Exception, generation: int = 0, trace: bool = False) -> int:
         log.error("user error: %s", exc, exc_info=trace)
         _report_user_error(connect(retries=1), launch.worker, generation, str(exc))
-        return EXIT_USER_ERROR
+        return WorkerExit.USER_ERROR
 
     # The spec is checked before torch is imported: a bad job fails in well under a second.
     try:
@@ -149,7 +154,7 @@ def run(env: Mapping[str, str]) -> int:
             checkpointer=_checkpointer(env, spec, launch),
         )
         trainer.run()
-        return EXIT_FINISHED
+        return WorkerExit.DONE
     except DataError as exc:
         return user_error(exc)
     except (ValueError, TypeError) as exc:  # raised by the model or data code on bad sizes
@@ -157,7 +162,7 @@ def run(env: Mapping[str, str]) -> int:
         return user_error(exc, generation, trace=True)
     except Stopped as exc:
         log.info("stopping: %s", exc)
-        return EXIT_STOPPED
+        return WorkerExit.STOPPED
     except (NoGeneration, ControlError) as exc:
         log.error("giving up: %s", exc)
         return EXIT_INFRASTRUCTURE
@@ -180,7 +185,7 @@ def _checkpointer(
     env: Mapping[str, str], spec: TrainingJobSpec, launch: LaunchEnv
 ) -> Checkpointer | None:
     """The checkpoint engine when a sidecar runs next to this worker (its env is set)."""
-    if not (env.get(SHM_DIR_ENV) or env.get(SOCKET_ENV)):
+    if not (env.get(SHM_DIR_ENV) or env.get(CHECKPOINT_SOCKET_ENV)):
         log.info("no checkpoint sidecar (%s unset): snapshots off", SHM_DIR_ENV)
         return None
     from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointSettings
@@ -193,7 +198,7 @@ def _checkpointer(
 def main() -> None:
     # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
     # the state that matters lives in the surviving replicas and the checkpoint sidecar.
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_STOPPED))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
     code = run(os.environ)
     logging.shutdown()
     sys.stdout.flush()

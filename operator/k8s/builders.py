@@ -16,14 +16,6 @@ from bulkhead.api import protocol
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.k8s import names
 
-# Environment of the launch contract beyond the names bulkhead.api.protocol defines.
-INCARNATION_ENV = "BULKHEAD_INCARNATION"
-NODE_ENV = "BULKHEAD_NODE"
-ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
-JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
-SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
-CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
-
 WORKER_COMMAND = ["bulkhead-worker"]
 CHECKPOINTD_COMMAND = ["bulkhead-checkpointd"]
 
@@ -123,12 +115,12 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
         },
         _env_var(protocol.JOB_ENV, names.job_key(ctx.namespace, ctx.name)),
         _env_var(protocol.WORKER_ENV, worker_id),
-        _env_var(INCARNATION_ENV, str(incarnation)),
-        _field_env(NODE_ENV, "spec.nodeName"),
-        _field_env(ADVERTISE_HOST_ENV, "status.podIP"),
-        _env_var(JOB_SPEC_ENV, json.dumps(ctx.spec.wire(), separators=(",", ":"))),
-        _env_var(SHM_DIR_ENV, names.SHM_MOUNT),
-        _env_var(CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET),
+        _env_var(protocol.INCARNATION_ENV, str(incarnation)),
+        _field_env(protocol.NODE_ENV, "spec.nodeName"),
+        _field_env(protocol.ADVERTISE_HOST_ENV, "status.podIP"),
+        _env_var(protocol.JOB_SPEC_ENV, json.dumps(ctx.spec.wire(), separators=(",", ":"))),
+        _env_var(protocol.SHM_DIR_ENV, names.SHM_MOUNT),
+        _env_var(protocol.CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET),
     ]
 
 

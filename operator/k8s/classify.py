@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from bulkhead.api.protocol import WorkerExit
 from bulkhead.operator.k8s import names
-
-USER_ERROR_EXIT = 2
-STOPPED_EXIT = 3
 
 # Waiting reasons that can never fix themselves: the template is wrong, a user error.
 _CONFIG_ERRORS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
@@ -61,7 +59,7 @@ class PodObservation:
 
     @property
     def infrastructure_failure(self) -> bool:
-        return self.state == "exited" and self.exit_code not in (0, USER_ERROR_EXIT, STOPPED_EXIT)
+        return self.state == "exited" and self.exit_code not in tuple(WorkerExit)
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def classify_pod(pod: dict[str, Any], deleted: bool = False) -> PodObservation:
         return PodObservation("exited", node, code, signal, reason)
     waiting_reason = (state.get("waiting") or {}).get("reason") or ""
     if waiting_reason in _CONFIG_ERRORS:
-        return PodObservation("exited", node, USER_ERROR_EXIT, None, waiting_reason)
+        return PodObservation("exited", node, WorkerExit.USER_ERROR, None, waiting_reason)
     if phase == "Failed":
         reason = status.get("reason") or _disruption_reason(status) or "Failed"
         if reason in _NODE_LOST:

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import Condition, TrainingJobStatus
-from bulkhead.operator.k8s import builders, classify, names
+from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
 from bulkhead.operator.k8s.nodes import NodeActions, build_event, rfc3339
@@ -109,7 +110,7 @@ class KubernetesDriver:
             if self.on_create_failed is not None:
                 # 4xx other than throttling: the template is wrong and retrying cannot help.
                 user_error = 400 <= exc.status < 500 and exc.status != 429
-                code = classify.USER_ERROR_EXIT if user_error else None
+                code = WorkerExit.USER_ERROR if user_error else None
                 await self.on_create_failed(worker_id, code, f"PodCreateFailed: {exc}")
             return
         log.info("job %s: pod %s %s", self.ctx.name, worker_id, "created" if created else "exists")

@@ -110,8 +110,9 @@ class KubeClient:
         body: Any = None,
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         auth = self._creds.authorization()
         if auth:
             headers["Authorization"] = auth

@@ -4,8 +4,11 @@ Progress (step, loss) changes every few hundred milliseconds on a big job; writi
 would load the API server for nothing. A change a person or a tool acts on (phase,
 conditions, membership generation, restarts, evictions, recoveries) is written at once;
 anything else waits until ``min_interval_s`` has passed since the last write, and only the
-newest status is written. A failed write is retried with the newest status, so nothing is
-lost while the operator runs; after a restart the session republishes.
+newest status is written. The live/desired worker count is progress too: while a
+thousand pods come up it changes a thousand times, and writing each one (a status
+object listing up to a thousand members) would slow the start it reports on. A failed
+write is retried with the newest status, so nothing is lost while the operator runs; after
+a restart the session republishes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ def _essence(status: dict[str, Any]) -> tuple[Any, ...]:
         status.get("phase"),
         conditions,
         (status.get("membership") or {}).get("generation"),
-        status.get("workers"),
         status.get("restarts"),
         status.get("reconfigurations"),
         tuple(status.get("evictedNodes", [])),
@@ -78,16 +80,26 @@ class StatusWriter:
         self._clock = clock
         self._written: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
+        # Serialised only when the writer looks at it: many publishes between two writes
+        # (one per pod event while a big job starts) cost one wire() call, not one each.
+        self._newest: TrainingJobStatus | None = None
         self._last_write = -float("inf")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     def publish(self, status: TrainingJobStatus) -> None:
-        self._pending = status.wire()
+        self._newest = status
         self._wake.set()
         if self._task is None and not self._closed:
             self._task = asyncio.create_task(self._run(), name=f"status-writer {self._path}")
+
+    def _pending_wire(self) -> dict[str, Any] | None:
+        """The newest published status in wire form."""
+        if self._newest is not None:
+            self._pending = self._newest.wire()
+            self._newest = None
+        return self._pending
 
     async def _write(self, status: dict[str, Any]) -> None:
         await self._client.merge_patch(self._path, {"status": status})
@@ -98,7 +110,7 @@ class StatusWriter:
         while not self._closed:
             delay = write_delay(
                 self._written,
-                self._pending,
+                self._pending_wire(),
                 self._clock() - self._last_write,
                 self._min_interval_s,
             )
@@ -129,9 +141,10 @@ class StatusWriter:
 
     async def flush(self) -> None:
         """Write the newest status now (used before stopping)."""
-        if self._pending is not None and self._pending != self._written:
+        pending = self._pending_wire()
+        if pending is not None and pending != self._written:
             try:
-                await self._write(self._pending)
+                await self._write(pending)
             except Exception:
                 log.exception("final status write for %s failed", self._path)
 

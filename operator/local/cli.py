@@ -32,8 +32,9 @@ from bulkhead.operator.local.runner import RunOptions, RunResult, effective_spec
 @click.option("--no-live", is_flag=True, help="Plain log lines instead of the live panel.")
 @click.option(
     "--checkpoint-sidecar/--no-checkpoint-sidecar",
-    default=False,
-    help="Start a bulkhead-checkpointd next to each worker (as in a worker pod).",
+    default=True,
+    help="Run a bulkhead-checkpointd next to each worker, as in a worker pod [default: on]; "
+    "checkpoints go to <run-dir>/checkpoints unless spec.checkpoint.storage.path is set.",
 )
 def run(
     job_file: Path,

@@ -24,7 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from bulkhead.api.protocol import ENDPOINT_ENV, JOB_ENV, TOKEN_ENV, WORKER_ENV
+from bulkhead.api.protocol import (
+    ADVERTISE_HOST_ENV,
+    ENDPOINT_ENV,
+    INCARNATION_ENV,
+    JOB_ENV,
+    JOB_SPEC_ENV,
+    NODE_ENV,
+    RUN_DIR_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
+)
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import WorkerRef
@@ -134,11 +144,11 @@ class LocalDriver:
             TOKEN_ENV: self.token,
             JOB_ENV: self.job_name,
             WORKER_ENV: worker.id,
-            "BULKHEAD_INCARNATION": str(worker.incarnation),
-            "BULKHEAD_NODE": node,
-            "BULKHEAD_ADVERTISE_HOST": "127.0.0.1",
-            "BULKHEAD_JOB_SPEC": json.dumps(self.spec.wire()),
-            "BULKHEAD_RUN_DIR": str(self.run_dir),
+            INCARNATION_ENV: str(worker.incarnation),
+            NODE_ENV: node,
+            ADVERTISE_HOST_ENV: "127.0.0.1",
+            JOB_SPEC_ENV: json.dumps(self.spec.wire()),
+            RUN_DIR_ENV: str(self.run_dir),
             "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
         }

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 # Files of a previous run in the same directory that would mix with this one.
 _RUN_FILES = ("metrics.jsonl", "events.jsonl", "summary.json", "plot.png", "samples.jsonl")
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+LOCAL_CHECKPOINTS = "checkpoints"  # under the run directory, unless the job names a path
 
 
 @dataclass
@@ -46,7 +49,7 @@ class RunOptions:
     timeout_s: float | None = None
     chaos_seed: int = 0
     finish_grace_s: float = 30.0
-    checkpoint_sidecars: bool = False
+    checkpoint_sidecars: bool = True
     shm_root: Path | None = None
 
 
@@ -71,10 +74,24 @@ def effective_spec(job: TrainingJob, workers: int | None, steps: int | None) -> 
     return parse_spec(wire, source=f"{job.metadata.name} (with overrides)")
 
 
+def with_local_storage(spec: TrainingJobSpec, default_dir: Path) -> TrainingJobSpec:
+    """Persist checkpoints under the run directory unless the job names a storage path
+    (a PVC means nothing on one machine)."""
+    if spec.checkpoint.storage.path:
+        return spec
+    wire = spec.wire()
+    storage = wire.setdefault("checkpoint", {}).setdefault("storage", {})
+    storage["path"] = str(default_dir.resolve())  # sidecars run in another directory
+    storage.pop("pvc", None)
+    return parse_spec(wire, source="local checkpoint storage")
+
+
 def prepare_run_dir(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in _RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+    # A previous run's checkpoints must never be restored into this one.
+    shutil.rmtree(run_dir / LOCAL_CHECKPOINTS, ignore_errors=True)
     logs = run_dir / "logs"
     if logs.is_dir():
         for old in logs.glob("*.log"):
@@ -88,11 +105,13 @@ class LocalRun:
         self.job = job
         self.name = job.metadata.name
         self.options = options
+        self.run_dir = options.run_dir or Path("runs") / self.name
         self.spec = effective_spec(job, options.workers, options.steps)
+        if options.checkpoint_sidecars:
+            self.spec = with_local_storage(self.spec, self.run_dir / LOCAL_CHECKPOINTS)
         self.schedule = ChaosSchedule(
             parse_chaos(options.chaos, self.spec.workers), seed=options.chaos_seed
         )
-        self.run_dir = options.run_dir or Path("runs") / self.name
         self.failures_injected = 0
         self.stop_requested = asyncio.Event()
         self._tokens_per_s: dict[str, float] = {}
@@ -164,7 +183,8 @@ class LocalRun:
     def _sidecars(self) -> CheckpointSidecars | None:
         if not self.options.checkpoint_sidecars:
             return None
-        shm_root = self.options.shm_root or Path("/dev/shm") / f"bulkhead-{self.name}"
+        # Unique per run: two runs of the same job must never share snapshots.
+        shm_root = self.options.shm_root or Path("/dev/shm") / f"bulkhead-{self.name}-{os.getpid()}"
         return CheckpointSidecars(self.run_dir, shm_root)
 
     async def _wait_for_end(self, session: JobSession) -> bool:

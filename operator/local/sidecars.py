@@ -1,8 +1,11 @@
-"""Checkpoint sidecars in local mode: one ``bulkhead-checkpointd`` next to each worker.
+"""Checkpoint sidecars in local mode: one ``bulkhead-checkpointd`` per worker slot.
 
-In Kubernetes the sidecar is a second container of the worker pod; here it is a process
-started before its worker and stopped (SIGTERM: it drains its export first) after the
-worker exits, like a pod going away. Started by entry point, so the supervisor never
+In Kubernetes the sidecar is a second container of the worker pod and its shared memory is
+the node's; here a slot stands for a node: its sidecar and its shared-memory directory
+(``<shm_root>/w<slot>``) are created with the slot's first worker and outlive each trainer
+process, so a replacement trainer (a new incarnation) restores from its own shared memory
+without touching storage. Everything is stopped (SIGTERM: the sidecar drains its export
+first) and removed at the end of the run. Started by entry point, so the supervisor never
 imports the trainer (nor torch).
 """
 
@@ -18,19 +21,17 @@ import sys
 import time
 from pathlib import Path
 
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
 from bulkhead.operator.driver import WorkerRef
 
 log = logging.getLogger(__name__)
-
-SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
-SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 
 
 def default_sidecar_command() -> list[str]:
     script = Path(sys.executable).with_name("bulkhead-checkpointd")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "bulkhead.trainer.checkpoint.sidecar"]
+    return [sys.executable, "-P", "-m", "bulkhead.trainer.checkpoint.sidecar"]
 
 
 class CheckpointSidecars:
@@ -49,16 +50,27 @@ class CheckpointSidecars:
         self.command = command or default_sidecar_command()
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+
+    def shm_dir(self, slot: int) -> Path:
+        return self.shm_root / f"w{slot}"
 
     async def start(self, worker: WorkerRef) -> dict[str, str]:
-        shm_dir = self.shm_root / worker.id
-        shm_dir.mkdir(parents=True, exist_ok=True)
+        """The slot's sidecar (started now unless it still runs) and the worker's env."""
+        shm_dir = self.shm_dir(worker.slot)
         socket_path = shm_dir / "checkpointd.sock"
+        running = self._procs.get(worker.slot)
+        if running is None or running.returncode is not None:
+            await self._spawn(worker, shm_dir, socket_path)
+        return {SHM_DIR_ENV: str(shm_dir), CHECKPOINT_SOCKET_ENV: str(socket_path)}
+
+    async def _spawn(self, worker: WorkerRef, shm_dir: Path, socket_path: Path) -> None:
+        shm_dir.mkdir(parents=True, exist_ok=True)
         socket_path.unlink(missing_ok=True)
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"{worker.id}-checkpointd.log").open("ab") as log_file:
+        log_path = logs / f"{worker.job}-w{worker.slot}-checkpointd.log"
+        with log_path.open("ab") as log_file:
             process = await asyncio.create_subprocess_exec(
                 *self.command,
                 "--shm-dir",
@@ -72,30 +84,29 @@ class CheckpointSidecars:
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )
-        self._procs[worker.id] = process
+        self._procs[worker.slot] = process
         deadline = time.monotonic() + self.ready_timeout_s
         while not socket_path.exists():
             if process.returncode is not None:
                 raise RuntimeError(
-                    f"checkpoint sidecar of {worker.id} exited with code {process.returncode}"
+                    f"checkpoint sidecar of slot {worker.slot} exited with code "
+                    f"{process.returncode}"
                 )
             if time.monotonic() > deadline:
-                await self.stop(worker)
-                raise TimeoutError(f"checkpoint sidecar of {worker.id} not ready")
+                await self._stop(worker.slot)
+                raise TimeoutError(f"checkpoint sidecar of slot {worker.slot} not ready")
             await asyncio.sleep(0.05)
-        log.info("checkpoint sidecar of %s ready (pid %d)", worker.id, process.pid)
-        return {SHM_DIR_ENV: str(shm_dir), SOCKET_ENV: str(socket_path)}
+        log.info("checkpoint sidecar of slot %d ready (pid %d)", worker.slot, process.pid)
 
     async def stop(self, worker: WorkerRef) -> None:
-        await self._stop(worker.id)
+        """A trainer exited: its sidecar and snapshots stay for the slot's next trainer."""
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self._stop(worker_id) for worker_id in list(self._procs)))
-        with contextlib.suppress(OSError):
-            self.shm_root.rmdir()  # only when empty
+        await asyncio.gather(*(self._stop(slot) for slot in list(self._procs)))
+        shutil.rmtree(self.shm_root, ignore_errors=True)
 
-    async def _stop(self, worker_id: str) -> None:
-        process = self._procs.pop(worker_id, None)
+    async def _stop(self, slot: int) -> None:
+        process = self._procs.pop(slot, None)
         if process is None:
             return
         if process.returncode is None:
@@ -104,8 +115,8 @@ class CheckpointSidecars:
             try:
                 await asyncio.wait_for(process.wait(), self.drain_timeout_s)
             except TimeoutError:
-                log.warning("checkpoint sidecar of %s did not drain; killing it", worker_id)
+                log.warning("checkpoint sidecar of slot %d did not drain; killing it", slot)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
-        shutil.rmtree(self.shm_root / worker_id, ignore_errors=True)
+        shutil.rmtree(self.shm_dir(slot), ignore_errors=True)

@@ -57,5 +57,7 @@ def test_the_agent_never_imports_torch():
         "bulkhead.agent.replay, bulkhead.agent.reporters.kube; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr

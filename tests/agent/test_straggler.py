@@ -1,5 +1,6 @@
-"""Straggler detection in the trainer: the pure score, and the monitor over a real gloo
-process group where every rank must reach the same verdict."""
+"""Straggler detection in the trainer: the pure score and verdict, and the monitor over a
+real gloo process group (torch's global API and the runtime's per-generation group) where
+every rank must reach the same verdict."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from bulkhead.trainer.straggler import StragglerMonitor, straggler_scores
+from bulkhead.trainer.straggler import StragglerDetector, StragglerMonitor, straggler_scores
 
 WORLD = 3
 
@@ -29,6 +30,16 @@ def test_monitor_rejects_bad_parameters():
         StragglerMonitor(lambda v: None, every_steps=0)
 
 
+def test_detector_judges_medians_from_any_gatherer_and_forgets_another_world():
+    detector = StragglerDetector(threshold=0.8, patience=2)
+    assert detector.judge([1.0, 1.0, 2.0], step=10).ranks == []
+    second = detector.judge([1.0, 1.0, 2.0], step=20)
+    assert (second.step, second.ranks, second.scores) == (20, [2], [1.0, 1.0, 0.5])
+    # four ranks now: the streaks of the old numbering mean nothing
+    assert detector.judge([1.0, 1.0, 2.0, 1.0], step=30).ranks == []
+    assert detector.judge([1.0, 1.0, 1.0, 1.0], step=40).ranks == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,6 +50,8 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from bulkhead.trainer.runtime.group import GenerationGroup
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -47,7 +60,12 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
         monitor = StragglerMonitor(
             lambda v: called.append(v.ranks), every_steps=5, threshold=0.8, patience=2
         )
-        verdicts = []
+        # the runtime's group object: rank, world_size and an in-place all_reduce
+        runtime_group = GenerationGroup(
+            0, rank, WORLD, [f"w{r}" for r in range(WORLD)], dist.group.WORLD
+        )
+        on_runtime_group = StragglerMonitor(lambda v: None, runtime_group, every_steps=5)
+        verdicts, runtime_verdicts = [], []
         for step in range(20):
             seconds = 1.0 + 0.01 * ((rank + step) % 3)
             if rank == 2 and step >= 5:
@@ -57,7 +75,10 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
             verdict = monitor.record(seconds)
             if verdict is not None:
                 verdicts.append(verdict.ranks)
-        results.put((rank, verdicts, called))
+            verdict = on_runtime_group.record(seconds)
+            if verdict is not None:
+                runtime_verdicts.append(verdict.ranks)
+        results.put((rank, verdicts, called, runtime_verdicts))
     finally:
         dist.destroy_process_group()
 
@@ -72,16 +93,17 @@ def test_all_ranks_agree_on_a_persistent_straggler():
     for p in procs:
         p.start()
     try:
-        collected = dict((r, (v, c)) for r, v, c in (results.get(timeout=120) for _ in procs))
+        collected = {r: rest for r, *rest in (results.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
     for rank in range(WORLD):
-        verdicts, called = collected[rank]
+        verdicts, called, runtime_verdicts = collected[rank]
         # windows end at steps 5, 10, 15, 20; rank 2 slow from window 2, patience 2
         assert verdicts == [[], [], [2], [2]], (rank, verdicts)
         assert called == [[2], [2]]
+        assert runtime_verdicts == verdicts
 
 
 def test_node_agent_report_is_a_valid_agent_report_for_the_straggler_only():

@@ -55,5 +55,7 @@ def test_operator_and_agent_packages_do_not_import_torch():
         "        importlib.import_module(m.name)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr

@@ -11,6 +11,10 @@ from control_harness import Harness
 
 from bulkhead.api.client import ControlClient, ControlRequestError, ControlUnavailable
 from bulkhead.api.protocol import (
+    ENDPOINT_ENV,
+    JOB_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
     CompletionReport,
     FaultReport,
     MembershipView,
@@ -205,14 +209,9 @@ def test_client_retries_then_gives_up_clearly() -> None:
 
 
 def test_client_from_env_requires_the_contract_variables() -> None:
-    with pytest.raises(Exception, match="BULKHEAD_CONTROL_URL"):
-        ControlClient.from_env({"BULKHEAD_CONTROL_TOKEN": "t", "BULKHEAD_JOB": "j"})
+    with pytest.raises(Exception, match=ENDPOINT_ENV):
+        ControlClient.from_env({TOKEN_ENV: "t", JOB_ENV: "j"})
     client = ControlClient.from_env(
-        {
-            "BULKHEAD_CONTROL_URL": "http://127.0.0.1:1",
-            "BULKHEAD_CONTROL_TOKEN": "t",
-            "BULKHEAD_JOB": "j",
-            "BULKHEAD_WORKER": "j-w0-0",
-        }
+        {ENDPOINT_ENV: "http://127.0.0.1:1", TOKEN_ENV: "t", JOB_ENV: "j", WORKER_ENV: "j-w0-0"}
     )
     assert client.worker == "j-w0-0" and client.job == "j"

@@ -6,6 +6,7 @@ import signal
 
 from policy_sim import Sim, make_spec
 
+from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import Member, Membership, TrainingJobStatus
 from bulkhead.operator.lifecycle_rebuild import rebuild
 from bulkhead.operator.lifecycle_types import (
@@ -90,7 +91,7 @@ def test_coordinator_loss_moves_rank_zero_to_the_next_survivor() -> None:
 def test_user_error_fails_fast_without_retry() -> None:
     sim = Sim()
     sim.start_and_register_all()
-    decisions = sim.exit("job-w1-0", code=2)
+    decisions = sim.exit("job-w1-0", code=WorkerExit.USER_ERROR)
     (fail,) = _of(Fail, decisions)
     assert "user error" in fail.reason
     assert sim.state.phase == "Failed"
@@ -236,7 +237,7 @@ def test_completion_succeeds_and_late_exits_are_quiet() -> None:
     (ok,) = _of(Succeed, sim.complete(99))
     assert sim.state.phase == "Succeeded"
     assert "100 steps" in ok.message
-    assert sim.exit("job-w1-0", code=0) == []
+    assert sim.exit("job-w1-0", code=WorkerExit.DONE) == []
     assert sim.state.phase == "Succeeded"
 
 
@@ -244,7 +245,7 @@ def test_exit_zero_after_the_last_step_is_not_a_loss() -> None:
     sim = Sim()
     sim.start_and_register_all()
     sim.progress(99)
-    assert _of(StartWorker, sim.exit("job-w3-0", code=0)) == []
+    assert _of(StartWorker, sim.exit("job-w3-0", code=WorkerExit.DONE)) == []
     assert sim.state.generation == 1
 
 

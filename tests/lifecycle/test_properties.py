@@ -3,7 +3,9 @@
 - generations only grow;
 - a worker known dead is never published (and the dead set only grows);
 - restarts never exceed maxRestarts;
-- a published membership has ranks 0..n-1 over distinct workers, rank 0 = coordinator.
+- a published membership has ranks 0..n-1 over distinct workers, rank 0 = coordinator;
+- a worker polling membership is never stopped as a hang suspect; the fast path stops at
+  most one, never one that reported a collective error in the current generation.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policy_sim import Sim, make_spec
 
-from bulkhead.api.protocol import CompletionReport, FaultReport, ProgressReport
+from bulkhead.api.protocol import CompletionReport, FaultReport, ProgressReport, WorkerExit
 from bulkhead.operator.lifecycle_types import (
     CompletionReported,
     FaultReported,
@@ -20,6 +22,7 @@ from bulkhead.operator.lifecycle_types import (
     NodeAnomaly,
     ProgressReported,
     PublishMembership,
+    StopWorker,
     Tick,
     WorkerExited,
     WorkerRegistered,
@@ -51,7 +54,7 @@ def _event(sim: Sim, kind: str, slot: int, offset: int, amount: float):
         case "register":
             return WorkerRegistered(worker, f"node-{slot}", f"127.0.0.1:{9000 + slot}")
         case "exit":
-            code = [None, 1, 2, 3, 0][int(amount) % 5]
+            code = [None, 1, *WorkerExit][int(amount) % 5]
             return WorkerExited(worker, code, 9 if code is None else None)
         case "progress":
             step = sim.state.step + int(amount) % 3
@@ -68,7 +71,13 @@ def _event(sim: Sim, kind: str, slot: int, offset: int, amount: float):
             return NodeAnomaly(f"node-{slot}", "XidError", severity)
         case "tick":
             seen = {sim.wid(i): sim.now + amount * (i % 2) for i in range(WORKERS)}
-            return Tick(last_seen=seen)
+            # Half of the ticks: everyone polls but ``slot`` (the fast hang path's pattern).
+            polling = frozenset(
+                sim.wid(i)
+                for i in range(WORKERS)
+                if (i != slot if int(amount) % 2 == 0 else (int(amount) + i) % 3 == 0)
+            )
+            return Tick(last_seen=seen, polling=polling)
         case _:
             report = CompletionReport(worker=worker, generation=generation, step=sim.state.step)
             return CompletionReported(report)
@@ -101,8 +110,16 @@ def test_policy_invariants(
     for kind, slot, offset, amount in seq:
         if kind == "end" and amount < 35:  # completion is rare: keep most runs going
             kind = "tick"
-        decisions = sim.feed(_event(sim, kind, slot, offset, amount), advance=amount / 4)
+        reporters = sim.state.collective_errors
+        event = _event(sim, kind, slot, offset, amount)
+        decisions = sim.feed(event, advance=amount / 4)
         state = sim.state
+        if isinstance(event, Tick):
+            stops = [d for d in decisions if isinstance(d, StopWorker)]
+            hung = {d.worker.id for d in stops if d.reason.startswith("hang:")}
+            assert not hung & event.polling
+            fast = {d.worker.id for d in stops if "peers reported" in d.reason}
+            assert len(fast) <= 1 and not fast & reporters
         assert state.generation >= generation
         assert dead <= state.dead
         assert state.restarts <= max_restarts

@@ -15,27 +15,33 @@ import sys
 import time
 
 from bulkhead.api.client import ControlClient
-from bulkhead.api.protocol import CompletionReport, ProgressReport, RegisterRequest
+from bulkhead.api.protocol import (
+    WORKER_ENV,
+    CompletionReport,
+    ProgressReport,
+    RegisterRequest,
+    WorkerExit,
+)
 
 
 def main() -> int:
     mode = os.environ.get("FAKE_MODE", "train")
     if mode == "user_error":
         print("bad config: lr must be positive", file=sys.stderr)
-        return 2
+        return WorkerExit.USER_ERROR
     if mode == "crash":
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
     subprocess.Popen(["sleep", "600"])  # a grandchild: must die with its worker
     step_s = float(os.environ.get("FAKE_STEP_SECONDS", "0.05"))
-    me = os.environ["BULKHEAD_WORKER"]
+    me = os.environ[WORKER_ENV]
     client = ControlClient.from_env()
     client.register(RegisterRequest(worker=me, address="127.0.0.1:1"))
     generation, step = 0, 0
     while True:
         view = client.membership(after=generation, timeout_s=5)
         if view.state in ("succeeded", "failed"):
-            return 3
+            return WorkerExit.STOPPED
         if view.generation <= generation or me not in [m.worker for m in view.members]:
             continue
         generation = view.generation
@@ -48,12 +54,12 @@ def main() -> int:
             directive = client.progress(report)
             step += 1
             if directive.action == "stop":
-                return 3
+                return WorkerExit.STOPPED
             if directive.action == "reconfigure":
                 break
         else:
             client.complete(CompletionReport(worker=me, generation=generation, step=step - 1))
-            return 0
+            return WorkerExit.DONE
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from typing import Any
 import psutil
 import yaml
 
+from bulkhead.api.protocol import JOB_ENV
+
 BULKHEAD = str(Path(sys.executable).with_name("bulkhead"))
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 
@@ -74,7 +76,7 @@ def processes_of_job(job: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get("BULKHEAD_JOB") == job and proc.status() != "zombie":
+            if proc.environ().get(JOB_ENV) == job and proc.status() != "zombie":
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -94,6 +94,8 @@ def test_user_error_in_the_worker_fails_the_job_at_once(tmp_path: Path) -> None:
     assert summary["restarts"] == 0
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "e2e-user-error-w0-0.log",
+        "e2e-user-error-w0-checkpointd.log",
         "e2e-user-error-w1-0.log",
+        "e2e-user-error-w1-checkpointd.log",
     ]
     assert wait_no_processes(name) == []

@@ -1,4 +1,4 @@
-"""Local checkpoint sidecars: the real bulkhead-checkpointd started and stopped per worker."""
+"""Local checkpoint sidecars: the real bulkhead-checkpointd, one per worker slot."""
 
 from __future__ import annotations
 
@@ -8,23 +8,33 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
 from bulkhead.operator.driver import WorkerRef
-from bulkhead.operator.local.sidecars import SHM_DIR_ENV, SOCKET_ENV, CheckpointSidecars
+from bulkhead.operator.local.sidecars import CheckpointSidecars
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
 @pytest.mark.slow
-def test_sidecar_starts_before_its_worker_and_stops_after(tmp_path: Path) -> None:
+def test_sidecar_outlives_its_trainer_and_is_removed_at_the_end(tmp_path: Path) -> None:
     async def scenario() -> None:
         sidecars = CheckpointSidecars(tmp_path / "run", tmp_path / "shm", ready_timeout_s=60)
-        ref = WorkerRef("job", 0, 0)
-        env = await sidecars.start(ref)
-        assert env[SHM_DIR_ENV] == str(tmp_path / "shm" / "job-w0-0")
-        assert Path(env[SOCKET_ENV]).exists()
+        first = WorkerRef("job", 0, 0)
+        env = await sidecars.start(first)
+        assert env[SHM_DIR_ENV] == str(tmp_path / "shm" / "w0")
+        assert Path(env[CHECKPOINT_SOCKET_ENV]).exists()
         (pid,) = [p.pid for p in sidecars._procs.values()]
         assert psutil.pid_exists(pid)
-        await sidecars.stop(ref)
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-        assert not (tmp_path / "shm" / "job-w0-0").exists()
-        assert (tmp_path / "run" / "logs" / "job-w0-0-checkpointd.log").exists()
+        # The trainer died: its snapshots stay in shared memory for the next incarnation.
+        await sidecars.stop(first)
+        assert psutil.pid_exists(pid) and (tmp_path / "shm" / "w0").is_dir()
+        assert await sidecars.start(WorkerRef("job", 0, 1)) == env
+        assert [p.pid for p in sidecars._procs.values()] == [pid]
+        await sidecars.stop_all()
+        assert _gone(pid)
+        assert not (tmp_path / "shm").exists()
+        assert (tmp_path / "run" / "logs" / "job-w0-checkpointd.log").exists()
 
     asyncio.run(scenario())

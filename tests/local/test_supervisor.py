@@ -36,6 +36,7 @@ def _command(job: Path, run_dir: Path) -> list[str]:
         "--run-dir",
         str(run_dir),
         "--no-live",
+        "--no-checkpoint-sidecar",  # the stand-in worker takes no snapshots
         "--worker-command",
         FAKE,
     ]

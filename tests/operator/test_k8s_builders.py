@@ -34,11 +34,11 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert env[protocol.TOKEN_ENV] == {"secretKeyRef": {"name": "llm-control", "key": "token"}}
     assert env[protocol.JOB_ENV] == "team-a.llm"
     assert env[protocol.WORKER_ENV] == "llm-w3-1"
-    assert env["BULKHEAD_INCARNATION"] == "1"
-    assert env["BULKHEAD_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-    assert env["BULKHEAD_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert json.loads(env["BULKHEAD_JOB_SPEC"])["workers"] == 4
-    assert env["BULKHEAD_CHECKPOINT_SOCKET"].startswith(env["BULKHEAD_SHM_DIR"])
+    assert env[protocol.INCARNATION_ENV] == "1"
+    assert env[protocol.NODE_ENV] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env[protocol.ADVERTISE_HOST_ENV] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert json.loads(env[protocol.JOB_SPEC_ENV])["workers"] == 4
+    assert env[protocol.CHECKPOINT_SOCKET_ENV].startswith(env[protocol.SHM_DIR_ENV])
 
     sidecar = spec["initContainers"][-1]
     assert sidecar["name"] == "checkpoint"

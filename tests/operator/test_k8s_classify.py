@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from bulkhead.api.protocol import WorkerExit
 from bulkhead.operator.k8s import classify, names
 from bulkhead.operator.k8s.status_writer import is_significant, write_delay
 
@@ -39,7 +40,7 @@ def _pod(phase="Running", trainer_state=None, **status):
         (_pod("Unknown"), ("exited", None, "NodeLost")),
         (
             _pod("Pending", {"waiting": {"reason": "InvalidImageName"}}),
-            ("exited", 2, "InvalidImageName"),
+            ("exited", WorkerExit.USER_ERROR, "InvalidImageName"),
         ),
     ],
 )
@@ -54,9 +55,9 @@ def test_exit_codes_split_user_and_infrastructure_failures():
 
     assert code(137).infrastructure_failure and code(137).signal == 9
     assert code(1).infrastructure_failure
-    assert not code(2).infrastructure_failure  # user error: fail fast
-    assert not code(3).infrastructure_failure  # told to stop
-    assert not code(0).infrastructure_failure
+    assert not code(WorkerExit.USER_ERROR).infrastructure_failure  # fail fast
+    assert not code(WorkerExit.STOPPED).infrastructure_failure
+    assert not code(WorkerExit.DONE).infrastructure_failure
 
 
 def test_deleted_running_pod_is_an_exit():
@@ -155,6 +156,8 @@ def test_status_write_policy():
     assert write_delay(base, base, 0.0, 2.0) is None
     progressed = {**base, "step": 11}
     assert not is_significant(base, progressed)
+    # The live/desired worker count moves with every pod start: rate-limited like progress.
+    assert not is_significant(base, {**base, "workers": "5/10"})
     assert write_delay(base, progressed, 0.5, 2.0) == pytest.approx(1.5)
     assert write_delay(base, progressed, 5.0, 2.0) == 0.0
     regenerated = {**base, "membership": {"generation": 2}}

@@ -122,16 +122,18 @@ def test_samples_log_reconcile_drops_unsurvived_and_fills_unlogged(tmp_path: Pat
     assert [e["step"] for e in log.read()] == [0, 1, 2, 3, 4]
 
 
-def test_straggler_tracker_needs_a_persistent_slow_rank() -> None:
-    from bulkhead.trainer.runtime.stragglers import StragglerTracker
+def test_straggler_detector_needs_a_persistent_slow_rank() -> None:
+    from bulkhead.trainer.straggler import StragglerDetector
 
-    tracker = StragglerTracker(every_steps=3, threshold=0.8, patience=2)
+    detector = StragglerDetector(every_steps=3, threshold=0.8, patience=2)
     normal, slow = [0.1, 0.1, 0.1], [0.1, 0.3, 0.1]
-    verdicts = [tracker.observe(slow if i != 4 else normal) for i in range(6)]
+    verdicts = [detector.observe(slow if i != 4 else normal, step=i) for i in range(6)]
     assert verdicts[:2] == [None, None] and verdicts[3:5] == [None, None]
     first, second = verdicts[2], verdicts[5]
-    assert first is not None and first[0] == []  # one slow window is not enough
-    assert second is not None and second[0] == [1]  # the median ignores one normal step
-    assert second[1][1] == pytest.approx(1 / 3)
-    tracker.reset()
-    assert tracker.observe(normal) is None
+    assert first is not None and first.ranks == []  # one slow window is not enough
+    assert second is not None and second.ranks == [1]  # the median ignores one normal step
+    assert second.step == 5 and second.scores[1] == pytest.approx(1 / 3)
+    detector.reset()
+    assert detector.observe(normal, step=6) is None
+    with pytest.raises(ValueError, match="reset"):
+        detector.observe([0.1, 0.1], step=7)  # another world size mid-window

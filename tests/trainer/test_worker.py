@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from bulkhead.trainer.worker import EXIT_USER_ERROR, read_env, run
+from bulkhead.api.protocol import (
+    ENDPOINT_ENV,
+    INCARNATION_ENV,
+    JOB_ENV,
+    JOB_SPEC_ENV,
+    RUN_DIR_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
+    WorkerExit,
+)
+from bulkhead.trainer.worker import read_env, run
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -44,30 +54,30 @@ def control() -> Iterator[tuple[str, list[tuple[str, dict]]]]:
 
 def _env(url: str, spec: dict) -> dict[str, str]:
     return {
-        "BULKHEAD_CONTROL_URL": url,
-        "BULKHEAD_CONTROL_TOKEN": "t0k",
-        "BULKHEAD_JOB": "demo",
-        "BULKHEAD_WORKER": "demo-w0-0",
-        "BULKHEAD_INCARNATION": "0",
-        "BULKHEAD_JOB_SPEC": json.dumps(spec),
+        ENDPOINT_ENV: url,
+        TOKEN_ENV: "t0k",
+        JOB_ENV: "demo",
+        WORKER_ENV: "demo-w0-0",
+        INCARNATION_ENV: "0",
+        JOB_SPEC_ENV: json.dumps(spec),
     }
 
 
 def test_launch_env_is_read_and_validated(tmp_path: Path) -> None:
-    env = {**_env("http://x", {"workers": 1}), "BULKHEAD_RUN_DIR": str(tmp_path)}
+    env = {**_env("http://x", {"workers": 1}), RUN_DIR_ENV: str(tmp_path)}
     launch = read_env(env)
     assert (launch.worker, launch.incarnation, launch.run_dir) == ("demo-w0-0", 0, tmp_path)
     assert launch.advertise_host == "127.0.0.1"
-    with pytest.raises(ValueError, match="BULKHEAD_JOB_SPEC"):
-        read_env({k: v for k, v in env.items() if k != "BULKHEAD_JOB_SPEC"})
-    with pytest.raises(ValueError, match="BULKHEAD_INCARNATION"):
-        read_env({**env, "BULKHEAD_INCARNATION": "first"})
+    with pytest.raises(ValueError, match=JOB_SPEC_ENV):
+        read_env({k: v for k, v in env.items() if k != JOB_SPEC_ENV})
+    with pytest.raises(ValueError, match=INCARNATION_ENV):
+        read_env({**env, INCARNATION_ENV: "first"})
 
 
 def test_bad_spec_is_a_user_error_reported_to_the_manager(control) -> None:
     url, posts = control
     spec = {"workers": 2, "trainer": {"model": {"dModel": 64, "nHeads": 5}}}
-    assert run(_env(url, spec)) == EXIT_USER_ERROR
+    assert run(_env(url, spec)) == WorkerExit.USER_ERROR
     assert len(posts) == 1
     path, body = posts[0]
     assert path == "/v1/jobs/demo/faults"
@@ -78,14 +88,18 @@ def test_bad_spec_is_a_user_error_reported_to_the_manager(control) -> None:
 def test_missing_data_is_a_user_error(control) -> None:
     url, posts = control
     spec = {"workers": 1, "trainer": {"data": {"source": "/nonexistent/*.txt"}}}
-    assert run(_env(url, spec)) == EXIT_USER_ERROR
+    assert run(_env(url, spec)) == WorkerExit.USER_ERROR
     assert posts and "no text files" in posts[0][1]["message"]
 
 
 def test_entry_point_exits_2_on_an_incomplete_environment() -> None:
     code = "from bulkhead.trainer.worker import main; main()"
     done = subprocess.run(
-        [sys.executable, "-P", "-c", code], env={"PATH": ""}, capture_output=True, text=True, timeout=60
+        [sys.executable, "-P", "-c", code],
+        env={"PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert done.returncode == EXIT_USER_ERROR
+    assert done.returncode == WorkerExit.USER_ERROR
     assert "missing environment variables" in done.stderr

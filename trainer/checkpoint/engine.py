@@ -31,17 +31,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from bulkhead.api.protocol import TOKEN_ENV
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.api.spec import CheckpointConfig
 from bulkhead.trainer.checkpoint import metrics
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
 from bulkhead.trainer.checkpoint.layout import copy_into, plan_layout
-from bulkhead.trainer.checkpoint.paths import (
-    DEFAULT_SHM_DIR,
-    SHM_DIR_ENV,
-    SOCKET_ENV,
-    default_socket,
-)
+from bulkhead.trainer.checkpoint.paths import DEFAULT_SHM_DIR, default_socket
 from bulkhead.trainer.checkpoint.records import SlotMeta, Topology, check_name
 from bulkhead.trainer.checkpoint.restore import Restored, RestoreOptions, Restorer
 from bulkhead.trainer.checkpoint.shm import LockTimeout, WritableSlot, all_slots
@@ -90,8 +85,8 @@ class CheckpointSettings(BaseModel):
             "keep": config.keep,
             "peer_replication": config.peer_replication,
         }
-        if os.environ.get(SOCKET_ENV):
-            values["socket"] = Path(os.environ[SOCKET_ENV])
+        if os.environ.get(CHECKPOINT_SOCKET_ENV):
+            values["socket"] = Path(os.environ[CHECKPOINT_SOCKET_ENV])
         return cls(**{**values, **runtime})
 
     @property

@@ -15,14 +15,12 @@ import signal
 import threading
 from pathlib import Path
 
-from bulkhead.api.protocol import TOKEN_ENV
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.trainer.checkpoint.paths import (
     DEFAULT_LISTEN,
     DEFAULT_SHM_DIR,
     LISTEN_ENV,
     METRICS_PORT_ENV,
-    SHM_DIR_ENV,
-    SOCKET_ENV,
     default_socket,
 )
 from bulkhead.trainer.checkpoint.service import Sidecar
@@ -37,7 +35,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     shm_default = os.environ.get(SHM_DIR_ENV, DEFAULT_SHM_DIR)
     parser.add_argument("--shm-dir", default=shm_default, help=f"[env {SHM_DIR_ENV}]")
-    parser.add_argument("--socket", default=os.environ.get(SOCKET_ENV), help=f"[env {SOCKET_ENV}]")
+    parser.add_argument(
+        "--socket",
+        default=os.environ.get(CHECKPOINT_SOCKET_ENV),
+        help=f"[env {CHECKPOINT_SOCKET_ENV}]",
+    )
     parser.add_argument(
         "--listen",
         default=os.environ.get(LISTEN_ENV, DEFAULT_LISTEN),

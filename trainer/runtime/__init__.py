@@ -6,7 +6,7 @@
 - ``step``: one data-parallel optimizer step (gradients weighted by samples).
 - ``control``: the control-endpoint interface and the membership watcher thread.
 - ``samples_log``: the consumed-samples log rank 0 keeps in local mode.
-- ``stragglers``: persistent-straggler verdicts from the compute times each step shares.
 - ``checkpointing``: the adapter to the checkpoint engine (snapshots, restore).
-- ``loop``: ``ElasticTrainer``, which ties them together and survives membership changes.
+- ``loop``: ``ElasticTrainer``, which ties them together and survives membership changes
+  (and feeds the compute times each step shares to ``bulkhead.trainer.straggler``).
 """

@@ -63,6 +63,8 @@ class EngineCheckpointer:
         )
 
     def restore(self, state: TrainState, max_step: int | None = None) -> bool:
+        bound = f" at or before step {max_step}" if max_step is not None else ""
+        log.info("restoring the newest verified checkpoint%s", bound)
         restored = self.engine.restore(into=_state_dict(state), max_step=max_step)
         if restored is None:
             return False

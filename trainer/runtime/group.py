@@ -73,7 +73,7 @@ class GenerationGroup:
     backend: dist.ProcessGroup
     should_abandon: Callable[[], bool] = _never
     abandon_after_s: float = 0.5
-    _broken: bool = field(default=False, init=False)
+    _abandoned: bool = field(default=False, init=False)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -96,6 +96,7 @@ class GenerationGroup:
             pause = _FIRST_POLL_S
             while not work.is_completed():
                 if time.monotonic() - started > self.abandon_after_s and self.should_abandon():
+                    self._abandoned = True
                     raise CollectiveError(
                         f"{what} abandoned: a newer generation was published while it waited"
                     )
@@ -103,7 +104,6 @@ class GenerationGroup:
                 pause = min(pause * 2, _MAX_POLL_S)
             work.wait()
         except (RuntimeError, dist.DistError) as exc:
-            self._broken = True
             if isinstance(exc, CollectiveError):
                 raise
             raise CollectiveError(f"{what} failed: {exc}") from exc
@@ -112,10 +112,11 @@ class GenerationGroup:
         """Tear the group down; never blocks on an operation a hung peer still holds.
 
         Shutting down (or destroying) a gloo group waits for its in-flight operations, and
-        may hold the GIL while it waits, so a group with an abandoned or failed operation
-        is parked for the life of the process instead.
+        may hold the GIL while it waits, so a group with an abandoned operation is parked
+        for the life of the process instead. A group whose operation failed is shut down,
+        which closes its connections: peers still waiting on us see the error at once.
         """
-        if self._broken:
+        if self._abandoned:
             _PARKED.append(self.backend)
             return
         try:

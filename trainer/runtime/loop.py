@@ -37,7 +37,7 @@ from bulkhead.trainer.runtime.group import CollectiveError, GenerationGroup, Sto
 from bulkhead.trainer.runtime.samples_log import SamplesLog
 from bulkhead.trainer.runtime.state import TrainState, make_optimizer, sync_state
 from bulkhead.trainer.runtime.step import NonFiniteLoss, StepResult, train_step
-from bulkhead.trainer.runtime.stragglers import StragglerTracker
+from bulkhead.trainer.straggler import StragglerDetector
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ class ElasticTrainer:
         self.watcher = MembershipWatcher(connect(), cfg.timeouts.membership_poll_s)
         self.reporter = Reporter(connect())
         self.last_result: StepResult | None = None
-        self.stragglers = StragglerTracker()
+        # Fed the compute times each step's all-reduce already carries: no extra collective.
+        self.stragglers = StragglerDetector(every_steps=20)
 
     # ------------------------------------------------------------ top level
 
@@ -187,7 +188,9 @@ class ElasticTrainer:
                 log.warning(
                     "generation %d: restore requested but no checkpoint engine", view.generation
                 )
-            elif not self.checkpointer.restore(self.state, view.resume_step - 1 or None):
+            # The newest snapshot, not just the one the manager heard of (resume_step - 1):
+            # that one may be retired already; ranks then agree on the newest by sync_state.
+            elif not self.checkpointer.restore(self.state):
                 log.warning("generation %d: no checkpoint to restore", view.generation)
         source = sync_state(self.state, group)
         if self.samples_log is not None and group.rank == 0:
@@ -262,10 +265,10 @@ class ElasticTrainer:
     def _check_stragglers(
         self, result: StepResult, view: MembershipView, group: GenerationGroup
     ) -> None:
-        verdict = self.stragglers.observe(result.compute_s)
-        if verdict is None or not verdict[0] or group.rank != 0:
+        verdict = self.stragglers.observe(result.compute_s, result.step)
+        if verdict is None or not verdict.ranks or group.rank != 0:
             return
-        ranks, scores = verdict
+        ranks, scores = verdict.ranks, verdict.scores
         slow = ", ".join(f"{group.workers[r]} ({scores[r]:.2f})" for r in ranks)
         log.warning("step %d: persistent stragglers: %s", result.step, slow)
         self._report_fault(

@@ -1,0 +1,114 @@
+"""The job session on a real event loop: fast hang detection from who polls and who reported
+collective errors, and open recoveries carried across a manager restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from control_harness import RecordingDriver
+
+from bulkhead.api.protocol import FaultReport, ProgressReport, RegisterRequest
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import Member, Membership, Recovery, TrainingJobStatus
+from bulkhead.operator.session import JobSession
+
+
+def _spec(workers: int, **ft: object) -> TrainingJobSpec:
+    return TrainingJobSpec.model_validate(
+        {
+            "workers": workers,
+            "minWorkers": 1,
+            "trainer": {"steps": 50},
+            "faultTolerance": {"maxFailures": 1, **ft},
+        }
+    )
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met within the deadline"
+        await asyncio.sleep(0.02)
+
+
+def test_lone_silent_member_is_replaced_without_waiting_for_the_hang_timeout() -> None:
+    async def scenario() -> None:
+        driver = RecordingDriver()
+        # A 10-minute hang timeout: only the fast path can act within the test's deadline.
+        spec = _spec(3, hangTimeoutSeconds=600.0)
+        session = JobSession("job", spec, "t", driver, tick_seconds=0.05, suspect_grace_seconds=0.3)
+        await session.start()
+        for slot in range(3):
+            await session.register(RegisterRequest(worker=f"job-w{slot}-0", address=f"h:{slot}"))
+        await session.progress(ProgressReport(worker="job-w0-0", generation=1, step=0))
+
+        async def keep_polling() -> None:  # w0: alive, waiting for the next generation
+            while session.state.generation == 1:
+                await session.wait_membership(after=1, timeout=0.2, worker="job-w0-0")
+
+        poller = asyncio.create_task(keep_polling())
+        try:
+            await session.fault(
+                FaultReport(worker="job-w1-0", generation=1, kind="collective_error")
+            )
+            await _until(lambda: bool(driver.stopped))
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        (stopped,) = driver.stopped
+        assert stopped[0] == "job-w2-0" and "peers reported" in stopped[1]
+        await _until(lambda: "job-w2-1" in driver.started)
+        status = session.status
+        assert [m.worker for m in status.membership.members] == ["job-w0-0", "job-w1-0"]
+        assert status.recoveries[-1].cause == "hang"
+        await session.stop()
+
+    asyncio.run(scenario())
+
+
+def test_open_recovery_survives_a_manager_restart() -> None:
+    async def scenario() -> None:
+        detected = datetime.fromtimestamp(time.time() - 30.0, UTC).isoformat()
+        earlier = Recovery(
+            cause="SIGKILL",
+            detected="2026-01-01T00:00:00+00:00",
+            resumed="2026-01-01T00:00:03+00:00",
+            seconds=3.0,
+        )
+        status = TrainingJobStatus(
+            phase="Recovering",
+            step=20,
+            loss=1.5,
+            membership=Membership(
+                generation=3,
+                coordinator="h:0",
+                members=[
+                    Member(rank=0, worker="job-w0-0", address="h:0"),
+                    Member(rank=1, worker="job-w1-0", address="h:1"),
+                ],
+            ),
+            recoveries=[earlier, Recovery(cause="hang", detected=detected)],
+        )
+        driver = RecordingDriver()
+        live = {"job-w0-0": "n0", "job-w1-0": "n1"}
+        session = JobSession("job", _spec(2), "t", driver, status=status, live_workers=live)
+        await session.start()
+        open_ = session.status.recoveries
+        assert [r.resumed is None for r in open_] == [False, True]  # restored, not duplicated
+        directive = await session.progress(ProgressReport(worker="job-w0-0", generation=3, step=21))
+        assert directive.action == "continue"
+        recoveries = session.status.recoveries
+        assert len(recoveries) == 2 and recoveries[0] == earlier
+        closed = recoveries[1]
+        assert closed.cause == "hang" and closed.resumed is not None
+        assert closed.seconds is not None and closed.seconds >= 29.0
+        assert session.status.phase == "Running"
+        assert driver.started == [] and driver.stopped == []
+        await session.stop()
+
+    asyncio.run(scenario())
