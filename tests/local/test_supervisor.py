@@ -84,7 +84,10 @@ def test_user_error_fails_fast_without_retries(tmp_path: Path) -> None:
     assert "user error (exit code 2)" in summary["message"]
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert all(name.endswith("-0.log") for name in logs), f"a user error was retried: {logs}"
-    assert "bad config" in (run_dir / "logs" / logs[0]).read_text()
+    # The first user error fails the job and the other worker is stopped, possibly before
+    # it printed anything: the error must be in the log of whichever worker hit it first.
+    texts = [(run_dir / "logs" / name).read_text() for name in logs]
+    assert any("bad config" in text for text in texts), texts
 
 
 @pytest.mark.slow
