@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,6 +12,7 @@ import httpx
 import pytest
 import uvicorn
 from agent_helpers import TEST_SETTINGS, TOKEN
+from waiting import wait_until
 
 from bulkhead.agent.service import Built, Sources, build
 from bulkhead.agent.settings import AgentSettings
@@ -24,13 +24,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @contextmanager
@@ -45,7 +38,7 @@ def _serve(settings: AgentSettings) -> Iterator[tuple[Built, httpx.Client]]:
     thread = threading.Thread(target=server.run, daemon=True)
     loop.start()
     thread.start()
-    _wait(lambda: server.started, "the HTTP server")
+    wait_until(lambda: server.started, "the HTTP server", timeout=30)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
         yield built, http
     server.should_exit = True
@@ -62,7 +55,7 @@ def served() -> Iterator[tuple[Built, httpx.Client]]:
 
 def test_probes_and_metrics(served):
     _, http = served
-    _wait(lambda: http.get("/readyz").status_code == 200, "readiness")
+    wait_until(lambda: http.get("/readyz").status_code == 200, "readiness", timeout=30)
     assert http.get("/healthz").json() == {"status": "ok"}
     metrics = http.get("/metrics")
     assert metrics.status_code == 200
@@ -82,7 +75,7 @@ def test_nan_report_becomes_an_anomaly(served):
         data = http.get("/v1/anomalies").json()
         return data if data["condition"]["status"] == "True" else None
 
-    _wait(lambda: anomaly() is not None, "the NanLoss condition")
+    wait_until(lambda: anomaly() is not None, "the NanLoss condition", timeout=30)
     data = anomaly()
     assert data["node"] == "test-node"
     assert data["condition"]["reason"] == "NanLoss"
@@ -113,7 +106,7 @@ def test_bad_reports_get_4xx_and_the_agent_keeps_running(served, headers, body, 
     assert reply.status_code == status, reply.text
     assert "detail" in reply.json()
     ticks = built.metrics.ticks._value.get()
-    _wait(lambda: built.metrics.ticks._value.get() > ticks + 2, "more ticks")
+    wait_until(lambda: built.metrics.ticks._value.get() > ticks + 2, "more ticks", timeout=30)
     assert http.get("/healthz").status_code == 200
     assert built.agent.problems() == []
     assert built.metrics.reports.labels("rejected")._value.get() >= 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,15 +41,3 @@ def assert_state_is(state: dict[str, Any], step: int, scale: int = 1) -> None:
     assert state["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
     assert state["data"]["position"] == step * 16
     assert state["rng"]["python"] == ("py", step)
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import assert_state_is, wait_for
+from ckpt_helpers import assert_state_is
 from tests_paths import HERE
+from waiting import wait_until
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, spawn_sidecar
 from bulkhead.trainer.checkpoint.storage import MANIFEST_SUFFIX, FileStorage
@@ -64,7 +65,7 @@ def test_sidecar_killed_mid_persist_leaves_nothing_visible(shm_dir, tmp_path) ->
         engine.snapshot(10, make_state(10, scale=512))
         assert engine.flush(timeout=60)["persisted_step"] == 10
         engine.snapshot(20, make_state(20, scale=4096))  # ~64 MB at 20 MB/s: ~3 s to write
-        partial = wait_for(
+        partial = wait_until(
             lambda: [p for p in tmp_path.rglob(".rank0-*.tmp") if p.stat().st_size > 0],
             what="the persist of step 20 to start",
         )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_helpers import assert_state_is, make_state, wait_for
+from ckpt_helpers import assert_state_is, make_state
+from waiting import wait_until
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology
 from bulkhead.trainer.checkpoint.shm import all_slots
@@ -53,8 +54,8 @@ def test_corrupt_shared_memory_falls_back_to_older_snapshot(shm_dir, sidecar_fac
     with CheckpointEngine(settings(shm_dir)) as engine:
         engine.snapshot(10, make_state(10))
         newest = engine.snapshot(20, make_state(20))
-        wait_for(lambda: engine.status()["sealed_step"] == 20, what="seal of step 20")
-        wait_for(
+        wait_until(lambda: engine.status()["sealed_step"] == 20, what="seal of step 20")
+        wait_until(
             lambda: all(f.record().crc32c is not None for f in all_slots(shm_dir)), what="seals"
         )
         data = all_slots(shm_dir)[newest.slot].data

@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 import json
 
-from ckpt_helpers import assert_state_is, make_state, wait_for
+from ckpt_helpers import assert_state_is, make_state
+from waiting import wait_until
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.checkpoint.metrics import STORAGE_ERRORS
@@ -130,5 +131,5 @@ def test_a_step_missing_a_shard_is_not_complete(tmp_path, shm_dir, sidecar_facto
     with engine_for(shm_dir, tmp_path) as engine:
         engine.set_topology(two_shards)
         snapshot_persisted(engine, 10)
-    wait_for(lambda: list(tmp_path.rglob(f"zero0{MANIFEST_SUFFIX}")), what="zero0 manifest")
+    wait_until(lambda: list(tmp_path.rglob(f"zero0{MANIFEST_SUFFIX}")), what="zero0 manifest")
     assert FileStorage(tmp_path).complete_steps("job1", "zero0") == []

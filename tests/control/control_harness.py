@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+from waiting import wait_until
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
@@ -74,8 +75,4 @@ class Harness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met within the deadline")
-            time.sleep(0.02)
+        wait_until(condition, "condition", timeout)

@@ -10,12 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import waiting
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,19 +25,8 @@ T = TypeVar("T")
 
 
 def wait_until(check: Callable[[], T], what: str, timeout: float = 60, every: float = 0.2) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after timeout."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except Exception as exc:  # the object may not exist yet
-            last_error = exc
-        else:
-            if value:
-                return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} ({last_error})")
+    """Poll ``check`` until truthy; API objects may not exist yet, so errors mean "not yet"."""
+    return waiting.wait_until(check, what, timeout, every, retry_errors=True)
 
 
 def free_port() -> int:
