@@ -37,6 +37,8 @@ JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
 RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
 SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
+# The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).
+CHECKPOINT_REPLICA_PORT = 29700
 
 
 class WorkerExit(IntEnum):
@@ -67,6 +69,9 @@ class RegisterRequest(Model):
     worker: str = Field(..., min_length=1, max_length=253, description="Unique worker id.")
     node: str = Field("", max_length=253, description="Node (host) the worker runs on.")
     address: str = Field("", max_length=300, description="host:port this worker can serve on.")
+    checkpoint_address: str = Field(
+        "", max_length=300, description="host:port of this worker's checkpoint sidecar (replicas)."
+    )
     incarnation: int = Field(0, ge=0, description="Restarts of this worker id so far.")
 
 

@@ -26,6 +26,9 @@ class Member(Model):
     worker: str = Field(..., min_length=1, description="Worker id (the pod name).")
     node: str = Field("", description="Node the worker runs on.")
     address: str = Field("", description="host:port the worker listens on, if any.")
+    checkpoint_address: str = Field(
+        "", description="host:port of the worker's checkpoint sidecar, for peer replicas."
+    )
 
 
 class Membership(Model):

@@ -2,19 +2,36 @@
 
 For one model + Adam state (>= 1 GB full, ~50 MB with --quick), measured in one run:
 
-- ``memcpy_s``: the raw copy of the same tensors into a preallocated buffer (the limit);
+- ``memcpy_s``: the raw copy of the same tensors into a preallocated buffer, one thread;
+  ``memcpy_parallel_s``: the same with the tensors dealt out to one thread per core. The
+  faster of the two (``best_memcpy_s``) is the physical limit of a snapshot;
 - ``blocking_s``: our ``CheckpointEngine.snapshot`` (what training waits for);
 - ``torch_save_fsync_s``: ``torch.save`` + fsync to local disk;
 - ``dcp_async_blocking_s``: what ``torch.distributed.checkpoint.async_save`` blocks for;
 - ``restore_shm_s``: our restore from shared memory (verified, into the live tensors);
+- ``verify_s``: one CRC-32C pass over the state with the engine's parallel checksum;
 - ``torch_load_s``: ``torch.load`` of the saved file, page cache dropped (from disk);
   ``torch_load_warm_s`` is the same with the file cached, for reference.
 
+Ceilings: a snapshot that returns once the bytes are copied cannot block less than the best
+copy, so ``save_vs_blocking_ceiling = torch_save_fsync_s / best_memcpy_s`` bounds the
+save-vs-blocking ratio; a restore that verifies every byte before copying any needs one
+read pass and one copy, so ``load_vs_restore_ceiling = torch_load_s / (verify_s +
+best_memcpy_s)`` bounds load-vs-restore. A target above its ceiling is out of reach on the
+machine, whatever the engine does; the report says so.
+
+Threads: torch's intra-op threads are set to 1 for everything (the baselines' save, load and
+copy, and the engine's copies). Parallel copies use plain threads instead, each running
+single-threaded ``copy_`` calls on its share (``memcpy_parallel_s``; the engine's
+``copy_threads`` and checksum workers): on a shared machine, torch's OpenMP split of one copy
+waits for its slowest thread and measured 2-5x slower than one thread, while threads taking
+whole pieces keep the cores that are free busy. So one setting serves every contender.
+
 Each figure is a median over ``--repeats`` rounds after two warm-up rounds; every round runs
-each contender once, so load from other processes hits them alike. The sidecar (a real
-process) seals and persists every snapshot to disk before the round goes on, as with a
-snapshot interval longer than a persist. Run: ``python bench/checkpoint.py [--quick]
-[--out FILE]``; the JSON also holds every round's raw timings.
+each contender once, so load from other processes hits them alike (``load_average`` records
+it). The sidecar (a real process) seals and persists every snapshot to disk before the
+round goes on, as with a snapshot interval longer than a persist. Run: ``python
+bench/checkpoint.py [--quick] [--out FILE]``; the JSON also holds every round's raw timings.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, spawn_sidecar
+from bulkhead.trainer.checkpoint.checksum import checksum_parallel
 
 TARGETS = {"blocking_vs_memcpy": 1.5, "save_vs_blocking": 20.0, "load_vs_restore": 10.0}
 
@@ -71,6 +90,23 @@ def clock(action: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
+def deal(tensors: list[torch.Tensor], parts: int) -> list[list[tuple[int, torch.Tensor]]]:
+    """(offset in a back-to-back buffer, tensor) dealt into ``parts`` shares of equal bytes
+    (largest first, each to the lightest share)."""
+    placed = []
+    offset = 0
+    for tensor in tensors:
+        placed.append((offset, tensor))
+        offset += tensor.numel() * tensor.element_size()
+    shares: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for offset, tensor in sorted(placed, key=lambda item: -item[1].numel()):
+        lightest = loads.index(min(loads))
+        shares[lightest].append((offset, tensor))
+        loads[lightest] += tensor.numel() * tensor.element_size()
+    return [share for share in shares if share]
+
+
 def drop_page_cache(path: Path) -> None:
     """Evict one file's pages from the page cache (no root needed): the next read hits disk."""
     for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
@@ -101,12 +137,27 @@ def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(state_bytes, dtype=torch.uint8)  # resident: the copy's physical limit
 
-    def memcpy() -> None:
-        offset = 0
-        for t in tensors:
+    def copy_share(share: list[tuple[int, torch.Tensor]]) -> None:
+        for offset, t in share:
             n = t.numel() * t.element_size()
             flat[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
-            offset += n
+
+    cores = os.cpu_count() or 1
+    everything, shares = deal(tensors, 1)[0], deal(tensors, cores)
+    copiers = ThreadPoolExecutor(cores, thread_name_prefix="bench-memcpy")
+
+    def memcpy() -> None:
+        copy_share(everything)
+
+    def memcpy_parallel() -> None:
+        list(copiers.map(copy_share, shares))
+
+    def verify() -> None:
+        view = memoryview(flat.numpy())
+        try:
+            checksum_parallel(view)  # the workers restore verifies with
+        finally:
+            view.release()
 
     path = workdir / "state.pt"
 
@@ -137,10 +188,12 @@ def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
         dist.init_process_group(
             "gloo", init_method=f"file://{workdir / 'pg'}", rank=0, world_size=1
         )
+    load_before = os.getloadavg()
     try:
         for step in range(1, repeats + 3):
             warmup = step <= 2  # maps both slots, loads code paths: reported apart
             copy_s = clock(memcpy)
+            copy_parallel_s = clock(memcpy_parallel)
             blocking_s = engine.snapshot(step, state).blocking_s
             persist_s = clock(lambda: _check(engine.flush(timeout=900)))
             save_s = clock(torch_save)
@@ -151,31 +204,43 @@ def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
             future.result()  # the background write is not what training waits for
             shutil.rmtree(target, ignore_errors=True)
             restore_s = clock(lambda: _check_restored(engine.restore(into=state)))
+            verify_s = clock(verify)
             load_cold_s = torch_load_cold()
             load_warm_s = clock(lambda: torch.load(path))
             if warmup:
                 first.append(blocking_s)
                 continue
             rounds.add("memcpy_s", copy_s)
+            rounds.add("memcpy_parallel_s", copy_parallel_s)
             rounds.add("blocking_s", blocking_s)
             rounds.add("sidecar_seal_and_persist_s", persist_s)
             rounds.add("torch_save_fsync_s", save_s)
             rounds.add("dcp_async_blocking_s", dcp_s)
             rounds.add("restore_shm_s", restore_s)
+            rounds.add("verify_s", verify_s)
             rounds.add("torch_load_s", load_cold_s)
             rounds.add("torch_load_warm_s", load_warm_s)
     finally:
         if owns_group:
             dist.destroy_process_group()
+        copiers.shutdown()
         engine.close()
         sidecar.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(storage, ignore_errors=True)
         path.unlink(missing_ok=True)
+    medians = rounds.medians()
+    best_copy = min(medians["memcpy_s"], medians["memcpy_parallel_s"])
     return {
         "state_bytes": state_bytes,
         "repeats": repeats,
-        **rounds.medians(),
+        "copy_threads": engine.settings.copy_threads,
+        "cpu_count": os.cpu_count(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        **medians,
+        "best_memcpy_s": best_copy,
+        "save_vs_blocking_ceiling": medians["torch_save_fsync_s"] / best_copy,
+        "load_vs_restore_ceiling": medians["torch_load_s"] / (medians["verify_s"] + best_copy),
         "first_snapshots_s": first,
         "rounds": rounds.times,
     }
@@ -192,17 +257,24 @@ def _check_restored(restored: Any) -> None:
 
 
 def report(results: dict[str, Any]) -> dict[str, float]:
+    best_copy = results["best_memcpy_s"]
     ratios = {
-        "blocking_vs_memcpy": results["blocking_s"] / results["memcpy_s"],
+        "blocking_vs_memcpy": results["blocking_s"] / best_copy,
         "save_vs_blocking": results["torch_save_fsync_s"] / results["blocking_s"],
         "dcp_async_vs_blocking": results["dcp_async_blocking_s"] / results["blocking_s"],
         "load_vs_restore": results["torch_load_s"] / results["restore_shm_s"],
         "warm_load_vs_restore": results["torch_load_warm_s"] / results["restore_shm_s"],
     }
     gb = results["state_bytes"] / 1e9
-    print(f"state: {gb:.2f} GB (model + Adam, fp32), medians of {results['repeats']}")
+    load = results["load_average"]["before"][0]
+    print(
+        f"state: {gb:.2f} GB (model + Adam, fp32), medians of {results['repeats']}; "
+        f"{results['cpu_count']} cores, load average {load:.1f}, "
+        f"engine copy threads {results['copy_threads']}"
+    )
     rows = [
-        ("snapshot blocking (ours)", results["blocking_s"], "raw memcpy", results["memcpy_s"]),
+        ("raw memcpy, 1 thread", results["memcpy_s"], "all cores", results["memcpy_parallel_s"]),
+        ("snapshot blocking (ours)", results["blocking_s"], "best memcpy", best_copy),
         ("torch.save + fsync", results["torch_save_fsync_s"], "ours", results["blocking_s"]),
         (
             "DCP async_save (blocking)",
@@ -210,6 +282,7 @@ def report(results: dict[str, Any]) -> dict[str, float]:
             "ours",
             results["blocking_s"],
         ),
+        ("restore shm (ours)", results["restore_shm_s"], "verify+copy", _restore_floor(results)),
         ("torch.load (disk)", results["torch_load_s"], "restore shm", results["restore_shm_s"]),
         (
             "torch.load (cached)",
@@ -222,13 +295,38 @@ def report(results: dict[str, Any]) -> dict[str, float]:
     for name, value, other, other_value in rows:
         ratio = value / other_value
         print(f"{name:28} {value:9.4f}   {other:12} {other_value:9.4f} {ratio:8.2f}x")
+    print(f"one verify pass (parallel CRC-32C): {results['verify_s']:.4f}s")
     print(f"sidecar seal + persist to disk (async): {results['sidecar_seal_and_persist_s']:.3f}s")
+    ceilings = {
+        "blocking_vs_memcpy": 1.0,  # the best a snapshot can do is the copy itself
+        "save_vs_blocking": results["save_vs_blocking_ceiling"],
+        "load_vs_restore": results["load_vs_restore_ceiling"],
+    }
     for key, target in TARGETS.items():
-        at_most = key == "blocking_vs_memcpy"
-        ok = ratios[key] <= target if at_most else ratios[key] >= target
-        bound = f"{'<=' if at_most else '>='} {target}"
-        print(f"target {key}: {ratios[key]:.2f} ({bound}) {'met' if ok else 'NOT met'}")
+        print(_target_line(key, ratios[key], target, ceilings[key]))
     return ratios
+
+
+def _restore_floor(results: dict[str, Any]) -> float:
+    """The least a verify-before-copy restore can take: one CRC pass plus one copy."""
+    return results["verify_s"] + results["best_memcpy_s"]
+
+
+def _target_line(key: str, ratio: float, target: float, ceiling: float) -> str:
+    """One target: ratio, target, what this machine allows at best, and the verdict."""
+    at_most = key == "blocking_vs_memcpy"
+    met = ratio <= target if at_most else ratio >= target
+    reachable = ceiling <= target if at_most else ceiling >= target
+    notes = f"{'<=' if at_most else '>='} {target:g}; best possible here {ceiling:.2f}"
+    if (ratio < ceiling) if at_most else (ratio > ceiling):
+        # Medians of separate noisy measurements can cross: trust neither to the last digit.
+        notes += ", beaten: the timings are noisy, see the load average"
+    line = f"target {key}: {ratio:.2f} ({notes}) "
+    if met:
+        return line + "met"
+    if not reachable:
+        return line + f"NOT met: out of reach on this machine (ceiling {ceiling:.2f})"
+    return line + "NOT met"
 
 
 def main() -> None:

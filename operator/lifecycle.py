@@ -122,7 +122,13 @@ class _Policy(PolicyActions):
             return
         node = ev.node or slot.node
         self.state = self.state.with_slot(
-            replace(slot, status="registered", node=node, address=ev.address)
+            replace(
+                slot,
+                status="registered",
+                node=node,
+                address=ev.address,
+                checkpoint_address=ev.checkpoint_address,
+            )
         )
         if ev.worker in self.state.members():
             return  # a member re-registering (e.g. a client retry): nothing changes
@@ -206,6 +212,8 @@ class _Policy(PolicyActions):
         s = self.state
         if r.generation != s.generation or r.worker not in s.members():
             return
+        if s.restarting:
+            return  # a kept worker's last steps before it restores: not a resumption
         newer = not s.has_progress or r.step > s.step or s.step_generation < r.generation
         if not newer:
             return

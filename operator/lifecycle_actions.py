@@ -104,15 +104,26 @@ class PolicyActions:
         survivors = [x for x in self.state.slots if self.is_member(x)]
         if len(survivors) < self.cfg.min_workers:
             self.restart_all(
-                f"{cause}: {len(survivors)} workers left, minWorkers {self.cfg.min_workers}"
+                f"{cause}: {len(survivors)} workers left, minWorkers {self.cfg.min_workers}",
+                keep_live=True,
             )
         elif losses > self.cfg.max_failures:
-            self.restart_all(f"{cause}: {losses} workers lost, maxFailures {self.cfg.max_failures}")
+            self.restart_all(
+                f"{cause}: {losses} workers lost, maxFailures {self.cfg.max_failures}",
+                keep_live=True,
+            )
         else:
             names = ", ".join(self.state.ref(x).id for x in lost)
             self.publish(f"{names} lost ({cause})")
 
-    def restart_all(self, reason: str) -> None:
+    def restart_all(self, reason: str, keep_live: bool = False) -> None:
+        """Every worker restores from a checkpoint in the next generation.
+
+        With ``keep_live`` (workers were lost, the rest are healthy) the live workers stay:
+        they restore in place, from the snapshot in their own memory, and their sidecars
+        keep the replicas the replacements restore from. Otherwise (a hang, a NaN) every
+        worker is stopped and started afresh.
+        """
         s = self.state
         if s.restarts >= self.cfg.max_restarts:
             self.fail(f"{reason}; maxRestarts ({self.cfg.max_restarts}) exhausted")
@@ -125,6 +136,9 @@ class PolicyActions:
         dead = set(self.state.dead)
         slots = []
         for slot in self.state.slots:
+            if keep_live and slot.status in ("starting", "registered"):
+                slots.append(slot)
+                continue
             if slot.status in ("starting", "registered"):
                 self.emit(StopWorker(s.ref(slot), f"restart from checkpoint: {reason}"))
             if slot.status != "pending":
@@ -157,7 +171,13 @@ class PolicyActions:
         order = {m.worker: m.rank for m in s.membership.members}
         registered.sort(key=lambda x: (order.get(s.ref(x).id, len(order) + x.index), x.index))
         members = [
-            Member(rank=rank, worker=s.ref(x).id, node=x.node, address=x.address)
+            Member(
+                rank=rank,
+                worker=s.ref(x).id,
+                node=x.node,
+                address=x.address,
+                checkpoint_address=x.checkpoint_address,
+            )
             for rank, x in enumerate(registered)
         ]
         restore = s.restarting
@@ -171,7 +191,10 @@ class PolicyActions:
             members=members,
             state="running",
             resume_step=resume,
-            restore_from_checkpoint=restore and s.last_checkpoint_step is not None,
+            # Even when no checkpoint was reported: the workers' own shared memory, a
+            # peer or storage may hold one the reports never mentioned (a worker died
+            # between snapshot and report); with none, they start from scratch.
+            restore_from_checkpoint=restore,
             total_steps=self.cfg.total_steps,
         )
         first = s.generation == 0

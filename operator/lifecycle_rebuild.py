@@ -76,7 +76,13 @@ def rebuild(
             slot = replace(slot, incarnation=slot.incarnation + 1)
         elif wid in members and wid in live:
             m = members[wid]
-            slot = replace(slot, status="registered", node=m.node, address=m.address)
+            slot = replace(
+                slot,
+                status="registered",
+                node=m.node,
+                address=m.address,
+                checkpoint_address=m.checkpoint_address,
+            )
         elif wid in live or wid in members:
             # Running but unknown to us, or a member that is gone: the next incarnation.
             slot = replace(slot, status="starting", node=live.get(wid, ""))

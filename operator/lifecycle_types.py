@@ -86,6 +86,7 @@ class WorkerRegistered:
     worker: str
     node: str = ""
     address: str = ""
+    checkpoint_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class Slot:
     status: SlotStatus
     node: str = ""
     address: str = ""
+    checkpoint_address: str = ""
     start_at: float = 0.0  # for pending slots: when to start
     crash_streak: int = 0  # consecutive incarnations lost before ever training
 

@@ -192,7 +192,7 @@ class JobSession:
         if self._state.terminal:
             raise SessionError(409, f"job {self.job_name} is {self._state.phase.lower()}")
         self._touch(req.worker)
-        self._apply(WorkerRegistered(req.worker, req.node, req.address))
+        self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
         return RegisterResponse(worker=req.worker, generation=self._state.generation)
 
     async def wait_membership(

@@ -171,6 +171,8 @@ def _checkpoint_sidecar(ctx: JobContext, worker_id: str, incarnation: int) -> di
         # stopped after it, and the pod phase follows the trainer alone.
         "restartPolicy": "Always",
         "env": _contract_env(ctx, worker_id, incarnation),
+        # Peers' sidecars push and fetch replicas here (the pod IP is in the membership).
+        "ports": [{"name": "ckpt-replica", "containerPort": protocol.CHECKPOINT_REPLICA_PORT}],
         "volumeMounts": _checkpoint_mounts(ctx),
     }
 

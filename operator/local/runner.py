@@ -137,7 +137,7 @@ class LocalRun:
             command=self.options.worker_command,
             extra_env=self.options.extra_env,
             stop_grace_s=self.options.stop_grace_s,
-            sidecars=self._sidecars(),
+            sidecars=self._sidecars(token),
         )
         driver.status_listeners.append(view.on_status)
         session = JobSession(self.name, self.spec, token, driver)
@@ -180,12 +180,12 @@ class LocalRun:
         code = {"Succeeded": EXIT_OK, "Interrupted": EXIT_INTERRUPTED}.get(phase, EXIT_FAILED)
         return RunResult(phase, code, summary, self.run_dir)
 
-    def _sidecars(self) -> CheckpointSidecars | None:
+    def _sidecars(self, token: str) -> CheckpointSidecars | None:
         if not self.options.checkpoint_sidecars:
             return None
         # Unique per run: two runs of the same job must never share snapshots.
         shm_root = self.options.shm_root or Path("/dev/shm") / f"bulkhead-{self.name}-{os.getpid()}"
-        return CheckpointSidecars(self.run_dir, shm_root)
+        return CheckpointSidecars(self.run_dir, shm_root, token)
 
     async def _wait_for_end(self, session: JobSession) -> bool:
         """True when the job ended by itself; False when stopped (signal or timeout)."""

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.operator.driver import WorkerRef
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,15 @@ class CheckpointSidecars:
         self,
         run_dir: Path,
         shm_root: Path,
+        token: str | None = None,
         command: list[str] | None = None,
         ready_timeout_s: float = 60.0,
         drain_timeout_s: float = 30.0,
     ) -> None:
         self.run_dir = run_dir
         self.shm_root = shm_root
+        # Peers' replica requests must carry the job's control token, as in Kubernetes.
+        self.token = token
         self.command = command or default_sidecar_command()
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
@@ -79,6 +82,7 @@ class CheckpointSidecars:
                 str(socket_path),
                 "--listen",
                 "127.0.0.1:0",
+                env={**os.environ, TOKEN_ENV: self.token} if self.token else None,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import crc32c
 import pytest
 import torch
 from ckpt_helpers import assert_state_is, make_state
+from pydantic import ValidationError
 from waiting import wait_until
 
-from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology
+from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology, checksum
 from bulkhead.trainer.checkpoint.shm import all_slots
 
 
@@ -47,6 +49,33 @@ def test_restore_into_live_tensors_and_max_step(shm_dir, sidecar_factory) -> Non
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]), key  # filled in place into the parameters
     optimizer.load_state_dict(restored.state["optim"])
+
+
+def test_parallel_copy_seal_and_verify_agree_with_a_serial_crc(
+    shm_dir, sidecar_factory, monkeypatch
+) -> None:
+    """Several copy threads and CRC pieces per snapshot: the sealed CRC is the plain CRC-32C
+    of the bytes, and restore verifies and copies them back exactly."""
+    monkeypatch.setattr(checksum, "MIN_PIECE_BYTES", 4096)
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir, copy_threads=3)) as engine:
+        result = engine.snapshot(8, make_state(8, scale=16))
+        assert len(checksum.split_spans(result.nbytes, 3)) > 4
+        wait_until(lambda: engine.status()["sealed_step"] == 8, what="seal of step 8")
+        files = all_slots(shm_dir)[result.slot]
+        assert files.record().crc32c == crc32c.crc32c(files.data.read_bytes()[: result.nbytes])
+        live = make_state(0, scale=16)
+        restored = engine.restore(into=live)
+    assert restored is not None and restored.step == 8
+    assert restored.state["model"]["embed.weight"] is live["model"]["embed.weight"]
+    assert_state_is(restored.state, 8, scale=16)
+
+
+def test_copy_threads_setting() -> None:
+    assert CheckpointSettings(job="j").copy_threads >= 1
+    assert CheckpointSettings(job="j", copy_threads=1).copy_threads == 1
+    with pytest.raises(ValidationError):
+        CheckpointSettings(job="j", copy_threads=0)
 
 
 def test_corrupt_shared_memory_falls_back_to_older_snapshot(shm_dir, sidecar_factory) -> None:

@@ -6,6 +6,8 @@ import pytest
 import torch
 from ckpt_helpers import assert_state_is, make_state
 
+from bulkhead.trainer.checkpoint import checksum
+from bulkhead.trainer.checkpoint.checksum import Workers, split_spans
 from bulkhead.trainer.checkpoint.layout import ALIGN, assemble, copy_into, plan_layout
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 
@@ -17,11 +19,8 @@ class Position:
         self.offsets = offsets
 
 
-def roundtrip(state, into=None, copy=True):
-    layout = plan_layout(state)
-    buffer = torch.zeros(layout.nbytes + 1, dtype=torch.uint8)
-    copy_into(layout, buffer)
-    record = SnapshotRecord(
+def record_of(layout) -> SnapshotRecord:
+    return SnapshotRecord(
         job="j",
         shard="s",
         step=1,
@@ -30,7 +29,13 @@ def roundtrip(state, into=None, copy=True):
         tensors=layout.entries,
         skeleton=layout.skeleton,
     )
-    return layout, assemble(record, buffer, into, copy)
+
+
+def roundtrip(state, into=None, copy=True):
+    layout = plan_layout(state)
+    buffer = torch.zeros(layout.nbytes + 1, dtype=torch.uint8)
+    copy_into(layout, buffer)
+    return layout, assemble(record_of(layout), buffer, into, copy)
 
 
 def test_roundtrip_keeps_values_dtypes_and_structure() -> None:
@@ -75,11 +80,7 @@ def test_copies_do_not_alias_the_buffer() -> None:
     layout = plan_layout({"w": torch.ones(4)})
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
     copy_into(layout, buffer)
-    record = SnapshotRecord(
-        job="j", shard="s", step=1, shards=["s"], nbytes=layout.nbytes,
-        tensors=layout.entries, skeleton=layout.skeleton,
-    )  # fmt: skip
-    restored = assemble(record, buffer, copy=True)
+    restored = assemble(record_of(layout), buffer, copy=True)
     buffer.zero_()
     assert torch.equal(restored["w"], torch.ones(4))
 
@@ -89,3 +90,57 @@ def test_unsupported_state_is_rejected_clearly() -> None:
         plan_layout({"w": torch.eye(3).to_sparse()})
     with pytest.raises(TypeError, match="must be a dict"):
         plan_layout([torch.ones(1)])  # type: ignore[arg-type]
+
+
+def mixed_state() -> dict:
+    """Big tensors that span several pieces, and every kind that must not be sliced flat."""
+    grid = torch.arange(40 * 30, dtype=torch.float32).reshape(40, 30)
+    return {
+        "big": torch.arange(5000, dtype=torch.float64),
+        "bf16": torch.linspace(-3, 3, 3001).to(torch.bfloat16),
+        "transposed": grid.t(),  # non-contiguous: copied whole
+        "every_other": torch.arange(999, dtype=torch.int16)[::2],
+        "complex": torch.randn(333, dtype=torch.complex64),
+        "mask": torch.arange(777) % 3 == 0,
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_parallel_copy_writes_the_same_bytes_as_the_serial_one(monkeypatch) -> None:
+    monkeypatch.setattr(checksum, "MIN_PIECE_BYTES", 256)  # pieces cut through tensors
+    state = mixed_state()
+    layout = plan_layout(state)
+    assert len(split_spans(layout.nbytes, 3)) > len(state)
+    serial = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    copy_into(layout, serial)
+    parallel = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)  # padding differs
+    workers = Workers(3)
+    try:
+        copy_into(layout, parallel, workers)
+        into = {key: torch.zeros_like(value) for key, value in state.items()}
+        assert not into["transposed"].is_contiguous()  # such a target is filled whole
+        restored = assemble(record_of(layout), parallel, into, copy=True, workers=workers)
+        fresh = assemble(record_of(layout), parallel, copy=True, workers=workers)
+    finally:
+        workers.close()
+    for entry in layout.entries:
+        span = slice(entry.offset, entry.offset + entry.nbytes)
+        assert torch.equal(parallel[span], serial[span]), entry.path
+    parallel.zero_()  # fresh tensors must not alias the buffer
+    for key, value in state.items():
+        assert torch.equal(restored[key], value), key
+        assert restored[key] is into[key], key
+        assert torch.equal(fresh[key], value), key
+
+
+def test_a_failing_piece_fails_the_parallel_copy(monkeypatch) -> None:
+    monkeypatch.setattr(checksum, "MIN_PIECE_BYTES", 256)
+    layout = plan_layout({"ok": torch.ones(4096), "unreadable": torch.empty(4096, device="meta")})
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    workers = Workers(2)
+    try:
+        with pytest.raises(NotImplementedError):
+            copy_into(layout, buffer, workers)
+    finally:
+        workers.close()

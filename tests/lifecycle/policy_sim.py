@@ -56,7 +56,14 @@ class Sim:
     def start_and_register_all(self) -> None:
         self.feed(JobStarted())
         for slot in range(len(self.state.slots)):
-            self.feed(WorkerRegistered(self.wid(slot), f"node-{slot}", f"127.0.0.1:{9000 + slot}"))
+            self.feed(
+                WorkerRegistered(
+                    self.wid(slot),
+                    f"node-{slot}",
+                    f"127.0.0.1:{9000 + slot}",
+                    checkpoint_address=f"127.0.0.1:{29700 + slot}",
+                )
+            )
 
     def progress(
         self,

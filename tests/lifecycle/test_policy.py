@@ -120,20 +120,52 @@ def test_more_losses_than_max_failures_restarts_from_checkpoint() -> None:
     (restart,) = _of(RestartAll, decisions)
     assert restart.restart == 1
     assert sim.state.restarts == 1
-    # Every live worker is stopped (w1's replacement too); all restart after the backoff.
-    stopped = {d.worker.id for d in _of(StopWorker, decisions)}
-    assert stopped == {"job-w0-0", "job-w3-0", "job-w1-1"}
+    # The live workers stay (they restore in place, from their own memory, and their
+    # sidecars hold the replicas); w1's replacement, still starting, stays too.
+    assert _of(StopWorker, decisions) == []
     assert _of(StartWorker, decisions) == []
+    # A kept worker's last report before it notices the restart resumes nothing.
+    sim.progress(31, worker="job-w0-0")
+    assert sim.state.phase == "Recovering" and _of(RecoveryDone, sim.log) == []
     starts = _of(StartWorker, sim.tick(2.0))
-    assert sorted(d.worker.id for d in starts) == ["job-w0-1", "job-w1-2", "job-w2-1", "job-w3-1"]
-    for d in starts:
-        sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
+    assert [d.worker.id for d in starts] == ["job-w2-1"]
+    for worker in ("job-w1-1", "job-w2-1"):
+        sim.feed(WorkerRegistered(worker, "n", "h:1"))
     view = sim.published()[-1].view
+    assert [m.worker for m in view.members] == ["job-w0-0", "job-w3-0", "job-w1-1", "job-w2-1"]
     assert view.restore_from_checkpoint
     assert view.resume_step == 26
     sim.progress(26)
     (done,) = _of(RecoveryDone, sim.log)
     assert done.lost_steps == 30 - 26 + 1
+
+
+def test_restart_asks_for_a_restore_even_without_a_reported_checkpoint() -> None:
+    # A snapshot may exist that no report mentioned (the workers died before reporting it):
+    # the workers look in their tiers and start from scratch only if they find nothing.
+    sim = Sim(make_spec(workers=2, maxFailures=0, backoff={"initialSeconds": 1}))
+    sim.start_and_register_all()
+    sim.progress(7)
+    decisions = sim.exit("job-w0-0")
+    assert _of(RestartAll, decisions)
+    for d in _of(StartWorker, sim.tick(1.0)):
+        sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
+    view = sim.published()[-1].view
+    assert view.restore_from_checkpoint
+    assert view.resume_step == 0
+
+
+def test_members_carry_their_checkpoint_sidecar_address() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    members = sim.published()[-1].view.members
+    assert [m.checkpoint_address for m in members] == [f"127.0.0.1:{29700 + i}" for i in range(4)]
+    sim.progress(3)
+    sim.exit("job-w1-0")
+    sim.feed(WorkerRegistered("job-w1-1", "node-9", "h:9", checkpoint_address="h:29709"))
+    rejoined = {m.worker: m.checkpoint_address for m in sim.published()[-1].view.members}
+    assert rejoined["job-w1-1"] == "h:29709"
+    assert rejoined["job-w0-0"] == "127.0.0.1:29700"
 
 
 def test_restarts_are_bounded_by_max_restarts() -> None:
@@ -259,7 +291,9 @@ def test_rebuild_keeps_live_members_and_replaces_the_rest() -> None:
             generation=5,
             coordinator="h:0",
             members=[
-                Member(rank=0, worker="job-w0-2", node="a", address="h:0"),
+                Member(
+                    rank=0, worker="job-w0-2", node="a", address="h:0", checkpoint_address="h:7"
+                ),
                 Member(rank=1, worker="job-w1-0", node="b", address="h:1"),
                 Member(rank=2, worker="job-w2-1", node="c", address="h:2"),
             ],
@@ -271,3 +305,5 @@ def test_rebuild_keeps_live_members_and_replaces_the_rest() -> None:
     assert state.members() == ["job-w0-2", "job-w1-0"]
     assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-2"]
     assert "job-w2-1" in state.dead
+    # The survivors keep their sidecar addresses: the next generation still lists them.
+    assert state.slots[0].checkpoint_address == "h:7"

@@ -11,6 +11,10 @@ import pytest
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
 from bulkhead.operator.driver import WorkerRef
 from bulkhead.operator.local.sidecars import CheckpointSidecars
+from bulkhead.trainer.checkpoint.client import SidecarClient
+from bulkhead.trainer.checkpoint.replica import ReplicaError, list_replicas
+
+TOKEN = "local-job-token"
 
 
 def _gone(pid: int) -> bool:
@@ -20,11 +24,18 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_sidecar_outlives_its_trainer_and_is_removed_at_the_end(tmp_path: Path) -> None:
     async def scenario() -> None:
-        sidecars = CheckpointSidecars(tmp_path / "run", tmp_path / "shm", ready_timeout_s=60)
+        sidecars = CheckpointSidecars(
+            tmp_path / "run", tmp_path / "shm", token=TOKEN, ready_timeout_s=60
+        )
         first = WorkerRef("job", 0, 0)
         env = await sidecars.start(first)
         assert env[SHM_DIR_ENV] == str(tmp_path / "shm" / "w0")
         assert Path(env[CHECKPOINT_SOCKET_ENV]).exists()
+        # Its replica server takes the job's token, as in a pod: a stranger gets nothing.
+        address = SidecarClient(Path(env[CHECKPOINT_SOCKET_ENV])).status()["replica_address"]
+        assert list_replicas(address, "job", TOKEN, timeout=10) == []
+        with pytest.raises(ReplicaError):
+            list_replicas(address, "job", "wrong-token", timeout=10)
         (pid,) = [p.pid for p in sidecars._procs.values()]
         assert psutil.pid_exists(pid)
         # The trainer died: its snapshots stay in shared memory for the next incarnation.

@@ -44,6 +44,7 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert sidecar["name"] == "checkpoint"
     assert sidecar["command"] == ["bulkhead-checkpointd"]
     assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["ports"] == [{"name": "ckpt-replica", "containerPort": 29700}]
     shm = next(v for v in spec["volumes"] if v["name"] == names.SHM_VOLUME)
     assert shm["emptyDir"]["medium"] == "Memory"
     for container in (trainer, sidecar):

@@ -34,12 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.api.spec import CheckpointConfig
 from bulkhead.trainer.checkpoint import metrics
+from bulkhead.trainer.checkpoint.checksum import Workers, default_threads
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
 from bulkhead.trainer.checkpoint.layout import copy_into, plan_layout
 from bulkhead.trainer.checkpoint.paths import DEFAULT_SHM_DIR, default_socket
 from bulkhead.trainer.checkpoint.records import SlotMeta, Topology, check_name
 from bulkhead.trainer.checkpoint.restore import Restored, RestoreOptions, Restorer
 from bulkhead.trainer.checkpoint.shm import LockTimeout, WritableSlot, all_slots
+from bulkhead.trainer.checkpoint.wire import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,11 @@ class CheckpointSettings(BaseModel):
     seal_timeout_s: float = Field(30.0, ge=0, description="Max wait at restore for the seal.")
     peer_timeout_s: float = Field(60.0, gt=0)
     sidecar_timeout_s: float = Field(5.0, gt=0)
+    copy_threads: int = Field(
+        default_factory=default_threads,
+        ge=1,
+        description="Threads copying a snapshot into shared memory; 1 = serial in the caller.",
+    )
 
     @classmethod
     def from_spec(cls, config: CheckpointConfig, job: str, **runtime: Any) -> CheckpointSettings:
@@ -113,6 +120,7 @@ class CheckpointEngine:
         self._slots = [WritableSlot(files) for files in all_slots(settings.shm_dir)]
         self._buffers: dict[int, torch.Tensor] = {}
         self._notifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-notify")
+        self._copiers = Workers(settings.copy_threads, "ckpt-copy")
 
     def set_topology(self, topology: Topology) -> None:
         """Call on every membership generation, before the next snapshot or restore."""
@@ -147,7 +155,7 @@ class CheckpointEngine:
                     ) from exc
             if index not in self._buffers:
                 self._buffers[index] = torch.frombuffer(slot.mapping, dtype=torch.uint8)
-            copy_into(layout, self._buffers[index])
+            copy_into(layout, self._buffers[index], self._copiers)
             slot.publish(self._meta(step, layout.nbytes, layout))
         finally:
             slot.unlock()
@@ -273,6 +281,22 @@ class CheckpointEngine:
         self._notifier.submit(lambda: None).result()
         return self.sidecar.flush("done", timeout)
 
+    def replica_address(self, advertise_host: str) -> str | None:
+        """Where peers reach our sidecar's replica server, as ``host:port``; None if it
+        does not listen (or does not answer). A wildcard listen address (0.0.0.0, ::) is
+        replaced by ``advertise_host``, the address the pod or process is reached at."""
+        try:
+            listening = self.sidecar.status().get("replica_address")
+        except SidecarUnavailable as exc:
+            log.warning("no peer replicas: %s", exc)
+            return None
+        if not listening:
+            return None
+        host, port = parse_address(listening)
+        if host in ("0.0.0.0", "::", ""):
+            host = advertise_host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def status(self) -> dict[str, Any]:
         """The sidecar's progress: sealed/replicated/persisted steps and the last error."""
         return self.sidecar.status()
@@ -280,6 +304,7 @@ class CheckpointEngine:
     def close(self) -> None:
         """Release this process's mappings; the snapshots stay in shared memory."""
         self._notifier.shutdown(wait=True)
+        self._copiers.close()
         self._buffers.clear()
         for slot in self._slots:
             slot.close()

@@ -5,11 +5,17 @@ states, data position...), assigns it an aligned offset in a flat buffer and pic
 rest of the state as a small skeleton in which tensors are references. ``copy_into``
 fills a buffer; ``assemble`` rebuilds the state from a buffer, optionally copying into
 the caller's existing tensors in place (like torch.distributed.checkpoint's load).
+
+Both copies can run on a few threads (``Workers``; torch's ``copy_`` releases the GIL): the
+buffer is cut into equal byte ranges and a big tensor is copied as flat slices, one per
+range it overlaps, so every thread moves the same number of bytes.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
+import functools
 import io
 import pickle
 from collections.abc import Iterator
@@ -18,11 +24,15 @@ from typing import Any
 
 import torch
 
+from bulkhead.trainer.checkpoint.checksum import PIECE_ALIGN, Workers, split_spans
 from bulkhead.trainer.checkpoint.records import SnapshotRecord, TensorEntry
 
-# Every tensor starts on a cache-line boundary, so any dtype can be viewed in place.
-ALIGN = 64
+# Every tensor starts on a cache-line boundary, so any dtype can be viewed in place (and
+# parallel pieces, cut at the same alignment, never split an element).
+ALIGN = PIECE_ALIGN
 Path = tuple[str | int, ...]
+# One copy: buffer offset, destination, source (same shape and dtype).
+Copy = tuple[int, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -109,13 +119,60 @@ def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(dtype).view(entry.shape)
 
 
-def copy_into(layout: Layout, buffer: torch.Tensor) -> None:
-    """Copy every tensor of ``layout`` into the uint8 ``buffer`` (device -> host if needed)."""
+def _pieces(copies: list[Copy], spans: list[tuple[int, int]]) -> list[list[Copy]]:
+    """The copies cut along the buffer ranges ``spans``: one list of copies per range.
+
+    A tensor that is not contiguous on both sides cannot be sliced flat and goes whole to
+    the range where it starts.
+    """
+    starts = [start for start, _ in spans]
+    pieces: list[list[Copy]] = [[] for _ in spans]
+    for offset, target, source in copies:
+        first = bisect.bisect_right(starts, offset) - 1
+        if not (target.is_contiguous() and source.is_contiguous()):
+            pieces[first].append((offset, target, source))
+            continue
+        flat_target, flat_source = target.reshape(-1), source.reshape(-1)  # views
+        size = target.element_size()
+        end = offset + target.numel() * size
+        for index in range(first, len(spans)):
+            start, stop = spans[index]
+            if start >= end:
+                break
+            # Element bounds rounded up the same way on both sides of a cut: no gap, no overlap.
+            low = -(-(max(start, offset) - offset) // size)
+            high = -(-(min(stop, end) - offset) // size)
+            if high > low:
+                pieces[index].append((offset, flat_target[low:high], flat_source[low:high]))
+    return [piece for piece in pieces if piece]
+
+
+def _copy_all(copies: list[Copy]) -> None:
+    for _, target, source in copies:
+        target.copy_(source)
+
+
+def _run_copies(copies: list[Copy], nbytes: int, workers: Workers | None) -> None:
+    """Every ``target.copy_(source)``, on ``workers`` in byte-balanced pieces if given;
+    ``nbytes`` is the extent of the buffer the offsets point into."""
+    copies = [copy for copy in copies if copy[1].numel()]  # nothing to move, nowhere to go
+    if workers is None or workers.threads == 1:
+        _copy_all(copies)
+        return
+    pieces = _pieces(copies, split_spans(nbytes, workers.threads))
+    workers.run([functools.partial(_copy_all, piece) for piece in pieces])
+
+
+def copy_into(layout: Layout, buffer: torch.Tensor, workers: Workers | None = None) -> None:
+    """Copy every tensor of ``layout`` into the uint8 ``buffer`` (device -> host if needed),
+    on ``workers`` if given; returns when every byte is copied."""
     if buffer.numel() < layout.nbytes:
         raise ValueError(f"buffer of {buffer.numel()} bytes cannot hold {layout.nbytes}")
-    for entry, tensor in zip(layout.entries, layout.tensors, strict=True):
-        if entry.nbytes:
-            _view(buffer, entry).copy_(tensor.detach())
+    copies = [
+        (entry.offset, _view(buffer, entry), tensor.detach())
+        for entry, tensor in zip(layout.entries, layout.tensors, strict=True)
+    ]
+    _run_copies(copies, layout.nbytes, workers)
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
@@ -132,23 +189,29 @@ def assemble(
     buffer: torch.Tensor,
     into: dict[str, Any] | None = None,
     copy: bool = True,
+    workers: Workers | None = None,
 ) -> dict[str, Any]:
     """Rebuild the state described by ``record`` from the uint8 ``buffer``.
 
     A tensor whose key path exists in ``into`` with the same dtype and shape is filled in
     place and reused. Other tensors are fresh copies when ``copy`` is true (the buffer is
-    shared memory that will be overwritten), otherwise views of ``buffer``.
+    shared memory that will be overwritten), otherwise views of ``buffer``. The copies run
+    on ``workers`` if given.
     """
     targets: dict[Path, torch.Tensor] = {}
     if into is not None:
         targets = {p: leaf for p, leaf in _walk(into) if isinstance(leaf, torch.Tensor)}
     tensors = []
+    copies: list[Copy] = []
     for entry in record.tensors:
         source = _view(buffer, entry)
         target = targets.get(tuple(entry.path)) if entry.path is not None else None
-        if target is not None and target.dtype == source.dtype and target.shape == source.shape:
-            target.copy_(source)
-            tensors.append(target)
+        if target is None or target.dtype != source.dtype or target.shape != source.shape:
+            target = torch.empty(source.shape, dtype=source.dtype) if copy else None
+        if target is None:
+            tensors.append(source)
         else:
-            tensors.append(source.clone() if copy else source)
+            copies.append((entry.offset, target, source))
+            tensors.append(target)
+    _run_copies(copies, record.nbytes, workers)
     return _SkeletonUnpickler(base64.b64decode(record.skeleton), tensors).load()

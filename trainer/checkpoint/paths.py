@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bulkhead.api.protocol import CHECKPOINT_REPLICA_PORT
+
 LISTEN_ENV = "BULKHEAD_CHECKPOINT_LISTEN"
 METRICS_PORT_ENV = "BULKHEAD_CHECKPOINT_METRICS_PORT"
 DEFAULT_SHM_DIR = "/dev/shm/bulkhead"
-DEFAULT_LISTEN = "0.0.0.0:29700"
+DEFAULT_LISTEN = f"0.0.0.0:{CHECKPOINT_REPLICA_PORT}"
 
 
 def default_socket(shm_dir: Path) -> Path:

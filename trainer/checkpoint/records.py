@@ -17,11 +17,9 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger(__name__)
@@ -29,7 +27,6 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 R = TypeVar("R", bound="SnapshotRecord")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-CHECKSUM_CHUNK_BYTES = 8 << 20
 
 
 def check_name(kind: str, value: str) -> str:
@@ -131,18 +128,6 @@ class Topology(BaseModel):
         for name in value:
             check_name("shard", name)
         return value
-
-
-def checksum_of(chunks: Iterable[memoryview | bytes]) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = crc32c.crc32c(chunk, crc)
-    return crc
-
-
-def chunks_of(buffer: memoryview, size: int = CHECKSUM_CHUNK_BYTES) -> Iterable[memoryview]:
-    for start in range(0, len(buffer), size):
-        yield buffer[start : start + size]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any], durable: bool) -> None:

@@ -24,7 +24,7 @@ import crc32c
 from pydantic import ValidationError
 
 from bulkhead.trainer.checkpoint.records import SnapshotRecord, read_record, write_json_atomic
-from bulkhead.trainer.checkpoint.storage import ChecksumMismatch
+from bulkhead.trainer.checkpoint.storage import ChecksumMismatch, read_verified
 from bulkhead.trainer.checkpoint.wire import (
     ProtocolError,
     parse_address,
@@ -106,6 +106,11 @@ class ReplicaStore:
             )
             if previous is not None and previous.nonce != record.nonce:
                 self._data(previous).unlink(missing_ok=True)
+
+    def read_into(self, record: SnapshotRecord, buffer: memoryview) -> None:
+        """Our own copy of a held replica, verified (the sidecar may replace it meanwhile:
+        then the file is gone and this raises FileNotFoundError)."""
+        read_verified(self._data(record), record, buffer)
 
     def open_data(self, record: SnapshotRecord) -> int:
         return os.open(self._data(record), os.O_RDONLY)

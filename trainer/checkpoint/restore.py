@@ -20,16 +20,16 @@ from typing import Any
 import torch
 
 from bulkhead.trainer.checkpoint import metrics
+from bulkhead.trainer.checkpoint.checksum import checksum_parallel, shared_workers
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
 from bulkhead.trainer.checkpoint.layout import assemble
-from bulkhead.trainer.checkpoint.records import (
-    SlotMeta,
-    SnapshotRecord,
-    Topology,
-    checksum_of,
-    chunks_of,
+from bulkhead.trainer.checkpoint.records import SlotMeta, SnapshotRecord, Topology
+from bulkhead.trainer.checkpoint.replica import (
+    ReplicaError,
+    ReplicaStore,
+    fetch_replica,
+    list_replicas,
 )
-from bulkhead.trainer.checkpoint.replica import ReplicaError, fetch_replica, list_replicas
 from bulkhead.trainer.checkpoint.shm import LockTimeout, SlotFiles, all_slots
 from bulkhead.trainer.checkpoint.storage import ChecksumMismatch, FileStorage
 from bulkhead.trainer.checkpoint.wire import ProtocolError
@@ -61,6 +61,8 @@ class Candidate:
 
     def describe(self) -> str:
         where = self.source if self.tier == "peer" else ""
+        if isinstance(self.source, ReplicaStore):
+            where = "(a peer's replica held here)"
         return f"step {self.record.step} from {self.tier} {where}".rstrip()
 
 
@@ -119,7 +121,11 @@ class Restorer:
                 notes.append(f"shm step {record.step} is not sealed, so cannot be verified")
                 continue
             out.append(Candidate("shm", record, files))
-        return out
+        # A peer's replica our sidecar holds is in our memory too; with data parallelism it is
+        # our shard, possibly newer than our own snapshot (we died before taking that one).
+        replicas = ReplicaStore(self.options.shm_dir)
+        out += [Candidate("shm", r, replicas) for r in replicas.records(self.options.job)]
+        return [c for c in out if self._ours(c.record)]
 
     def _from_peers(self, notes: list[str]) -> list[Candidate]:
         out = []
@@ -147,7 +153,7 @@ class Restorer:
     def load(self, candidate: Candidate, into: dict[str, Any] | None) -> dict[str, Any]:
         """The candidate's state, verified first; raises ChecksumMismatch, OSError, ..."""
         record = candidate.record
-        if candidate.tier == "shm":
+        if candidate.tier == "shm" and isinstance(candidate.source, SlotFiles):
             return self._load_slot(candidate.source, record, into)
         buffer = _empty_buffer(record.nbytes)
         view = memoryview(buffer.numpy())
@@ -155,6 +161,8 @@ class Restorer:
             fetch_replica(
                 candidate.source, record, view, self.options.token, self.options.peer_timeout
             )
+        elif isinstance(candidate.source, ReplicaStore):
+            candidate.source.read_into(record, view)
         else:
             candidate.source.read_into(record, view)
         return assemble(record, buffer, into, copy=False)
@@ -166,13 +174,14 @@ class Restorer:
             if held is None or held[0].nonce != record.nonce:
                 raise FileNotFoundError(f"shm step {record.step} was overwritten meanwhile")
             _, buffer = held
+            workers = shared_workers()
             view = memoryview(buffer.numpy())[: record.nbytes]
-            try:
-                if checksum_of(chunks_of(view)) != record.crc32c:
+            try:  # every byte verified before the first one reaches the caller's tensors
+                if checksum_parallel(view, workers) != record.crc32c:
                     raise ChecksumMismatch(f"shm slot {files.data} fails its CRC-32C check")
             finally:
                 view.release()
-            return assemble(record, buffer, into, copy=True)
+            return assemble(record, buffer, into, copy=True, workers=workers)
 
     def restore(self, into: dict[str, Any] | None, max_step: int | None) -> Restored | None:
         candidates, notes = self.candidates(max_step)

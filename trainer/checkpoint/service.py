@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bulkhead.trainer.checkpoint import metrics
-from bulkhead.trainer.checkpoint.records import SlotMeta, checksum_of, chunks_of, write_json_atomic
+from bulkhead.trainer.checkpoint.checksum import checksum_parallel
+from bulkhead.trainer.checkpoint.records import SlotMeta, write_json_atomic
 from bulkhead.trainer.checkpoint.replica import (
     ReplicaServer,
     ReplicaStore,
@@ -193,7 +194,7 @@ class Sidecar:
                 meta, mapping = held
                 view = memoryview(mapping)
                 try:
-                    meta.crc32c = checksum_of(chunks_of(view[: meta.nbytes]))
+                    meta.crc32c = checksum_parallel(view[: meta.nbytes])
                 finally:
                     view.release()
                 # Still under the shared lock: the trainer cannot be rewriting this slot.

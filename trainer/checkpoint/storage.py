@@ -19,8 +19,8 @@ from pathlib import Path
 
 import crc32c
 
+from bulkhead.trainer.checkpoint.checksum import CHECKSUM_CHUNK_BYTES
 from bulkhead.trainer.checkpoint.records import (
-    CHECKSUM_CHUNK_BYTES,
     SnapshotRecord,
     fsync_dir,
     read_record,
@@ -45,6 +45,25 @@ def error_reason(exc: BaseException) -> str:
 
 def shard_file(record: SnapshotRecord) -> str:
     return f"{record.shard}-{record.nonce}.bin"
+
+
+def read_verified(
+    path: Path, record: SnapshotRecord, buffer: memoryview, chunk_bytes: int = CHECKSUM_CHUNK_BYTES
+) -> None:
+    """Read the file holding ``record``'s bytes into ``buffer``, checking size and CRC-32C as
+    it goes; raises ChecksumMismatch (and OSError) so the caller never uses bad bytes."""
+    crc = 0
+    with open(path, "rb", buffering=0) as file:
+        if os.fstat(file.fileno()).st_size != record.nbytes:
+            raise ChecksumMismatch(f"{path} has the wrong size (expected {record.nbytes})")
+        for start in range(0, record.nbytes, chunk_bytes):
+            chunk = buffer[start : min(start + chunk_bytes, record.nbytes)]
+            got = file.readinto(chunk)
+            if got != len(chunk):
+                raise ChecksumMismatch(f"{path} ended early at byte {start + (got or 0)}")
+            crc = crc32c.crc32c(chunk, crc)
+    if crc != record.crc32c:
+        raise ChecksumMismatch(f"{path} fails its CRC-32C check")
 
 
 class FileStorage:
@@ -157,18 +176,7 @@ class FileStorage:
     def read_into(self, record: SnapshotRecord, buffer: memoryview) -> None:
         """Fill ``buffer`` with the shard's bytes; raises ChecksumMismatch if they are bad."""
         path = self.step_dir(record.job, record.step) / shard_file(record)
-        crc = 0
-        with open(path, "rb", buffering=0) as file:
-            if os.fstat(file.fileno()).st_size != record.nbytes:
-                raise ChecksumMismatch(f"{path} has the wrong size (expected {record.nbytes})")
-            for start in range(0, record.nbytes, self.chunk_bytes):
-                chunk = buffer[start : min(start + self.chunk_bytes, record.nbytes)]
-                got = file.readinto(chunk)
-                if got != len(chunk):
-                    raise ChecksumMismatch(f"{path} ended early at byte {start + (got or 0)}")
-                crc = crc32c.crc32c(chunk, crc)
-        if crc != record.crc32c:
-            raise ChecksumMismatch(f"{path} fails its CRC-32C check")
+        read_verified(path, record, buffer, self.chunk_bytes)
 
     def retain(self, job: str, shard: str, keep: int) -> list[int]:
         """Delete ``shard``'s steps beyond the newest ``keep`` and its stale temp files.

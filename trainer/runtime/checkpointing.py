@@ -3,8 +3,11 @@
 Snapshots are taken every ``checkpoint.intervalSteps`` completed steps; they are read only
 when the manager says no replica of the state survived (``restoreFromCheckpoint``). With
 data parallelism every rank holds the same bytes, so all ranks share one shard id and only
-rank 0 persists. Step numbers follow the control protocol: a checkpoint's ``step`` is the
-index of the last step it contains, and training resumes at ``step + 1``.
+rank 0 persists. Each rank's sidecar also sends every snapshot to the sidecar of the next
+member on another node (a ring, as in TRANSOM's TCE), so a worker whose own memory is gone
+restores from a peer before it falls back to storage. Step numbers follow the control
+protocol: a checkpoint's ``step`` is the index of the last step it contains, and training
+resumes at ``step + 1``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from bulkhead.api.protocol import MembershipView
+from bulkhead.api.status import Member
 from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointError
 from bulkhead.trainer.checkpoint.records import Topology
 from bulkhead.trainer.runtime.state import TrainState
@@ -19,6 +24,41 @@ from bulkhead.trainer.runtime.state import TrainState
 log = logging.getLogger(__name__)
 
 DP_SHARD = "dp"
+
+
+def ring_successor(members: list[Member], rank: int) -> str | None:
+    """The sidecar to send rank ``rank``'s snapshots to: the next member (in rank order,
+    wrapping) on another node, so a lost node's state survives elsewhere; failing that, the
+    next member with a sidecar of its own. None when no other sidecar is known."""
+    ordered = sorted(members, key=lambda m: m.rank)
+    position = next(i for i, m in enumerate(ordered) if m.rank == rank)
+    me = ordered[position]
+    following = ordered[position + 1 :] + ordered[:position]
+    others = [m for m in following if m.checkpoint_address not in ("", me.checkpoint_address)]
+    elsewhere = [m for m in others if not me.node or m.node != me.node]
+    chosen = (elsewhere or others)[:1]
+    return chosen[0].checkpoint_address if chosen else None
+
+
+def dp_topology(view: MembershipView, rank: int) -> Topology:
+    """This rank's place in the checkpoint of a data-parallel generation.
+
+    Every rank holds the same shard, so any peer's replica will do; peers are listed
+    nearest predecessor first, the sidecars that ring replication fed most recently.
+    """
+    ordered = sorted(view.members, key=lambda m: m.rank)
+    mine = next(m.checkpoint_address for m in ordered if m.rank == rank)
+    position = next(i for i, m in enumerate(ordered) if m.rank == rank)
+    before = ordered[:position][::-1] + ordered[position + 1 :][::-1]
+    peers = tuple(dict.fromkeys(m.checkpoint_address for m in before if m.checkpoint_address))
+    return Topology(
+        generation=view.generation,
+        shard=DP_SHARD,
+        shards=(DP_SHARD,),
+        persist=rank == 0,
+        replicate_to=ring_successor(view.members, rank),
+        peers=tuple(p for p in peers if p != mine),
+    )
 
 
 def _state_dict(state: TrainState) -> dict[str, Any]:
@@ -41,13 +81,19 @@ class EngineCheckpointer:
     def last_step(self) -> int | None:
         return self._last_step
 
-    def begin_generation(self, generation: int, rank: int) -> None:
-        if generation != self._generation:
-            self._generation = generation
-            self.engine.set_topology(
-                Topology(
-                    generation=generation, shard=DP_SHARD, shards=(DP_SHARD,), persist=rank == 0
-                )
+    def replica_address(self, advertise_host: str) -> str:
+        return self.engine.replica_address(advertise_host) or ""
+
+    def begin_generation(self, view: MembershipView, rank: int) -> None:
+        if view.generation != self._generation:
+            self._generation = view.generation
+            topology = dp_topology(view, rank)
+            self.engine.set_topology(topology)
+            log.info(
+                "generation %d: snapshots replicate to %s; %d peer sidecar(s) to restore from",
+                view.generation,
+                topology.replicate_to or "nobody",
+                len(topology.peers),
             )
 
     def snapshot(self, state: TrainState) -> None:

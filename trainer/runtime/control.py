@@ -126,7 +126,9 @@ class Reporter:
     def __init__(self, client: ControlClient) -> None:
         self._client = client
         self._queue: queue.Queue[ProgressReport | None] = queue.Queue(maxsize=64)
-        self.reconfigure = threading.Event()
+        # The newest generation a directive told us to move to. A number, not a flag: a
+        # late answer to a report from an older generation must not end the current one.
+        self.directed_generation = 0
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self._thread = threading.Thread(target=self._run, name="progress-reporter", daemon=True)
@@ -150,7 +152,7 @@ class Reporter:
 
     def observe(self, directive: Directive) -> None:
         if directive.action == "reconfigure":
-            self.reconfigure.set()
+            self.directed_generation = max(self.directed_generation, directive.generation)
         elif directive.action == "stop":
             self.stop_reason = directive.reason
             self.stop_requested.set()

@@ -55,7 +55,10 @@ class NoGeneration(TimeoutError):
 class Checkpointer(Protocol):
     """The integration point of the checkpoint engine (see ``runtime.checkpointing``)."""
 
-    def begin_generation(self, generation: int, rank: int) -> None:
+    def replica_address(self, advertise_host: str) -> str:
+        """host:port where peers reach this worker's checkpoint sidecar ("" if none)."""
+
+    def begin_generation(self, view: MembershipView, rank: int) -> None:
         """Called once per generation, before any snapshot or restore in it."""
 
     def snapshot(self, state: TrainState) -> None:
@@ -113,6 +116,7 @@ class ElasticTrainer:
                 worker=self.me.worker,
                 node=self.me.node,
                 address=self.store_host.address,
+                checkpoint_address=self._checkpoint_address(),
                 incarnation=self.me.incarnation,
             )
         )
@@ -126,6 +130,11 @@ class ElasticTrainer:
         finally:
             self.watcher.stop()
             self.reporter.close()
+
+    def _checkpoint_address(self) -> str:
+        if self.checkpointer is None:
+            return ""
+        return self.checkpointer.replica_address(self.me.advertise_host)
 
     def _next_view(self, after: int) -> MembershipView:
         """The first published generation newer than ``after`` that includes this worker."""
@@ -153,7 +162,6 @@ class ElasticTrainer:
     # ------------------------------------------------------------ one generation
 
     def _run_generation(self, view: MembershipView) -> Outcome:
-        self.reporter.reconfigure.clear()
         try:
             group = form_group(
                 view,
@@ -182,7 +190,7 @@ class ElasticTrainer:
     def _prepare(self, view: MembershipView, group: GenerationGroup) -> None:
         started = time.perf_counter()
         if self.checkpointer is not None:
-            self.checkpointer.begin_generation(view.generation, group.rank)
+            self.checkpointer.begin_generation(view, group.rank)
         if view.restore_from_checkpoint:
             if self.checkpointer is None:
                 log.warning(
@@ -231,7 +239,8 @@ class ElasticTrainer:
         return "done"
 
     def _newer_generation_seen(self, view: MembershipView) -> bool:
-        return self.watcher.generation > view.generation or self.reporter.reconfigure.is_set()
+        newest = max(self.watcher.generation, self.reporter.directed_generation)
+        return newest > view.generation
 
     def _after_step(
         self, result: StepResult, view: MembershipView, group: GenerationGroup, report: bool
