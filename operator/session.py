@@ -210,8 +210,11 @@ class JobSession:
                 if remaining <= 0 or not self._tasks:
                     break
                 changed = self._changed
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that races with the event, leaving a cancelled poller running.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await changed.wait()
             return self._state.membership
         finally:
             if worker is not None:

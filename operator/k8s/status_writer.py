@@ -121,8 +121,10 @@ class StatusWriter:
             if delay > 0:
                 self._wake.clear()
                 # A significant status arriving meanwhile cuts the wait short.
+                # (asyncio.timeout: a cancellation racing the wake-up is never swallowed.)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
                 continue
             pending = self._pending
             assert pending is not None
