@@ -186,7 +186,7 @@ class PolicyActions:
         else:
             resume = s.step + 1 if s.has_progress else 0
         view = MembershipView(
-            generation=s.generation + 1,
+            generation=max(s.generation + 1, s.generation_floor),
             coordinator=members[0].address,
             members=members,
             state="running",

@@ -31,6 +31,10 @@ from bulkhead.operator.lifecycle_types import (
 
 log = logging.getLogger(__name__)
 
+# How far a restarted manager's first generation jumps past the persisted one: more
+# generations than the previous manager can have published before its status write.
+GENERATION_SKIP = 1000
+
 
 def rebuild(
     job: str,
@@ -109,6 +113,9 @@ def rebuild(
         message=status.message,
         # Members that trained under the previous manager are not crash-looping.
         productive=registered_members if has_progress else frozenset(),
+        generation_floor=status.membership.generation + GENERATION_SKIP
+        if status.membership.generation
+        else 0,
     )
     state, decisions = _drop_superseded_members(state, live, now)
     for slot in slots:

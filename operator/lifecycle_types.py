@@ -278,6 +278,9 @@ class LifecycleState:
     lost_steps: int = 0
     message: str = ""
     productive: frozenset[int] = frozenset()  # slots whose incarnation trained a step
+    # The next generation published is at least this: after a manager restart the status
+    # may lag the generations workers saw, and a number must never name two memberships.
+    generation_floor: int = 0
 
     @property
     def generation(self) -> int:
