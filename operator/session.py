@@ -3,8 +3,8 @@
 The session is the only place where the pure policy meets time and I/O. It owns the
 policy state, answers the control protocol (called by ``bulkhead.operator.control``),
 receives the driver's observations, runs the hang timer, and hands start/stop/evict/event/
-status work to the driver in decision order on a single background task, so handlers never
-wait on a slow driver. Everything runs on one asyncio event loop.
+status work to its ``EffectRunner`` (``session_effects``), so handlers never wait on a slow
+driver. Everything runs on one asyncio event loop.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from bulkhead.operator.lifecycle_types import (
     CompletionReported,
     Decision,
     Event,
-    EvictNode,
     Fail,
     FaultReported,
     JobStarted,
@@ -44,17 +43,13 @@ from bulkhead.operator.lifecycle_types import (
     NodeAnomaly,
     ProgressReported,
     PublishMembership,
-    RecordEvent,
-    RecoveryDone,
-    RestartAll,
-    StartWorker,
-    StopWorker,
     Succeed,
     Tick,
     WorkerExited,
     WorkerRegistered,
     WorkerRunning,
 )
+from bulkhead.operator.session_effects import DriverWork, EffectRunner, count
 from bulkhead.operator.session_status import StatusView
 
 log = logging.getLogger(__name__)
@@ -111,8 +106,12 @@ class JobSession:
         self.max_poll_s = max_poll_seconds or max(0.5, hang / 4)
         self._state: LifecycleState = initial_state(job_name, spec, suspect_grace_seconds)
         self._changed = asyncio.Event()
-        self._effects: asyncio.Queue[Decision | None] = asyncio.Queue()
-        self._status_dirty = False
+        self._effects = EffectRunner(
+            job_name,
+            driver,
+            lambda: self.status,
+            lambda worker, exc: self._apply(WorkerExited(worker, reason=f"StartFailed: {exc}")),
+        )
         self._tasks: list[asyncio.Task[Any]] = []
         self._done = asyncio.Event()
         self._last_seen: dict[str, float] = {}
@@ -132,7 +131,7 @@ class JobSession:
         if self._started:
             return
         self._started = True
-        self._tasks.append(asyncio.create_task(self._run_effects(), name=f"{self.job_name}-fx"))
+        self._tasks.append(asyncio.create_task(self._effects.run(), name=f"{self.job_name}-fx"))
         if self._resumed_status is None:
             self._apply(JobStarted())
         else:
@@ -148,8 +147,7 @@ class JobSession:
                 suspect_grace_s=self._suspect_grace_s,
             )
             self._state = state
-            self._status_dirty = True
-            self._carry_out(decisions)
+            self._carry_out(decisions, changed=True)
         self._tasks.append(asyncio.create_task(self._hang_timer(), name=f"{self.job_name}-tick"))
         log.info("job %s: session started", self.job_name)
 
@@ -157,7 +155,7 @@ class JobSession:
         """Stop the timers and flush pending driver work; workers are left to the driver."""
         if not self._tasks:
             return
-        self._effects.put_nowait(None)
+        self._effects.close()
         timer, effects = self._tasks[1:], self._tasks[:1]
         for task in timer:
             task.cancel()
@@ -316,15 +314,13 @@ class JobSession:
     def _apply(self, event: Event) -> None:
         before = self._state
         self._state, decisions = decide(before, event, self._clock())
-        if self._state is not before:
-            self._status_dirty = True
-        self._carry_out(decisions)
+        self._carry_out(decisions, changed=self._state is not before)
 
-    def _carry_out(self, decisions: list[Decision]) -> None:
+    def _carry_out(self, decisions: list[Decision], changed: bool) -> None:
         for decision in decisions:
+            count(decision)
             match decision:
                 case PublishMembership(view=view):
-                    metrics.GENERATIONS.inc()
                     log.info(
                         "job %s: generation %d: %s",
                         self.job_name,
@@ -332,68 +328,16 @@ class JobSession:
                         ", ".join(m.worker for m in view.members),
                     )
                     self._wake()
-                case RecoveryDone():
-                    metrics.RECOVERIES.labels(cause=decision.cause).inc()
-                    metrics.RECOVERY_SECONDS.labels(cause=decision.cause).observe(decision.seconds)
-                case RestartAll():
-                    metrics.RESTARTS.inc()
                 case Succeed() | Fail():
                     self._wake()
                     self._done.set()
-                case StartWorker():
-                    metrics.WORKER_STARTS.inc()
-                case EvictNode():
-                    metrics.EVICTIONS.labels(reason=decision.reason.split(" ")[0]).inc()
-                case RecordEvent(reason="WorkerLost"):
-                    metrics.WORKER_LOSSES.inc()
-            if isinstance(decision, StartWorker | StopWorker | EvictNode | RecordEvent):
-                self._effects.put_nowait(decision)
+            if isinstance(decision, DriverWork):
+                self._effects.submit(decision)
         if self._state.phase != self._phase_metric and self._started:
             metrics.job_phase_changed(self._phase_metric, self._state.phase)
             self._phase_metric = self._state.phase
-        if self._status_dirty and self._effects.empty():
-            self._effects.put_nowait(_PUBLISH_STATUS)
-
-    async def _run_effects(self) -> None:
-        while True:
-            decision = await self._effects.get()
-            if decision is None:
-                await self._publish_status()
-                return
-            try:
-                await self._perform(decision)
-            except Exception as exc:  # a driver failure must not stop the session
-                log.exception("job %s: %s failed", self.job_name, decision)
-                if isinstance(decision, StartWorker):
-                    self._apply(WorkerExited(decision.worker.id, reason=f"StartFailed: {exc}"))
-            if self._status_dirty and self._effects.empty():
-                await self._publish_status()
-
-    async def _perform(self, decision: Decision) -> None:
-        match decision:
-            case StartWorker(worker=ref):
-                log.info("job %s: starting %s", self.job_name, ref.id)
-                await self.driver.start_worker(ref)
-            case StopWorker(worker=ref, reason=reason):
-                log.info("job %s: stopping %s: %s", self.job_name, ref.id, reason)
-                await self.driver.stop_worker(ref, reason)
-            case EvictNode(node=node, reason=reason):
-                log.warning("job %s: evicting node %s: %s", self.job_name, node, reason)
-                await self.driver.evict_node(node, reason)
-            case RecordEvent(reason=reason, message=message, warning=warning):
-                (log.warning if warning else log.info)("job %s: %s", self.job_name, message)
-                await self.driver.record_event(reason, message, warning)
-            case _PublishStatus():
-                await self._publish_status()
-
-    async def _publish_status(self) -> None:
-        if not self._status_dirty:
-            return
-        self._status_dirty = False
-        try:
-            await self.driver.publish_status(self.status)
-        except Exception:
-            log.exception("job %s: publishing status failed", self.job_name)
+        if changed:
+            self._effects.status_changed()
 
     async def _hang_timer(self) -> None:
         while True:
@@ -405,13 +349,6 @@ class JobSession:
                 self._apply(Tick(last_seen=dict(self._last_seen), polling=frozenset(self._polling)))
             except Exception:  # keep the timer alive: the next tick may well succeed
                 log.exception("job %s: hang timer tick failed", self.job_name)
-
-
-class _PublishStatus:
-    """Marker in the effect queue: publish the status once the queue has drained."""
-
-
-_PUBLISH_STATUS: Any = _PublishStatus()
 
 
 class SessionRegistry:
