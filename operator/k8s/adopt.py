@@ -10,7 +10,6 @@ from datetime import datetime
 from typing import Any
 
 from bulkhead.api.status import Condition, TrainingJobStatus
-from bulkhead.operator.driver import parse_worker_id, worker_id
 from bulkhead.operator.k8s import names
 from bulkhead.operator.k8s.nodes import rfc3339
 
@@ -41,26 +40,6 @@ def incarnations_of(meta: dict[str, Any]) -> dict[int, int]:
     except (ValueError, AttributeError):
         log.warning("ignoring unreadable annotation %s=%r", names.ANNOTATION_INCARNATIONS, raw)
         return {}
-
-
-def started_but_unseen(
-    job_key: str, incarnations: dict[int, int], live: dict[str, str], status: TrainingJobStatus
-) -> dict[str, str]:
-    """Incarnations the previous operator started whose pods are gone (or never made it).
-
-    They are handed to the session as workers of unknown whereabouts, so it replaces them
-    with the next incarnation instead of reusing their worker ids.
-    """
-    seen: dict[int, int] = {}
-    for wid in [*live, *(m.worker for m in status.membership.members)]:
-        parsed = parse_worker_id(wid)
-        if parsed is not None:
-            seen[parsed[0]] = max(seen.get(parsed[0], -1), parsed[1])
-    return {
-        worker_id(job_key, slot, incarnation): ""
-        for slot, incarnation in incarnations.items()
-        if incarnation > seen.get(slot, -1)
-    }
 
 
 def decode_token(secret: dict[str, Any]) -> str:

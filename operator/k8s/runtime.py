@@ -22,7 +22,6 @@ from bulkhead.operator.k8s.adopt import (
     decode_token,
     incarnations_of,
     invalid_status,
-    started_but_unseen,
 )
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.driver import KubernetesDriver
@@ -128,9 +127,16 @@ class OperatorRuntime:
             if (obs := classify.classify_pod(p)).state in ("pending", "running")
         }
         key = names.job_key(namespace, name)
-        if status is not None:
-            live.update(started_but_unseen(key, incarnations, live, status))
-        session = JobSession(key, spec, token, driver, status=status, live_workers=live)
+        # Incarnations started by a previous operator whose pods are gone are never reused.
+        session = JobSession(
+            key,
+            spec,
+            token,
+            driver,
+            status=status,
+            live_workers=live,
+            started_incarnations=incarnations,
+        )
         handle = JobHandle(ctx, session, driver)
 
         async def create_failed(worker: str, code: int | None, reason: str) -> None:

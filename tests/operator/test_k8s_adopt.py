@@ -3,7 +3,6 @@
 from datetime import UTC, datetime
 
 from bulkhead.api.status import Condition, Member, Membership, TrainingJobStatus
-from bulkhead.operator.driver import worker_id
 from bulkhead.operator.k8s import adopt, names
 from bulkhead.operator.k8s.driver import decorate_status
 
@@ -20,18 +19,11 @@ def _status(*members: str) -> TrainingJobStatus:
     )
 
 
-def test_incarnations_started_but_gone_are_handed_over_so_ids_are_never_reused():
+def test_incarnations_annotation_is_read_and_garbage_ignored():
     meta = {"annotations": {names.ANNOTATION_INCARNATIONS: '{"0": 1, "1": 2}'}}
-    incarnations = adopt.incarnations_of(meta)
-    assert incarnations == {0: 1, 1: 2}
-    live = {worker_id(JOB, 1, 2): "n2"}
-    status = _status(worker_id(JOB, 1, 2))
-    # Slot 0's incarnation 1 was started, then the operator died: no pod, not a member.
-    assert adopt.started_but_unseen(JOB, incarnations, live, status) == {worker_id(JOB, 0, 1): ""}
-    # Nothing is handed over when the newest incarnations are all visible.
-    live[worker_id(JOB, 0, 1)] = "n3"
-    assert adopt.started_but_unseen(JOB, incarnations, live, status) == {}
+    assert adopt.incarnations_of(meta) == {0: 1, 1: 2}
     assert adopt.incarnations_of({"annotations": {names.ANNOTATION_INCARNATIONS: "garbage"}}) == {}
+    assert adopt.incarnations_of({}) == {}
 
 
 def test_invalid_status_says_which_field():
