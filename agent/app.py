@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from bulkhead.agent.collectors.training import WorkerReport
 from bulkhead.agent.engine import Agent
 from bulkhead.agent.reporters.metrics import AgentMetrics
+from bulkhead.api.protocol import WorkerReport
 
 log = logging.getLogger(__name__)
 

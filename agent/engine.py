@@ -18,12 +18,13 @@ from bulkhead.agent.collectors.base import Snapshot
 from bulkhead.agent.collectors.gpu import GpuCollector
 from bulkhead.agent.collectors.host import HostCollector
 from bulkhead.agent.collectors.kernel_log import XidCollector
-from bulkhead.agent.collectors.training import TrainingCollector, WorkerReport
+from bulkhead.agent.collectors.training import TrainingCollector
 from bulkhead.agent.detect.metric import MetricAnomalyDetector
 from bulkhead.agent.detect.persistence import Persistence
 from bulkhead.agent.detect.rules import RuleDetector
 from bulkhead.agent.health import ConditionView, NodeHealth
 from bulkhead.agent.problems import DEFAULT_SEVERITY, Finding, Problem, Reason, Severity
+from bulkhead.api.protocol import WorkerReport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

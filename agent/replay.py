@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from bulkhead.agent.collectors.base import GpuSample
-from bulkhead.agent.collectors.training import WorkerReport
 from bulkhead.agent.engine import Agent
 from bulkhead.agent.problems import Reason
+from bulkhead.api.protocol import WorkerReport
 
 
 @dataclass

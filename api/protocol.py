@@ -12,6 +12,8 @@ Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name`
 - ``POST /v1/jobs/{job}/progress``        ProgressReport    -> Directive
 - ``POST /v1/jobs/{job}/faults``          FaultReport       -> Directive
 - ``POST /v1/jobs/{job}/complete``        CompletionReport  -> Directive
+
+A worker also reports to its node's agent (``WorkerReport`` to ``$BULKHEAD_AGENT_URL``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from bulkhead.api.spec import Model
 from bulkhead.api.status import Membership
@@ -39,6 +41,11 @@ SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 # The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).
 CHECKPOINT_REPLICA_PORT = 29700
+# Where a worker reports to its node's agent (``POST /v1/report``, a ``WorkerReport``);
+# unset = no agent (local mode). The agent listens on the node's IP (hostPort).
+AGENT_URL_ENV = "BULKHEAD_AGENT_URL"
+AGENT_TOKEN_ENV = "BULKHEAD_AGENT_TOKEN"
+AGENT_PORT = 9402
 
 
 class WorkerExit(IntEnum):
@@ -123,3 +130,23 @@ class Directive(Model):
     action: Action = "continue"
     generation: int = Field(..., ge=0, description="The current generation.")
     reason: str = ""
+
+
+class WorkerReport(Model):
+    """A worker's report to its node agent (``POST /v1/report`` on the agent, JSON)."""
+
+    # A NaN or infinite loss is sent as such (NaN, Infinity): it is what the agent detects.
+    model_config = ConfigDict(**Model.model_config, ser_json_inf_nan="constants")
+
+    worker: str = Field(..., min_length=1, max_length=253)
+    step: int = Field(..., ge=0, description="Last completed step.")
+    loss: float | None = Field(None, description="May be NaN/inf: that is what we detect.")
+    step_time_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    stragglers: list[str] = Field(
+        default_factory=list, max_length=4096, description="Workers found persistently slow."
+    )
+    straggler_scores: dict[str, float] = Field(
+        default_factory=dict, description="Worker -> score (reference median / own median)."
+    )
+    done: bool = Field(False, description="The worker finished: stop watching it.")

@@ -33,6 +33,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from bulkhead.api.protocol import WorkerReport
+
 log = logging.getLogger(__name__)
 
 
@@ -179,17 +181,19 @@ class StragglerMonitor:
         return verdict
 
 
-def node_agent_report(worker: str, step: int, rank: int, verdict: StragglerVerdict) -> dict | None:
-    """The ``POST /v1/report`` body a straggler rank sends its node agent (None if not one).
+def node_agent_report(
+    worker: str, step: int, rank: int, verdict: StragglerVerdict
+) -> WorkerReport | None:
+    """The report a straggler rank sends its node agent (None if this rank is not one).
 
     The agent raises the ``Straggler`` reason for the workers a report names; only the slow
     rank reports itself, so the condition lands on the straggler's own node.
     """
     if rank not in verdict.ranks:
         return None
-    return {
-        "worker": worker,
-        "step": step,
-        "stragglers": [worker],
-        "stragglerScores": {worker: verdict.scores[rank]},
-    }
+    return WorkerReport(
+        worker=worker,
+        step=step,
+        stragglers=[worker],
+        straggler_scores={worker: verdict.scores[rank]},
+    )

@@ -2,7 +2,8 @@
 
 Reads the worker launch contract (BULKHEAD_CONTROL_URL, BULKHEAD_CONTROL_TOKEN,
 BULKHEAD_JOB, BULKHEAD_WORKER, BULKHEAD_INCARNATION, BULKHEAD_NODE,
-BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR), runs the
+BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR, BULKHEAD_SHM_DIR,
+BULKHEAD_AGENT_URL and BULKHEAD_AGENT_TOKEN), runs the
 ``ElasticTrainer`` and maps the outcome to the exit codes the lifecycle manager reads:
 0 finished, 2 user error (never retried), 3 told to stop, anything else = replace me.
 """
@@ -131,6 +132,7 @@ def run(env: Mapping[str, str]) -> int:
 
     from bulkhead.trainer.data import DataError, open_dataset
     from bulkhead.trainer.runtime.loop import ElasticTrainer, NoGeneration, Stopped, WorkerIdentity
+    from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
     from bulkhead.trainer.runtime.samples_log import SamplesLog
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -152,6 +154,7 @@ def run(env: Mapping[str, str]) -> int:
             dataset,
             samples_log=samples,
             checkpointer=_checkpointer(env, spec, launch),
+            node_agent=NodeAgentReporter.from_env(env),
         )
         trainer.run()
         return WorkerExit.DONE

@@ -11,29 +11,10 @@ import logging
 import math
 import threading
 
-from pydantic import Field
-
 from bulkhead.agent.collectors.base import WorkerState
-from bulkhead.api.spec import Model
+from bulkhead.api.protocol import WorkerReport
 
 log = logging.getLogger(__name__)
-
-
-class WorkerReport(Model):
-    """One worker's report to its node agent (JSON, camelCase)."""
-
-    worker: str = Field(..., min_length=1, max_length=253)
-    step: int = Field(..., ge=0, description="Last completed step.")
-    loss: float | None = Field(None, description="May be NaN/inf: that is what we detect.")
-    step_time_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    stragglers: list[str] = Field(
-        default_factory=list, max_length=4096, description="Workers found persistently slow."
-    )
-    straggler_scores: dict[str, float] = Field(
-        default_factory=dict, description="Worker -> score (reference median / own median)."
-    )
-    done: bool = Field(False, description="The worker finished: stop watching it.")
 
 
 class TrainingCollector:

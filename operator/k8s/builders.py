@@ -18,6 +18,7 @@ from bulkhead.operator.k8s import names
 
 WORKER_COMMAND = ["bulkhead-worker"]
 CHECKPOINTD_COMMAND = ["bulkhead-checkpointd"]
+HOST_IP_ENV = "BULKHEAD_HOST_IP"
 
 # GPU nodes usually carry this taint so that only GPU workloads land there.
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -35,6 +36,8 @@ class JobContext:
     image: str
     """Image for the checkpoint sidecar and for a template that names none."""
     shm_size_limit: str | None = None
+    agent_port: int = protocol.AGENT_PORT
+    agent_report_token: str | None = None
 
 
 def owner_reference(ctx: JobContext) -> dict[str, Any]:
@@ -74,7 +77,10 @@ def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
         "kind": "Secret",
         "metadata": _metadata(ctx, names.secret_name(ctx.name), {names.LABEL_COMPONENT: "control"}),
         "type": "Opaque",
-        "stringData": {names.TOKEN_KEY: token},
+        "stringData": {
+            names.TOKEN_KEY: token,
+            **({names.AGENT_TOKEN_KEY: ctx.agent_report_token} if ctx.agent_report_token else {}),
+        },
     }
 
 
@@ -121,6 +127,20 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
         _env_var(protocol.JOB_SPEC_ENV, json.dumps(ctx.spec.wire(), separators=(",", ":"))),
         _env_var(protocol.SHM_DIR_ENV, names.SHM_MOUNT),
         _env_var(protocol.CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET),
+        # The node agent listens on its node's IP (hostPort); Kubernetes expands $(VAR)
+        # from variables defined before it.
+        _field_env(HOST_IP_ENV, "status.hostIP"),
+        _env_var(protocol.AGENT_URL_ENV, f"http://$({HOST_IP_ENV}):{ctx.agent_port}"),
+        {
+            "name": protocol.AGENT_TOKEN_ENV,
+            "valueFrom": {
+                "secretKeyRef": {
+                    "name": names.secret_name(ctx.name),
+                    "key": names.AGENT_TOKEN_KEY,
+                    "optional": True,
+                }
+            },
+        },
     ]
 
 

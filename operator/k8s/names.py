@@ -43,6 +43,7 @@ CHECKPOINT_SOCKET = f"{SHM_MOUNT}/checkpointd.sock"
 CHECKPOINT_VOLUME = "bulkhead-checkpoints"
 CHECKPOINT_MOUNT = "/bulkhead/checkpoints"
 TOKEN_KEY = "token"
+AGENT_TOKEN_KEY = "agent-token"
 
 
 def secret_name(job: str) -> str:

@@ -108,6 +108,8 @@ class OperatorRuntime:
             control_url=self.control_url,
             image=self.settings.image,
             shm_size_limit=self.settings.shm_size_limit,
+            agent_port=self.settings.agent_port,
+            agent_report_token=self.settings.agent_report_token,
         )
         token = await self._ensure_secret(ctx)
         await self.client.create(core_path("services", namespace), builders.build_service(ctx))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from bulkhead.api.protocol import AGENT_PORT
+
 
 class OperatorSettings(BaseSettings):
     """Everything ``bulkhead-operator`` can be configured with."""
@@ -29,6 +31,14 @@ class OperatorSettings(BaseSettings):
         description="Image of the checkpoint sidecar and of templates that name none.",
     )
     shm_size_limit: str | None = Field(None, description="sizeLimit of the shared emptyDir.")
+    agent_port: int = Field(
+        AGENT_PORT, ge=1, le=65535, description="hostPort of the node agent workers report to."
+    )
+    agent_report_token: str | None = Field(
+        None,
+        description="The node agents' report token, put in each job's Secret for its workers; "
+        "unset = workers report without one (agents with a token refuse them).",
+    )
     status_min_interval_s: float = Field(2.0, ge=0, description="Min seconds between writes.")
     stop_grace_period_s: int = Field(30, ge=0, description="Grace period of a stopped worker.")
     untaint_after_healthy_s: float | None = Field(

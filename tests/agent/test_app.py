@@ -16,6 +16,8 @@ from waiting import wait_until
 
 from bulkhead.agent.service import Built, Sources, build
 from bulkhead.agent.settings import AgentSettings
+from bulkhead.api.protocol import AGENT_TOKEN_ENV, AGENT_URL_ENV, WorkerReport
+from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -118,3 +120,32 @@ def test_reports_are_refused_without_a_configured_token():
         reply = http.post("/v1/report", json={"worker": "w", "step": 1}, headers=AUTH)
     assert reply.status_code == 403
     assert "no report token" in reply.json()["detail"]
+
+
+def test_the_trainers_reporter_reaches_the_agent(served):
+    # The worker side (bulkhead.trainer.runtime.node_agent) against the real agent API.
+    _, http = served
+    url = str(http.base_url)
+    assert NodeAgentReporter.from_env({}) is None  # local mode: nobody to report to
+    reporter = NodeAgentReporter.from_env({AGENT_URL_ENV: url, AGENT_TOKEN_ENV: TOKEN})
+    assert reporter is not None
+    reporter.post(WorkerReport(worker="job-w1", step=5, loss=2.5, step_time_s=0.2))
+    reporter.post(WorkerReport(worker="job-w1", step=6, loss=float("nan"), step_time_s=0.2))
+    reporter.close()
+    assert reporter.sent == 2
+
+    def problems() -> list[tuple[str, str]]:
+        return [(p["reason"], p["subject"]) for p in http.get("/v1/anomalies").json()["problems"]]
+
+    wait_until(lambda: ("NanLoss", "job-w1") in problems(), "NanLoss from the reporter", 30)
+
+
+def test_the_reporter_survives_an_agent_that_refuses_it(served, caplog):
+    _, http = served
+    reporter = NodeAgentReporter(str(http.base_url), token="wrong")
+    for step in range(3):
+        reporter.post(WorkerReport(worker="job-w2", step=step))
+    reporter.close()
+    assert reporter.sent == 0
+    # One warning for the outage, not one per report.
+    assert caplog.text.count("node agent at") == 1

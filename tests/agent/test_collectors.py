@@ -6,7 +6,8 @@ from bulkhead.agent.collectors.base import GpuSample
 from bulkhead.agent.collectors.gpu import GpuCollector, TraceGpuSource, open_source
 from bulkhead.agent.collectors.host import HostCollector
 from bulkhead.agent.collectors.kernel_log import FileFollowSource, XidCollector
-from bulkhead.agent.collectors.training import TrainingCollector, WorkerReport
+from bulkhead.agent.collectors.training import TrainingCollector
+from bulkhead.api.protocol import WorkerReport
 
 MEMINFO = "MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    250 kB\n"
 NET_DEV = (

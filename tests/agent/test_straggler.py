@@ -107,11 +107,11 @@ def test_all_ranks_agree_on_a_persistent_straggler():
 
 
 def test_node_agent_report_is_a_valid_agent_report_for_the_straggler_only():
-    from bulkhead.agent.collectors.training import WorkerReport
+    from bulkhead.api.protocol import WorkerReport
     from bulkhead.trainer.straggler import StragglerVerdict, node_agent_report
 
     verdict = StragglerVerdict(step=100, ranks=[2], scores=[1.0, 1.0, 0.5])
     assert node_agent_report("job-w0", 100, 0, verdict) is None
     body = node_agent_report("job-w2", 100, 2, verdict)
-    report = WorkerReport.model_validate(body)
+    report = WorkerReport.model_validate_json(body.model_dump_json(by_alias=True))
     assert report.stragglers == ["job-w2"] and report.straggler_scores == {"job-w2": 0.5}

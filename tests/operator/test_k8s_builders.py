@@ -1,6 +1,7 @@
 """The pure builders: worker pods carry the launch contract, the sidecar, and our labels."""
 
 import json
+from dataclasses import replace
 
 from bulkhead.api import parse_spec, protocol
 from bulkhead.operator.k8s import builders, names
@@ -39,6 +40,15 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert env[protocol.ADVERTISE_HOST_ENV] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert json.loads(env[protocol.JOB_SPEC_ENV])["workers"] == 4
     assert env[protocol.CHECKPOINT_SOCKET_ENV].startswith(env[protocol.SHM_DIR_ENV])
+    # The node agent, on this pod's node: $(BULKHEAD_HOST_IP) is defined before it is used.
+    names_in_order = [e["name"] for e in trainer["env"]]
+    host_ip = names_in_order.index(builders.HOST_IP_ENV)
+    assert host_ip < names_in_order.index(protocol.AGENT_URL_ENV)
+    assert env[builders.HOST_IP_ENV] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    assert env[protocol.AGENT_URL_ENV] == "http://$(BULKHEAD_HOST_IP):9402"
+    assert env[protocol.AGENT_TOKEN_ENV] == {
+        "secretKeyRef": {"name": "llm-control", "key": "agent-token", "optional": True}
+    }
 
     sidecar = spec["initContainers"][-1]
     assert sidecar["name"] == "checkpoint"
@@ -124,5 +134,13 @@ def test_service_and_secret():
     secret = builders.build_secret(ctx, "s3cret")
     assert secret["metadata"]["name"] == "llm-control"
     assert secret["stringData"] == {"token": "s3cret"}
+    # With the agents' report token configured, workers get it from the same Secret.
+    with_agent = replace(ctx, agent_report_token="agent-t0ken", agent_port=9500)
+    assert builders.build_secret(with_agent, "s3cret")["stringData"] == {
+        "token": "s3cret",
+        "agent-token": "agent-t0ken",
+    }
+    pod = builders.build_worker_pod(with_agent, "llm-w0-0", slot=0, incarnation=0)
+    assert _env(pod["spec"]["containers"][0])[protocol.AGENT_URL_ENV].endswith(":9500")
     for obj in (service, secret):
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm"

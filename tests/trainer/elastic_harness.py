@@ -162,8 +162,11 @@ def tiny_spec(**trainer: Any) -> dict[str, Any]:
     return spec
 
 
-def worker_main(root: str, worker: str, spec_wire: dict[str, Any]) -> None:
-    """A worker process: the real ElasticTrainer with the file-based control."""
+def worker_main(
+    root: str, worker: str, spec_wire: dict[str, Any], agent_url: str | None = None
+) -> None:
+    """A worker process: the real ElasticTrainer with the file-based control (and, given
+    ``agent_url``, reporting to that node agent)."""
     import logging
 
     import torch
@@ -172,6 +175,7 @@ def worker_main(root: str, worker: str, spec_wire: dict[str, Any]) -> None:
     from bulkhead.trainer.config import train_config
     from bulkhead.trainer.data import open_dataset
     from bulkhead.trainer.runtime.loop import ElasticTrainer, WorkerIdentity
+    from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
     from bulkhead.trainer.runtime.samples_log import SamplesLog
 
     torch.set_num_threads(1)
@@ -194,6 +198,7 @@ def worker_main(root: str, worker: str, spec_wire: dict[str, Any]) -> None:
         WorkerIdentity(worker, "local", 0, "127.0.0.1"),
         dataset,
         SamplesLog(base / "samples.jsonl", cfg.global_batch_size),
+        node_agent=NodeAgentReporter(agent_url, token="t") if agent_url else None,
     )
     trainer.run()
     torch.save(trainer.state.model.state_dict(), base / f"final-{worker}.pt")

@@ -8,7 +8,10 @@ with identical replicas and every sample consumed exactly once.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,8 @@ CTX = mp.get_context("spawn")
 OPEN_ENDED = 100_000  # total steps while the test still has faults to inject
 
 
-def _start(root: Path, worker: str, spec: dict) -> mp.Process:
-    proc = CTX.Process(target=worker_main, args=(str(root), worker, spec), name=worker)
+def _start(root: Path, worker: str, spec: dict, agent_url: str | None = None) -> mp.Process:
+    proc = CTX.Process(target=worker_main, args=(str(root), worker, spec, agent_url), name=worker)
     proc.start()
     return proc
 
@@ -125,3 +128,47 @@ def test_hung_peer_is_abandoned_without_waiting_for_the_collective_timeout(
     assert g2_steps[-1] == stalled + 9
     steps = sorted(e["step"] for e in read_lines(tmp_path / "samples.jsonl"))
     assert steps == list(range(stalled + 10))
+
+
+class _NodeAgent(BaseHTTPRequestHandler):
+    """Stands in for the node agent's ``POST /v1/report``: records what arrives."""
+
+    reports: list[tuple[str, dict]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.reports.append((self.headers.get("Authorization", ""), body))
+        self.send_response(202)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_workers_report_steps_and_completion_to_their_node_agent(tmp_path: Path) -> None:
+    _NodeAgent.reports = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NodeAgent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    spec = tiny_spec()
+    mgr = Manager(tmp_path)
+    procs = {w: _start(tmp_path, w, spec, agent_url=url) for w in ("a", "b")}
+    try:
+        mgr.wait("2 registrations", lambda: len(mgr.addresses()) == 2)
+        mgr.publish(["a", "b"], 8)
+        for proc in procs.values():
+            proc.join(120)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+        server.shutdown()
+    for worker in ("a", "b"):
+        mine = [body for _, body in _NodeAgent.reports if body["worker"] == worker]
+        steps = [body["step"] for body in mine if not body["done"]]
+        assert steps == list(range(8)), steps  # every step (logIntervalSteps 1), in order
+        assert all(body["stepTimeS"] > 0 and body["loss"] > 0 for body in mine[:-1])
+        assert mine[-1]["done"] and mine[-1]["step"] == 7
+    assert {auth for auth, _ in _NodeAgent.reports} == {"Bearer t"}

@@ -23,6 +23,7 @@ from bulkhead.api.protocol import (
     MembershipView,
     ProgressReport,
     RegisterRequest,
+    WorkerReport,
 )
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
@@ -34,10 +35,11 @@ from bulkhead.trainer.runtime.control import (
     is_gone,
 )
 from bulkhead.trainer.runtime.group import CollectiveError, GenerationGroup, StoreHost, form_group
+from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 from bulkhead.trainer.runtime.samples_log import SamplesLog
 from bulkhead.trainer.runtime.state import TrainState, make_optimizer, sync_state
 from bulkhead.trainer.runtime.step import NonFiniteLoss, StepResult, train_step
-from bulkhead.trainer.straggler import StragglerDetector
+from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class ElasticTrainer:
         dataset: ByteDataset,
         samples_log: SamplesLog | None = None,
         checkpointer: Checkpointer | None = None,
+        node_agent: NodeAgentReporter | None = None,
     ) -> None:
         self.cfg = cfg
         self.client = connect()
@@ -97,6 +100,7 @@ class ElasticTrainer:
         self.dataset = dataset
         self.samples_log = samples_log
         self.checkpointer = checkpointer
+        self.node_agent = node_agent
         model = build_model(cfg.model, cfg.seed)
         self.state = TrainState(model, make_optimizer(model, cfg.optimizer))
         self.store_host = StoreHost(identity.advertise_host, cfg.timeouts.collective_s)
@@ -130,6 +134,8 @@ class ElasticTrainer:
         finally:
             self.watcher.stop()
             self.reporter.close()
+            if self.node_agent is not None:
+                self.node_agent.close()
 
     def _checkpoint_address(self) -> str:
         if self.checkpointer is None:
@@ -182,6 +188,7 @@ class ElasticTrainer:
             self._report_fault("collective_error", str(exc), view.generation)
             return "reconfigure"
         except NonFiniteLoss as exc:
+            self._to_node_agent(WorkerReport(worker=self.me.worker, step=exc.step, loss=exc.loss))
             self._report_fault("nan_loss", str(exc), view.generation)
             return "reconfigure"
         finally:
@@ -251,6 +258,7 @@ class ElasticTrainer:
         if self.checkpointer is not None and completed % self.cfg.checkpoint_interval_steps == 0:
             self.checkpointer.snapshot(self.state)
         if report or completed % self.cfg.log_interval_steps == 0:
+            tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else None
             self.reporter.post(
                 ProgressReport(
                     worker=self.me.worker,
@@ -258,8 +266,17 @@ class ElasticTrainer:
                     step=result.step,
                     loss=result.loss,
                     step_time_s=result.seconds,
-                    tokens_per_s=result.tokens / result.seconds if result.seconds > 0 else None,
+                    tokens_per_s=tokens_per_s,
                     checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
+                )
+            )
+            self._to_node_agent(
+                WorkerReport(
+                    worker=self.me.worker,
+                    step=result.step,
+                    loss=result.loss,
+                    step_time_s=result.seconds,
+                    tokens_per_s=tokens_per_s,
                 )
             )
             log.info(
@@ -275,7 +292,13 @@ class ElasticTrainer:
         self, result: StepResult, view: MembershipView, group: GenerationGroup
     ) -> None:
         verdict = self.stragglers.observe(result.compute_s, result.step)
-        if verdict is None or not verdict.ranks or group.rank != 0:
+        if verdict is None or not verdict.ranks:
+            return
+        # Each straggler tells its own node's agent, so the condition lands on that node.
+        own = node_agent_report(self.me.worker, result.step, group.rank, verdict)
+        if own is not None:
+            self._to_node_agent(own)
+        if group.rank != 0:
             return
         ranks, scores = verdict.ranks, verdict.scores
         slow = ", ".join(f"{group.workers[r]} ({scores[r]:.2f})" for r in ranks)
@@ -299,7 +322,12 @@ class ElasticTrainer:
             self.client.complete(report)
         except Exception as exc:  # the job is done either way; the manager sees the exit
             log.warning("completion report failed: %s", exc)
+        self._to_node_agent(WorkerReport(worker=self.me.worker, step=report.step, done=True))
         log.info("finished %d steps", self.state.completed_steps)
+
+    def _to_node_agent(self, report: WorkerReport) -> None:
+        if self.node_agent is not None:
+            self.node_agent.post(report)
 
     def _report_fault(
         self, kind: FaultKind, message: str, generation: int, suspects: list[str] | None = None

@@ -25,6 +25,11 @@ from bulkhead.trainer.runtime.state import TrainState, lr_at
 class NonFiniteLoss(ArithmeticError):
     """The global loss became NaN or infinite."""
 
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"step {step}: loss is {loss}")
+        self.step = step
+        self.loss = loss
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -91,7 +96,7 @@ def train_step(
     compute_s = flat[offset + 4 :].tolist()
     loss = lm_total / cfg.global_batch_size
     if not math.isfinite(loss):
-        raise NonFiniteLoss(f"step {step}: loss is {loss}")
+        raise NonFiniteLoss(step, loss)
     if cfg.optimizer.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
     for group in optimizer.param_groups:
