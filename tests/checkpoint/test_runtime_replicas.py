@@ -54,6 +54,10 @@ def test_topology_lists_peers_nearest_predecessor_first_and_rank_0_persists() ->
     assert topology.replicate_to == "n3:9"
     assert topology.peers == ("n1:9", "n0:9", "n3:9")
     assert dp_topology(view, 0).persist
+    large = MembershipView(
+        generation=1, members=[_member(r, f"n{r}", f"n{r}:9") for r in range(50)]
+    )
+    assert dp_topology(large, 10).peers == ("n9:9", "n8:9", "n7:9", "n6:9")
 
 
 def _train_state(fill: float, steps: int) -> TrainState:

@@ -24,6 +24,9 @@ from bulkhead.trainer.runtime.state import TrainState
 log = logging.getLogger(__name__)
 
 DP_SHARD = "dp"
+# Peers a restore asks for replicas: a few nearest predecessors. Any of them holds a
+# replica of the shard, and asking all of a large job's sidecars one by one would be slow.
+MAX_PEERS = 4
 
 
 def ring_successor(members: list[Member], rank: int) -> str | None:
@@ -43,8 +46,9 @@ def ring_successor(members: list[Member], rank: int) -> str | None:
 def dp_topology(view: MembershipView, rank: int) -> Topology:
     """This rank's place in the checkpoint of a data-parallel generation.
 
-    Every rank holds the same shard, so any peer's replica will do; peers are listed
-    nearest predecessor first, the sidecars that ring replication fed most recently.
+    Every rank holds the same shard, so any peer's replica will do; the peers are the
+    ``MAX_PEERS`` nearest predecessors (ring replication feeds each sidecar from its
+    predecessor), nearest first.
     """
     ordered = sorted(view.members, key=lambda m: m.rank)
     mine = next(m.checkpoint_address for m in ordered if m.rank == rank)
@@ -57,7 +61,7 @@ def dp_topology(view: MembershipView, rank: int) -> Topology:
         shards=(DP_SHARD,),
         persist=rank == 0,
         replicate_to=ring_successor(view.members, rank),
-        peers=tuple(p for p in peers if p != mine),
+        peers=tuple(p for p in peers if p != mine)[:MAX_PEERS],
     )
 
 
