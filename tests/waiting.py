@@ -1,7 +1,12 @@
-"""The one way tests wait: poll a condition until it holds, with a deadline (never a bare sleep)."""
+"""The one way tests wait: poll a condition until it holds, with a deadline (never a bare sleep).
+
+``wait_until`` blocks; ``until`` is the same for a coroutine on an event loop that must keep
+running meanwhile.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -37,3 +42,14 @@ def wait_until(
             suffix = f" (last error: {last_error})" if last_error else ""
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{suffix}")
         time.sleep(every)
+
+
+async def until(
+    check: Callable[[], object], what: str = "condition", timeout: float = 20.0
+) -> None:
+    """``wait_until`` for asyncio tests: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.02)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Callable
 
 from control_harness import RecordingDriver
+from waiting import until
 
 from bulkhead.api.protocol import ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
@@ -28,13 +27,6 @@ def _spec(workers: int = 2, **ft: object) -> TrainingJobSpec:
     )
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met within the deadline"
-        await asyncio.sleep(0.02)
-
-
 def test_hang_timer_stops_the_silent_worker_and_keeps_the_polling_one() -> None:
     async def scenario() -> None:
         driver = RecordingDriver()
@@ -51,7 +43,7 @@ def test_hang_timer_stops_the_silent_worker_and_keeps_the_polling_one() -> None:
 
         poller = asyncio.create_task(keep_polling())
         try:
-            await _until(lambda: any(w == "job-w1-0" for w, _ in driver.stopped))
+            await until(lambda: any(w == "job-w1-0" for w, _ in driver.stopped))
         finally:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -88,7 +80,7 @@ def test_session_resumes_from_a_persisted_status() -> None:
             "job", _spec(), "t", driver, status=status, live_workers={"job-w0-1": "n0"}
         )
         await session.start()
-        await _until(lambda: driver.started == ["job-w1-1"])
+        await until(lambda: driver.started == ["job-w1-1"])
         view = await session.wait_membership(after=3, timeout=1.0)
         # The first generation after a manager restart skips ahead (see GENERATION_SKIP).
         first = 3 + GENERATION_SKIP
@@ -97,7 +89,7 @@ def test_session_resumes_from_a_persisted_status() -> None:
         # The survivor goes on reporting in the new generation.
         directive = await session.progress(ProgressReport(worker="job-w0-1", generation=3, step=21))
         assert directive.action == "reconfigure"
-        await _until(
+        await until(
             lambda: bool(driver.statuses) and driver.statuses[-1].membership.generation == first
         )
         await session.stop()
@@ -118,7 +110,7 @@ def test_start_failures_are_workers_that_died() -> None:
         session = JobSession("job", spec, "t", driver, tick_seconds=0.05)
         await session.start()
         phase = await session.wait_done(timeout=20)
-        await _until(lambda: len(driver.started) == 2)
+        await until(lambda: len(driver.started) == 2)
         assert phase == "Failed"
         assert "StartFailed: quota exceeded" in session.status.message
         assert driver.started == ["job-w0-0", "job-w0-1"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 from control_harness import RecordingDriver
+from waiting import until
 
 from bulkhead.api.protocol import FaultReport, ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
@@ -26,13 +26,6 @@ def _spec(workers: int, **ft: object) -> TrainingJobSpec:
             "faultTolerance": {"maxFailures": 1, **ft},
         }
     )
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met within the deadline"
-        await asyncio.sleep(0.02)
 
 
 def test_lone_silent_member_is_replaced_without_waiting_for_the_hang_timeout() -> None:
@@ -55,14 +48,14 @@ def test_lone_silent_member_is_replaced_without_waiting_for_the_hang_timeout() -
             await session.fault(
                 FaultReport(worker="job-w1-0", generation=1, kind="collective_error")
             )
-            await _until(lambda: bool(driver.stopped))
+            await until(lambda: bool(driver.stopped))
         finally:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
         (stopped,) = driver.stopped
         assert stopped[0] == "job-w2-0" and "peers reported" in stopped[1]
-        await _until(lambda: "job-w2-1" in driver.started)
+        await until(lambda: "job-w2-1" in driver.started)
         status = session.status
         assert [m.worker for m in status.membership.members] == ["job-w0-0", "job-w1-0"]
         assert status.recoveries[-1].cause == "hang"

@@ -22,6 +22,7 @@ from local_harness import (
     wait_no_processes,
     write_job,
 )
+from waiting import wait_until
 
 from bulkhead.cli.main import cli
 
@@ -120,12 +121,13 @@ def test_sigint_stops_everything_and_leaves_no_orphans(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 90
         metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and len(read_jsonl(metrics)) >= 5):
+
+        def training() -> bool:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.1)
+            return metrics.exists() and len(read_jsonl(metrics)) >= 5
+
+        wait_until(training, "training to start", timeout=90, every=0.1)
         # Workers and their grandchildren are running.
         assert len(processes_of_job(name)) >= 6
         proc.send_signal(signal.SIGINT)
