@@ -43,6 +43,20 @@ def _command(job: Path, run_dir: Path) -> list[str]:
     ]
 
 
+def _run(
+    job: Path, run_dir: Path, *args: str, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``bulkhead run`` of ``job`` with the stand-in worker, to its end; ``env`` is added."""
+    return subprocess.run(
+        [*_command(job, run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+        check=False,
+    )
+
+
 def test_bad_job_file_is_refused_with_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -68,16 +82,8 @@ def test_bad_chaos_and_overrides_are_usage_errors(tmp_path: Path) -> None:
 def test_user_error_fails_fast_without_retries(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.yaml", "fake-user-error", workers=2)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "FAKE_MODE": "user_error"}
     started = time.monotonic()
-    proc = subprocess.run(
-        _command(job, run_dir),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    proc = _run(job, run_dir, FAKE_MODE="user_error")
     assert proc.returncode == 1, proc.stderr
     assert time.monotonic() - started < 60
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -95,14 +101,7 @@ def test_user_error_fails_fast_without_retries(tmp_path: Path) -> None:
 def test_crash_loop_is_bounded(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.yaml", "fake-crash", workers=1, maxRestarts=1)
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        _command(job, run_dir),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "FAKE_MODE": "crash"},
-        check=False,
-    )
+    proc = _run(job, run_dir, FAKE_MODE="crash")
     assert proc.returncode == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "failed 3 times in a row before training" in summary["message"]
@@ -146,13 +145,7 @@ def test_sigint_stops_everything_and_leaves_no_orphans(tmp_path: Path) -> None:
 def test_run_dir_records_events_metrics_and_summary(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.yaml", "fake-events", workers=2, steps=10)
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        _command(job, run_dir),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _run(job, run_dir)
     assert proc.returncode == 0, proc.stderr
     reasons = [e["reason"] for e in read_jsonl(run_dir / "events.jsonl")]
     assert reasons[0] == "RunStarted" and reasons[-1] == "RunEnded"
@@ -167,14 +160,8 @@ def test_periodic_random_kills_are_survived(tmp_path: Path) -> None:
     name = "fake-random-kills"
     job = write_job(tmp_path / "job.yaml", name, workers=3, steps=150)
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*_command(job, run_dir), "--chaos", "kill:random@every=2s"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "FAKE_STEP_SECONDS": "0.05"},
-        check=False,
-    )
+    chaos = ("--chaos", "kill:random@every=2s")
+    proc = _run(job, run_dir, *chaos, timeout=180, FAKE_STEP_SECONDS="0.05")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["phase"] == "Succeeded" and summary["steps_completed"] == 150
