@@ -161,9 +161,7 @@ class Restorer:
             fetch_replica(
                 candidate.source, record, view, self.options.token, self.options.peer_timeout
             )
-        elif isinstance(candidate.source, ReplicaStore):
-            candidate.source.read_into(record, view)
-        else:
+        else:  # storage, or a replica our sidecar holds: both read a verified file
             candidate.source.read_into(record, view)
         return assemble(record, buffer, into, copy=False)
 
