@@ -163,10 +163,14 @@ def tiny_spec(**trainer: Any) -> dict[str, Any]:
 
 
 def worker_main(
-    root: str, worker: str, spec_wire: dict[str, Any], agent_url: str | None = None
+    root: str,
+    worker: str,
+    spec_wire: dict[str, Any],
+    agent_url: str | None = None,
+    slow_forward_s: float = 0.0,
 ) -> None:
     """A worker process: the real ElasticTrainer with the file-based control (and, given
-    ``agent_url``, reporting to that node agent)."""
+    ``agent_url``, reporting to that node agent; ``slow_forward_s`` makes it a straggler)."""
     import logging
 
     import torch
@@ -200,6 +204,10 @@ def worker_main(
         SamplesLog(base / "samples.jsonl", cfg.global_batch_size),
         node_agent=NodeAgentReporter(agent_url, token="t") if agent_url else None,
     )
+    if slow_forward_s:
+        import time
+
+        trainer.state.model.register_forward_hook(lambda *_: time.sleep(slow_forward_s))
     trainer.run()
     torch.save(trainer.state.model.state_dict(), base / f"final-{worker}.pt")
     logging.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,8 +25,11 @@ CTX = mp.get_context("spawn")
 OPEN_ENDED = 100_000  # total steps while the test still has faults to inject
 
 
-def _start(root: Path, worker: str, spec: dict, agent_url: str | None = None) -> mp.Process:
-    proc = CTX.Process(target=worker_main, args=(str(root), worker, spec, agent_url), name=worker)
+def _start(
+    root: Path, worker: str, spec: dict, agent_url: str | None = None, slow_s: float = 0.0
+) -> mp.Process:
+    args = (str(root), worker, spec, agent_url, slow_s)
+    proc = CTX.Process(target=worker_main, args=args, name=worker)
     proc.start()
     return proc
 
@@ -146,29 +150,58 @@ class _NodeAgent(BaseHTTPRequestHandler):
         pass
 
 
-def test_workers_report_steps_and_completion_to_their_node_agent(tmp_path: Path) -> None:
+@pytest.fixture
+def node_agent() -> Iterator[str]:
+    """A stand-in node agent on 127.0.0.1; its reports are in ``_NodeAgent.reports``."""
     _NodeAgent.reports = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _NodeAgent)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}"
-    spec = tiny_spec()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def _run_to_end(
+    tmp_path: Path, workers: list[str], steps: int, agent_url: str, slow: dict[str, float]
+) -> None:
+    """Train ``workers`` from the first step to ``steps``; ``slow`` workers sleep in forward."""
     mgr = Manager(tmp_path)
-    procs = {w: _start(tmp_path, w, spec, agent_url=url) for w in ("a", "b")}
+    spec = tiny_spec()
+    procs = {w: _start(tmp_path, w, spec, agent_url, slow.get(w, 0.0)) for w in workers}
     try:
-        mgr.wait("2 registrations", lambda: len(mgr.addresses()) == 2)
-        mgr.publish(["a", "b"], 8)
+        mgr.wait("registrations", lambda: len(mgr.addresses()) == len(workers))
+        mgr.publish(workers, steps)
         for proc in procs.values():
-            proc.join(120)
+            proc.join(180)
             assert proc.exitcode == 0
     finally:
         for proc in procs.values():
             if proc.is_alive():
                 proc.kill()
-        server.shutdown()
+
+
+def _reports_of(worker: str) -> list[dict]:
+    return [body for _, body in _NodeAgent.reports if body["worker"] == worker]
+
+
+def test_workers_report_steps_and_completion_to_their_node_agent(
+    tmp_path: Path, node_agent: str
+) -> None:
+    _run_to_end(tmp_path, ["a", "b"], 8, node_agent, slow={})
     for worker in ("a", "b"):
-        mine = [body for _, body in _NodeAgent.reports if body["worker"] == worker]
+        mine = _reports_of(worker)
         steps = [body["step"] for body in mine if not body["done"]]
         assert steps == list(range(8)), steps  # every step (logIntervalSteps 1), in order
         assert all(body["stepTimeS"] > 0 and body["loss"] > 0 for body in mine[:-1])
         assert mine[-1]["done"] and mine[-1]["step"] == 7
     assert {auth for auth, _ in _NodeAgent.reports} == {"Bearer t"}
+
+
+def test_a_straggler_keeps_telling_its_node_agent(tmp_path: Path, node_agent: str) -> None:
+    # a is slow from the start: verdicts come every 20 steps, the first with patience 2.
+    _run_to_end(tmp_path, ["a", "b", "c"], 70, node_agent, slow={"a": 0.05})
+    flagged = [body["step"] for body in _reports_of("a") if body["stragglers"] == ["a"]]
+    # Every report after the verdict repeats it (the agent escalates what persists).
+    assert flagged and flagged == list(range(flagged[0], 70)), flagged
+    assert all(0 < body["stragglerScores"]["a"] < 0.8 for body in _reports_of("a")[-5:-1])
+    for fast in ("b", "c"):
+        assert not any(body["stragglers"] for body in _reports_of(fast))

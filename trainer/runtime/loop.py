@@ -110,6 +110,9 @@ class ElasticTrainer:
         self.last_result: StepResult | None = None
         # Fed the compute times each step's all-reduce already carries: no extra collective.
         self.stragglers = StragglerDetector(every_steps=20)
+        # This rank's latest straggler verdict, repeated in every report to the node agent
+        # until the next one: the agent escalates only what persists over several ticks.
+        self._own_straggler: WorkerReport | None = None
 
     # ------------------------------------------------------------ top level
 
@@ -224,6 +227,7 @@ class ElasticTrainer:
         total = view.total_steps or self.cfg.steps
         first = True
         self.stragglers.reset()
+        self._own_straggler = None
         while self.state.completed_steps < total:
             result = train_step(
                 self.state,
@@ -270,6 +274,7 @@ class ElasticTrainer:
                     checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
                 )
             )
+            own = self._own_straggler
             self._to_node_agent(
                 WorkerReport(
                     worker=self.me.worker,
@@ -277,6 +282,8 @@ class ElasticTrainer:
                     loss=result.loss,
                     step_time_s=result.seconds,
                     tokens_per_s=tokens_per_s,
+                    stragglers=own.stragglers if own else [],
+                    straggler_scores=own.straggler_scores if own else {},
                 )
             )
             log.info(
@@ -292,13 +299,11 @@ class ElasticTrainer:
         self, result: StepResult, view: MembershipView, group: GenerationGroup
     ) -> None:
         verdict = self.stragglers.observe(result.compute_s, result.step)
-        if verdict is None or not verdict.ranks:
+        if verdict is None:
             return
         # Each straggler tells its own node's agent, so the condition lands on that node.
-        own = node_agent_report(self.me.worker, result.step, group.rank, verdict)
-        if own is not None:
-            self._to_node_agent(own)
-        if group.rank != 0:
+        self._own_straggler = node_agent_report(self.me.worker, result.step, group.rank, verdict)
+        if not verdict.ranks or group.rank != 0:
             return
         ranks, scores = verdict.ranks, verdict.scores
         slow = ", ".join(f"{group.workers[r]} ({scores[r]:.2f})" for r in ranks)
