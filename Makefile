@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/local-moe
-CHAOS ?= kill:worker=1@step=40,kill:worker=0@step=90
+CHAOS ?= kill:worker=1@step=40,kill:worker=0@step=200
 PYTEST_ARGS ?=
 
 .PHONY: venv run test lint bench k8s cluster cluster-down crd clean

@@ -1,4 +1,5 @@
-"""The PNG of a local run: loss and throughput over time, failures and recoveries marked."""
+"""The PNG of a local run: loss, throughput and workers over time; failures and recoveries
+marked."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title
     )
     ax_tput.set_ylabel("tokens/s")
     ax_tput.set_xlabel("time since start (s)")
+    # Workers in the generation of each step: a loss and the replacement joining show as steps.
+    ax_workers = ax_tput.twinx()
+    ax_workers.step(t, [m.workers for m in metrics], where="post", color="tab:gray", lw=1.0)
+    ax_workers.set_ylabel("workers", color="tab:gray")
+    ax_workers.set_ylim(0, max((m.workers for m in metrics), default=1) + 1)
     # Injected faults mark the failures when there are any; otherwise the detected losses.
     failure_reason = (
         "FaultInjected" if any(e.reason == "FaultInjected" for e in events) else ("WorkerLost")
