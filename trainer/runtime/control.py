@@ -11,7 +11,6 @@ off the training thread and remembers what the manager's directives asked for.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -121,11 +120,19 @@ class MembershipWatcher:
 
 
 class Reporter:
-    """Posts progress reports from a daemon thread; keeps the last directive's wishes."""
+    """Posts progress reports from a daemon thread; keeps the last directive's wishes.
+
+    Each report carries the last completed step, so one still waiting is replaced by a
+    newer one: when the manager answers slower than steps complete, it sees the newest
+    state instead of an ever longer backlog (which would delay every decision it takes).
+    """
 
     def __init__(self, client: ControlClient) -> None:
         self._client = client
-        self._queue: queue.Queue[ProgressReport | None] = queue.Queue(maxsize=64)
+        self._cond = threading.Condition()
+        self._pending: ProgressReport | None = None
+        self._closing = False
+        self.superseded = 0  # reports replaced before they were sent
         # The newest generation a directive told us to move to. A number, not a flag: a
         # late answer to a report from an older generation must not end the current one.
         self.directed_generation = 0
@@ -137,18 +144,20 @@ class Reporter:
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued, then stop the thread."""
-        try:
-            self._queue.put(None, timeout=timeout_s)
-        except queue.Full:
-            return
-        self._thread.join(timeout_s)
+        """Send the report still waiting, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def post(self, report: ProgressReport) -> None:
-        try:
-            self._queue.put_nowait(report)
-        except queue.Full:  # the manager is slow; the next report supersedes this one
-            log.debug("progress queue full, dropping the report of step %d", report.step)
+        """Send ``report`` soon; never blocks."""
+        with self._cond:
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = report
+            self._cond.notify()
 
     def observe(self, directive: Directive) -> None:
         if directive.action == "reconfigure":
@@ -157,8 +166,15 @@ class Reporter:
             self.stop_reason = directive.reason
             self.stop_requested.set()
 
+    def _next(self) -> ProgressReport | None:
+        with self._cond:
+            while self._pending is None and not self._closing:
+                self._cond.wait()
+            report, self._pending = self._pending, None
+            return report
+
     def _run(self) -> None:
-        while (report := self._queue.get()) is not None:
+        while (report := self._next()) is not None:
             try:
                 self.observe(self._client.progress(report))
             except Exception as exc:
