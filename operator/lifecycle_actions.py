@@ -136,10 +136,10 @@ class PolicyActions:
         dead = set(self.state.dead)
         slots = []
         for slot in self.state.slots:
-            if keep_live and slot.status in ("starting", "registered"):
-                slots.append(slot)
-                continue
             if slot.status in ("starting", "registered"):
+                if keep_live:
+                    slots.append(slot)
+                    continue
                 self.emit(StopWorker(s.ref(slot), f"restart from checkpoint: {reason}"))
             if slot.status != "pending":
                 dead.add(s.ref(slot).id)
