@@ -7,10 +7,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 from k8s_components import BinariesMissing, find_binaries, find_binary, pid_runs
+from waiting import wait_until
 
 HACK = pathlib.Path(__file__).resolve().parents[2] / "hack"
 
@@ -84,10 +84,7 @@ def test_cluster_up_and_down(tmp_path: pathlib.Path) -> None:
         down = subprocess.run([*script, "down", "--dir", str(directory)],
                               capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert down.returncode == 0, down.stdout + down.stderr
-    deadline = time.monotonic() + 30
-    while _alive(state) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _alive(state) == []
+    wait_until(lambda: not _alive(state), "the cluster's processes to exit", 30, every=0.2)
     assert not state_file.exists()
     assert not (directory / "etcd").exists()
     assert os.listdir(directory / "logs")  # logs are kept for a post-mortem

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import yaml
+from waiting import wait_until
 
 from bulkhead.api.protocol import JOB_ENV
 
@@ -84,10 +85,11 @@ def processes_of_job(job: str) -> list[psutil.Process]:
 
 
 def wait_no_processes(job: str, timeout: float = 20.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while (left := processes_of_job(job)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+    """The job's processes still running once all are gone or ``timeout`` has passed (the
+    caller asserts the list is empty, so a failure names the leftovers)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not processes_of_job(job), f"{job}'s processes", timeout, every=0.2)
+    return processes_of_job(job)
 
 
 def assert_samples_exact(run_dir: Path, steps: int, global_batch: int = 12) -> list[dict]:
