@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
@@ -27,18 +27,6 @@ PIECES_PER_THREAD = 4
 PIECE_ALIGN = 64
 # CRC-32C (Castagnoli) generator polynomial, bit-reversed like the register that uses it.
 CRC32C_POLY_REFLECTED = 0x82F63B78
-
-
-def checksum_of(chunks: Iterable[memoryview | bytes]) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = crc32c.crc32c(chunk, crc)
-    return crc
-
-
-def chunks_of(buffer: memoryview, size: int = CHECKSUM_CHUNK_BYTES) -> Iterable[memoryview]:
-    for start in range(0, len(buffer), size):
-        yield buffer[start : start + size]
 
 
 def default_threads() -> int:
@@ -156,7 +144,7 @@ def _crc_of_span(view: memoryview, start: int, stop: int) -> int:
 
 
 def checksum_parallel(view: memoryview, workers: Workers | None = None) -> int:
-    """CRC-32C of the bytes of ``view`` (equal to ``checksum_of``), pieces computed on
+    """CRC-32C of the bytes of ``view`` (equal to one serial pass), pieces computed on
     ``workers`` (default: ``shared_workers()``) and combined."""
     workers = workers or shared_workers()
     with view.cast("B") as flat:
