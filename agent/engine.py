@@ -23,8 +23,10 @@ from bulkhead.agent.detect.metric import MetricAnomalyDetector
 from bulkhead.agent.detect.persistence import Persistence
 from bulkhead.agent.detect.rules import RuleDetector
 from bulkhead.agent.health import ConditionView, NodeHealth
-from bulkhead.agent.problems import DEFAULT_SEVERITY, Finding, Problem, Reason, Severity
+from bulkhead.agent.problems import Finding, Problem
+from bulkhead.api.node_problems import DEFAULT_SEVERITY, Reason
 from bulkhead.api.protocol import WorkerReport
+from bulkhead.api.spec import Severity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

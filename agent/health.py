@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bulkhead.agent.problems import CONDITION_TYPE, Problem, Severity, worst
+from bulkhead.agent.problems import Problem, worst
+from bulkhead.api.node_problems import CONDITION_TYPE
+from bulkhead.api.node_problems import format_message as problem_message
+from bulkhead.api.spec import Severity
 
 HEALTHY_REASON = "NodeHealthy"
 HEALTHY_MESSAGE = "no anomaly detected by the bulkhead agent"
@@ -29,7 +32,7 @@ def format_message(problem: Problem, others: int) -> str:
     """``<severity>: <subject>: <message>`` (+ count of other problems); the operator parses
     the leading severity to decide eviction."""
     extra = f" (+{others} more)" if others else ""
-    return f"{problem.severity}: {problem.subject}: {problem.message}{extra}"
+    return problem_message(problem.severity, problem.subject, problem.message) + extra
 
 
 class NodeHealth:

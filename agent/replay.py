@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from bulkhead.agent.collectors.base import GpuSample
 from bulkhead.agent.engine import Agent
-from bulkhead.agent.problems import Reason
+from bulkhead.api.node_problems import Reason
 from bulkhead.api.protocol import WorkerReport
 
 

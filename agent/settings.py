@@ -22,7 +22,8 @@ from pydantic_settings import (
 )
 
 from bulkhead.agent.detect.persistence import Window
-from bulkhead.agent.problems import Reason, Severity
+from bulkhead.api.node_problems import Reason
+from bulkhead.api.spec import Severity
 
 CONFIG_ENV = "BULKHEAD_AGENT_CONFIG"
 

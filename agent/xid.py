@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from bulkhead.agent.problems import Severity
+from bulkhead.api.spec import Severity
 
 
 @dataclass(frozen=True)

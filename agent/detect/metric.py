@@ -13,7 +13,8 @@ import numpy as np
 
 from bulkhead.agent.collectors.base import Snapshot
 from bulkhead.agent.detect.multivariate import KnnParams, MultivariateDetector
-from bulkhead.agent.problems import Finding, Reason
+from bulkhead.agent.problems import Finding
+from bulkhead.api.node_problems import Reason
 
 log = logging.getLogger(__name__)
 

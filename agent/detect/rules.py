@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from bulkhead.agent.collectors.base import GpuSample, HostSample, Snapshot, WorkerState
 from bulkhead.agent.collectors.gpu import POWER_BRAKE_MASK, THERMAL_THROTTLE_MASK
 from bulkhead.agent.detect.change import RobustChange
-from bulkhead.agent.problems import Finding, Reason
+from bulkhead.agent.problems import Finding
 from bulkhead.agent.xid import XidEvent
+from bulkhead.api.node_problems import Reason
 
 
 @dataclass(frozen=True)

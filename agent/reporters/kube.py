@@ -19,15 +19,12 @@ from kubernetes import client, config
 from bulkhead.agent.engine import TickResult
 from bulkhead.agent.health import ConditionView
 from bulkhead.agent.problems import Problem
+from bulkhead.api.node_problems import format_message, rfc3339
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "bulkhead-agent"
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
-
-
-def rfc3339(ts: float) -> str:
-    return as_datetime(ts).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def as_datetime(ts: float) -> datetime:
@@ -153,4 +150,4 @@ class NodeEventReporter:
 
 
 def _describe(problem: Problem) -> str:
-    return f"{problem.severity}: {problem.subject}: {problem.message}"
+    return format_message(problem.severity, problem.subject, problem.message)

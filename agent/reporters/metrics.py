@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bulkhead.agent.engine import TickResult
-from bulkhead.agent.problems import DEFAULT_SEVERITY, Reason
+from bulkhead.api.node_problems import DEFAULT_SEVERITY, Reason
 
 
 class AgentMetrics:

@@ -9,9 +9,9 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.status import Condition, TrainingJobStatus
 from bulkhead.operator.k8s import names
-from bulkhead.operator.k8s.nodes import rfc3339
 
 log = logging.getLogger(__name__)
 

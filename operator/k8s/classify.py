@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from bulkhead.api.node_problems import CONDITION_TYPE, SEVERITY_RANK, parse_severity
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.operator.k8s import names
 
@@ -21,30 +22,6 @@ from bulkhead.operator.k8s import names
 _CONFIG_ERRORS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
 # Pod-level failure reasons set by the kubelet or the node lifecycle controller.
 _NODE_LOST = {"NodeLost", "NodeShutdown", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
-
-# Severity of each agent reason (DESIGN.md "Node problems"); unknown reasons are warnings
-# so that a new detector cannot evict nodes before someone decides it should.
-# Same defaults as the agent (bulkhead.agent.problems), used when the condition message does
-# not start with the severity (the agent writes "<severity>: <subject>: <message>").
-ANOMALY_SEVERITY: dict[str, str] = {
-    "XidError": "critical",
-    "EccUncorrectable": "critical",
-    "RowRemapFailure": "critical",
-    "GpuLost": "critical",
-    "Hang": "critical",
-    "ThermalThrottle": "warning",
-    "PowerThrottle": "warning",
-    "InterconnectErrors": "warning",
-    "Straggler": "warning",
-    "NanLoss": "warning",
-    "MetricAnomaly": "warning",
-    "HostPressure": "warning",
-}
-SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
-# The agent writes "<severity>: <subject>: <message>"; "severity=<level>" is also accepted.
-_SEVERITY_IN_MESSAGE = re.compile(
-    r"^\s*(info|warning|critical):|\bseverity[=:]\s*(info|warning|critical)\b", re.IGNORECASE
-)
 
 
 @dataclass(frozen=True)
@@ -134,14 +111,6 @@ def _condition(node: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return None
 
 
-def anomaly_severity(reason: str, message: str = "") -> str:
-    """The severity of an agent-reported anomaly: ``severity=...`` in the message wins."""
-    found = _SEVERITY_IN_MESSAGE.search(message or "")
-    if found:
-        return (found.group(1) or found.group(2)).lower()
-    return ANOMALY_SEVERITY.get(reason, "warning")
-
-
 def node_problems(node: dict[str, Any]) -> list[NodeProblem]:
     """Everything currently wrong with a node, most severe first."""
     name = (node.get("metadata") or {}).get("name", "")
@@ -150,11 +119,11 @@ def node_problems(node: dict[str, Any]) -> list[NodeProblem]:
     if ready is not None and ready.get("status") in ("False", "Unknown"):
         reason = "NodeNotReady" if ready.get("status") == "False" else "NodeUnreachable"
         found.append(NodeProblem(name, reason, "critical", ready.get("message") or ""))
-    anomaly = _condition(node, names.ANOMALY_CONDITION)
+    anomaly = _condition(node, CONDITION_TYPE)
     if anomaly is not None and anomaly.get("status") == "True":
         reason = anomaly.get("reason") or "Anomaly"
         message = anomaly.get("message") or ""
-        found.append(NodeProblem(name, reason, anomaly_severity(reason, message), message))
+        found.append(NodeProblem(name, reason, parse_severity(reason, message), message))
     return sorted(found, key=lambda p: -SEVERITY_RANK.get(p.severity, 0))
 
 
@@ -210,7 +179,7 @@ def healthy_since(node: dict[str, Any]) -> datetime | None:
         return None
     times = [
         _parse_time(c.get("lastTransitionTime"))
-        for c in (_condition(node, "Ready"), _condition(node, names.ANOMALY_CONDITION))
+        for c in (_condition(node, "Ready"), _condition(node, CONDITION_TYPE))
         if c is not None
     ]
     known = [t for t in times if t is not None]

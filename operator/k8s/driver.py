@@ -15,12 +15,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import Condition, TrainingJobStatus
 from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
-from bulkhead.operator.k8s.nodes import NodeActions, build_event, rfc3339
+from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ import socket
 from datetime import UTC, datetime
 from typing import Any
 
+from bulkhead.api.node_problems import rfc3339
 from bulkhead.operator.k8s import classify, names
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path
 
@@ -23,10 +24,6 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "bulkhead-operator"
 _CONFLICT_RETRIES = 8
-
-
-def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build_event(

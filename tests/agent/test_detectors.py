@@ -9,8 +9,9 @@ from bulkhead.agent.detect.change import RobustChange
 from bulkhead.agent.detect.persistence import Persistence, Window
 from bulkhead.agent.detect.rules import RuleDetector, RuleThresholds
 from bulkhead.agent.health import NodeHealth
-from bulkhead.agent.problems import Finding, Problem, Reason
+from bulkhead.agent.problems import Finding, Problem
 from bulkhead.agent.xid import parse_xid
+from bulkhead.api.node_problems import Reason
 
 HOT = Finding(Reason.THERMAL_THROTTLE, "gpu0", "hot")
 

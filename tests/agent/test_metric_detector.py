@@ -4,7 +4,7 @@ import random
 
 from bulkhead.agent.collectors.base import GpuSample, HostSample, Snapshot
 from bulkhead.agent.detect.metric import MetricAnomalyDetector
-from bulkhead.agent.problems import Reason
+from bulkhead.api.node_problems import Reason
 
 
 def _snap(rng: random.Random, gpus: int = 2, temperature: float = 62.0) -> Snapshot:

@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from bulkhead.api.node_problems import CONDITION_TYPE
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.operator.k8s import classify, names
 from bulkhead.operator.k8s.status_writer import is_significant, write_delay
@@ -78,7 +79,7 @@ def _node(ready="True", anomaly=None, taints=(), unschedulable=False, when="2026
         status, reason, message = anomaly
         conditions.append(
             {
-                "type": names.ANOMALY_CONDITION,
+                "type": CONDITION_TYPE,
                 "status": status,
                 "reason": reason,
                 "message": message,

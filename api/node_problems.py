@@ -1,0 +1,102 @@
+"""The node-problem contract between the node agent (writer) and the operator (reader).
+
+Like node-problem-detector's one ``types`` package, this is the only place that says what
+the ``BulkheadAnomaly`` Node condition means: its type, its reasons, each reason's default
+severity, the order of severities, the format of the condition message and its parser, and
+the timestamp format of condition and Event times.
+
+Why the severity travels in the message: a Node condition has only ``type``, ``status``,
+``reason`` and ``message`` (the API server drops any other field), and ``reason`` is taken by
+the problem's reason. The agent therefore writes ``<severity>: <subject>: <message>`` and the
+operator reads the leading severity back with :func:`parse_severity`; both use the functions
+below, so the format cannot drift between them.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from bulkhead.api.spec import Severity
+
+CONDITION_TYPE = "BulkheadAnomaly"
+
+# Severity order: a higher rank is worse.
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+class Reason(StrEnum):
+    """The Node condition reasons (CamelCase, as Kubernetes reasons are)."""
+
+    XID_ERROR = "XidError"
+    ECC_UNCORRECTABLE = "EccUncorrectable"
+    ROW_REMAP_FAILURE = "RowRemapFailure"
+    THERMAL_THROTTLE = "ThermalThrottle"
+    POWER_THROTTLE = "PowerThrottle"
+    GPU_LOST = "GpuLost"
+    INTERCONNECT_ERRORS = "InterconnectErrors"
+    STRAGGLER = "Straggler"
+    HANG = "Hang"
+    NAN_LOSS = "NanLoss"
+    METRIC_ANOMALY = "MetricAnomaly"
+    HOST_PRESSURE = "HostPressure"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Reason | None:
+        # Environment variable names are case-insensitive: accept "thermalthrottle".
+        if isinstance(value, str):
+            for member in cls:
+                if member.value.lower() == value.lower():
+                    return member
+        return None
+
+
+# Defaults; the agent settings may override any of them. Critical = the node cannot keep
+# training (hardware is gone or corrupting data); warning = degraded, worth evicting only if
+# the job's faultTolerance.evictSeverities says so.
+DEFAULT_SEVERITY: dict[Reason, Severity] = {
+    Reason.XID_ERROR: "critical",  # only fatal XIDs produce this reason (see agent/xid.py)
+    Reason.ECC_UNCORRECTABLE: "critical",
+    Reason.ROW_REMAP_FAILURE: "critical",
+    Reason.GPU_LOST: "critical",
+    Reason.HANG: "critical",
+    Reason.THERMAL_THROTTLE: "warning",
+    Reason.POWER_THROTTLE: "warning",
+    Reason.INTERCONNECT_ERRORS: "warning",
+    Reason.STRAGGLER: "warning",
+    Reason.NAN_LOSS: "warning",
+    Reason.METRIC_ANOMALY: "warning",
+    Reason.HOST_PRESSURE: "warning",
+}
+
+# "<severity>: ..." as the agent writes it; "severity=<level>" is also accepted so that an
+# admin or another tool can set the condition by hand.
+_SEVERITY_IN_MESSAGE = re.compile(
+    r"^\s*(info|warning|critical):|\bseverity[=:]\s*(info|warning|critical)\b", re.IGNORECASE
+)
+
+
+def format_message(severity: str, subject: str, message: str) -> str:
+    """The condition (and Event) message: ``<severity>: <subject>: <message>``."""
+    return f"{severity}: {subject}: {message}"
+
+
+def parse_severity(reason: str, message: str = "") -> str:
+    """The severity of a condition: the one in its message wins, else the reason's default.
+
+    Unknown reasons are warnings, so that a new detector cannot evict nodes before someone
+    decides it should.
+    """
+    found = _SEVERITY_IN_MESSAGE.search(message or "")
+    if found:
+        return (found.group(1) or found.group(2)).lower()
+    # StrEnum members hash as their values: a plain string looks them up.
+    return DEFAULT_SEVERITY.get(reason, "warning")  # type: ignore[call-overload]
+
+
+def rfc3339(moment: datetime | float) -> str:
+    """A Kubernetes timestamp (RFC 3339, whole seconds, UTC) of a datetime or Unix time."""
+    if not isinstance(moment, datetime):
+        moment = datetime.fromtimestamp(int(moment), UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
