@@ -34,7 +34,7 @@ from bulkhead.api.protocol import (
     RegisterResponse,
 )
 from bulkhead.operator import metrics
-from bulkhead.operator.session import JobSession, SessionError, SessionRegistry
+from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from bulkhead.operator.k8s.handlers import build_registry, kopf_settings
 from bulkhead.operator.k8s.kube import KubeClient, load_credentials
 from bulkhead.operator.k8s.runtime import OperatorRuntime
 from bulkhead.operator.k8s.settings import OperatorSettings
-from bulkhead.operator.session import SessionRegistry
+from bulkhead.operator.session.job import SessionRegistry
 
 log = logging.getLogger("bulkhead.operator")
 

@@ -11,26 +11,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import Condition, TrainingJobStatus
+from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
 from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
+from bulkhead.operator.lifecycle.types import WorkerExited
 
 if TYPE_CHECKING:
-    from bulkhead.operator.driver import WorkerRef
+    from bulkhead.operator.lifecycle.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 
 # (worker id, exit code, reason) -> the session learns a pod could not be created.
-CreateFailed = Callable[[str, int | None, str], Awaitable[None]]
 
 
 def decorate_status(
@@ -64,6 +65,7 @@ class KubernetesDriver:
         client: KubeClient,
         ctx: JobContext,
         nodes: NodeActions,
+        observe: Observe,
         status_min_interval_s: float = 2.0,
         stop_grace_period_s: int = 30,
         incarnations: dict[int, int] | None = None,
@@ -74,7 +76,7 @@ class KubernetesDriver:
         self._status = StatusWriter(client, ctx.namespace, ctx.name, status_min_interval_s)
         self._grace = stop_grace_period_s
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.on_create_failed: CreateFailed | None = None
+        self._observe = observe
         self._valid_since = rfc3339(datetime.now(UTC))
         self._last_status: TrainingJobStatus | None = None
         self._unschedulable: dict[str, str] = {}
@@ -108,11 +110,11 @@ class KubernetesDriver:
             created = await self._client.create(core_path("pods", self.ctx.namespace), pod)
         except KubeError as exc:
             log.error("job %s: creating pod %s failed: %s", self.ctx.name, worker_id, exc)
-            if self.on_create_failed is not None:
-                # 4xx other than throttling: the template is wrong and retrying cannot help.
-                user_error = 400 <= exc.status < 500 and exc.status != 429
-                code = WorkerExit.USER_ERROR if user_error else None
-                await self.on_create_failed(worker_id, code, f"PodCreateFailed: {exc}")
+            # A pod that cannot be created is a worker that exited. 4xx other than
+            # throttling: the template is wrong and retrying cannot help (a user error).
+            user_error = 400 <= exc.status < 500 and exc.status != 429
+            code = WorkerExit.USER_ERROR if user_error else None
+            self._observe(WorkerExited(worker_id, code, None, f"PodCreateFailed: {exc}"))
             return
         log.info("job %s: pod %s %s", self.ctx.name, worker_id, "created" if created else "exists")
 
@@ -174,8 +176,7 @@ class KubernetesDriver:
 
     async def live_pods(self) -> list[dict[str, Any]]:
         """The job's worker pods as they are in the cluster now."""
-        selector = names.selector_string(names.job_selector(self.ctx.name))
-        return await self._client.list(core_path("pods", self.ctx.namespace), selector)
+        return await live_pods(self._client, self.ctx)
 
     async def delete_all_pods(self) -> None:
         pods = await self.live_pods()
@@ -191,3 +192,9 @@ class KubernetesDriver:
         if flush:
             await self._status.flush()
         await self._status.close()
+
+
+async def live_pods(client: KubeClient, ctx: JobContext) -> list[dict[str, Any]]:
+    """A job's worker pods as they are in the cluster now."""
+    selector = names.selector_string(names.job_selector(ctx.name))
+    return await client.list(core_path("pods", ctx.namespace), selector)

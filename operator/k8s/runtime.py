@@ -17,6 +17,7 @@ from typing import Any
 
 from bulkhead.api.manifest import ManifestError, parse_spec
 from bulkhead.api.status import TrainingJobStatus
+from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
 from bulkhead.operator.k8s.adopt import (
     decode_token,
@@ -24,13 +25,14 @@ from bulkhead.operator.k8s.adopt import (
     invalid_status,
 )
 from bulkhead.operator.k8s.builders import JobContext
-from bulkhead.operator.k8s.driver import KubernetesDriver
+from bulkhead.operator.k8s.driver import KubernetesDriver, live_pods
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
 from bulkhead.operator.k8s.metrics import RECONCILE_ERRORS
 from bulkhead.operator.k8s.nodes import NodeActions
 from bulkhead.operator.k8s.settings import OperatorSettings
+from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
-from bulkhead.operator.session import JobSession, SessionRegistry
+from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,13 @@ JobId = tuple[str, str]  # (namespace, name)
 @dataclass
 class JobHandle:
     ctx: JobContext
-    session: JobSession
-    driver: KubernetesDriver
+    session: JobSession[KubernetesDriver]
     reported: dict[str, tuple[str, str]] = field(default_factory=dict)
     """pod -> (state, node) last told to the session, so repeated events are not re-told."""
+
+    @property
+    def driver(self) -> KubernetesDriver:
+        return self.session.driver
 
 
 class OperatorRuntime:
@@ -114,15 +119,7 @@ class OperatorRuntime:
         token = await self._ensure_secret(ctx)
         await self.client.create(core_path("services", namespace), builders.build_service(ctx))
         incarnations = incarnations_of(meta)
-        driver = KubernetesDriver(
-            self.client,
-            ctx,
-            self.nodes,
-            status_min_interval_s=self.settings.status_min_interval_s,
-            stop_grace_period_s=self.settings.stop_grace_period_s,
-            incarnations=incarnations,
-        )
-        pods = await driver.live_pods()
+        pods = await live_pods(self.client, ctx)
         live = {
             p["metadata"]["name"]: obs.node
             for p in pods
@@ -130,21 +127,24 @@ class OperatorRuntime:
         }
         key = names.job_key(namespace, name)
         # Incarnations started by a previous operator whose pods are gone are never reused.
-        session = JobSession(
-            key,
-            spec,
-            token,
-            driver,
-            status=status,
-            live_workers=live,
-            started_incarnations=incarnations,
-        )
-        handle = JobHandle(ctx, session, driver)
+        if status is None:
+            opening = open_new(key, spec)
+        else:
+            opening = open_resumed(key, spec, status, live, started_incarnations=incarnations)
 
-        async def create_failed(worker: str, code: int | None, reason: str) -> None:
-            await session.on_worker_exit(worker, code, None, reason)
+        def make_driver(observe: Observe) -> KubernetesDriver:
+            return KubernetesDriver(
+                self.client,
+                ctx,
+                self.nodes,
+                observe,
+                status_min_interval_s=self.settings.status_min_interval_s,
+                stop_grace_period_s=self.settings.stop_grace_period_s,
+                incarnations=incarnations,
+            )
 
-        driver.on_create_failed = create_failed
+        session = JobSession(opening, token, make_driver)
+        handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle
         self.registry.add(session)
         await session.start()
@@ -248,9 +248,9 @@ class OperatorRuntime:
             return
         handle.reported[worker] = (seen.state, seen.node)
         if seen.state == "running":
-            await handle.session.on_worker_running(worker, seen.node)
+            handle.session.observe(WorkerRunning(worker, seen.node))
         else:
-            await handle.session.on_worker_exit(worker, seen.exit_code, seen.signal, seen.reason)
+            handle.session.observe(WorkerExited(worker, seen.exit_code, seen.signal, seen.reason))
 
     async def on_pod_event(self, event_type: str, pod: dict[str, Any]) -> None:
         meta = pod.get("metadata") or {}
@@ -300,7 +300,7 @@ class OperatorRuntime:
         )
         try:
             for job in jobs:
-                await self.jobs[job].session.on_node_anomaly(name, top.reason, top.severity)
+                self.jobs[job].session.observe(NodeAnomaly(name, top.reason, top.severity))
             idle_eviction = not jobs and self.settings.evict_idle_nodes
             if (
                 idle_eviction

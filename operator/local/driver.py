@@ -37,7 +37,9 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
-from bulkhead.operator.driver import WorkerRef
+from bulkhead.operator.driver import Observe
+from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
+from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local.rundir import RunRecorder
 
 log = logging.getLogger(__name__)
@@ -57,16 +59,6 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGKILL me when the supervisor dies (Linux)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-class SessionHooks(Protocol):
-    """What the driver reports to (``bulkhead.operator.session.JobSession``)."""
-
-    async def on_worker_exit(
-        self, worker_id: str, exit_code: int | None, signal: int | None, reason: str = ""
-    ) -> None: ...
-
-    async def on_worker_running(self, worker_id: str, node: str) -> None: ...
 
 
 class SidecarLauncher(Protocol):
@@ -105,6 +97,7 @@ class LocalDriver:
         recorder: RunRecorder,
         control_url: str,
         token: str,
+        observe: Observe,
         *,
         command: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
@@ -121,15 +114,12 @@ class LocalDriver:
         self.extra_env = extra_env or {}
         self.stop_grace_s = stop_grace_s
         self.sidecars = sidecars
-        self.session: SessionHooks | None = None
+        self._observe = observe
         self.status: TrainingJobStatus | None = None
         self.status_listeners: list[Callable[[TrainingJobStatus], None]] = []
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-
-    def attach(self, session: SessionHooks) -> None:
-        self.session = session
 
     # ------------------------------------------------------------ Driver
 
@@ -168,8 +158,7 @@ class LocalDriver:
         self._procs[worker.id] = wp
         wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
         log.info("started %s (pid %d)", worker.id, process.pid)
-        if self.session is not None:
-            await self.session.on_worker_running(worker.id, node)
+        self._observe(WorkerRunning(worker.id, node))
 
     async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
         wp = self._procs.get(worker.id)
@@ -266,8 +255,8 @@ class LocalDriver:
         log.info(
             "%s exited (%s)", wp.ref.id, f"code {exit_code}" if sig is None else f"signal {sig}"
         )
-        if self.session is not None and not self._closing:
-            await self.session.on_worker_exit(wp.ref.id, exit_code, sig, "")
+        if not self._closing:
+            self._observe(WorkerExited(wp.ref.id, exit_code, sig, ""))
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -19,14 +19,15 @@ from bulkhead.api.manifest import parse_spec
 from bulkhead.api.protocol import ProgressReport
 from bulkhead.api.spec import TrainingJob, TrainingJobSpec
 from bulkhead.operator.control import ControlServer, create_control_app
-from bulkhead.operator.lifecycle_types import LifecycleState
+from bulkhead.operator.driver import Observe
+from bulkhead.operator.lifecycle.types import LifecycleState
 from bulkhead.operator.local.chaos import ChaosSchedule, parse_chaos
 from bulkhead.operator.local.driver import LocalDriver
 from bulkhead.operator.local.plot import plot_run
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.operator.local.sidecars import CheckpointSidecars
 from bulkhead.operator.local.view import LiveView
-from bulkhead.operator.session import JobSession, SessionRegistry
+from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +128,25 @@ class LocalRun:
         registry = SessionRegistry()
         server = ControlServer(create_control_app(registry))
         await server.start()
-        driver = LocalDriver(
-            self.name,
-            self.spec,
-            self.run_dir,
-            recorder,
-            server.url,
-            token,
-            command=self.options.worker_command,
-            extra_env=self.options.extra_env,
-            stop_grace_s=self.options.stop_grace_s,
-            sidecars=self._sidecars(token),
-        )
+
+        def make_driver(observe: Observe) -> LocalDriver:
+            return LocalDriver(
+                self.name,
+                self.spec,
+                self.run_dir,
+                recorder,
+                server.url,
+                token,
+                observe,
+                command=self.options.worker_command,
+                extra_env=self.options.extra_env,
+                stop_grace_s=self.options.stop_grace_s,
+                sidecars=self._sidecars(token),
+            )
+
+        session = JobSession(open_new(self.name, self.spec), token, make_driver)
+        driver = session.driver
         driver.status_listeners.append(view.on_status)
-        session = JobSession(self.name, self.spec, token, driver)
-        driver.attach(session)
         registry.add(session)
         session.add_progress_listener(
             lambda report, state: self._on_progress(report, state, recorder, driver, view)

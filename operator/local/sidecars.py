@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
-from bulkhead.operator.driver import WorkerRef
+from bulkhead.operator.lifecycle.workers import WorkerRef
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from waiting import wait_until
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.control import ControlServer, create_control_app
-from bulkhead.operator.driver import WorkerRef
-from bulkhead.operator.session import JobSession, SessionRegistry
+from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
 
 
 class RecordingDriver:
@@ -52,7 +52,9 @@ class Harness:
         self.token = token
         self.driver = RecordingDriver()
         self.loop = asyncio.new_event_loop()
-        self.session = JobSession(job, spec, token, self.driver, tick_seconds=0.1)
+        self.session = JobSession(
+            open_new(job, spec), token, lambda _: self.driver, tick_seconds=0.1
+        )
         self.registry = SessionRegistry()
         self.registry.add(self.session)
         self.server = ControlServer(create_control_app(self.registry))

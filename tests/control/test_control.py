@@ -22,8 +22,14 @@ from bulkhead.api.protocol import (
     RegisterRequest,
 )
 from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.lifecycle.types import WorkerExited
 
 JOB = "demo"
+
+
+async def _observe(h: Harness, event: WorkerExited) -> None:
+    """A driver observation, delivered on the session's event loop as a driver would."""
+    h.session.observe(event)
 
 
 def _spec(workers: int = 2, steps: int = 5) -> TrainingJobSpec:
@@ -90,7 +96,7 @@ def test_lost_worker_yields_a_new_generation_and_a_stop_for_the_dead(harness: Ha
     _register_all(h)
     w0, w1 = _client(h, "demo-w0-0"), _client(h, "demo-w1-0")
     assert w0.membership(0, 5).generation == 1
-    h.call(h.session.on_worker_exit("demo-w1-0", None, 9, ""))
+    h.call(_observe(h, WorkerExited("demo-w1-0", None, 9, "")))
     view = w0.membership(after=1, timeout_s=10)
     assert view.generation == 2
     assert [m.worker for m in view.members] == ["demo-w0-0"]

@@ -11,9 +11,9 @@ from waiting import until
 from bulkhead.api.protocol import ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Member, Membership, TrainingJobStatus
-from bulkhead.operator.driver import WorkerRef
-from bulkhead.operator.lifecycle_rebuild import GENERATION_SKIP
-from bulkhead.operator.session import JobSession
+from bulkhead.operator.lifecycle.rebuild import GENERATION_SKIP
+from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.session.job import JobSession, open_new, open_resumed
 
 
 def _spec(workers: int = 2, **ft: object) -> TrainingJobSpec:
@@ -30,7 +30,9 @@ def _spec(workers: int = 2, **ft: object) -> TrainingJobSpec:
 def test_hang_timer_stops_the_silent_worker_and_keeps_the_polling_one() -> None:
     async def scenario() -> None:
         driver = RecordingDriver()
-        session = JobSession("job", _spec(hangTimeoutSeconds=3.0), "t", driver, tick_seconds=0.05)
+        session = JobSession(
+            open_new("job", _spec(hangTimeoutSeconds=3.0)), "t", lambda _: driver, tick_seconds=0.05
+        )
         await session.start()
         for slot in range(2):
             await session.register(RegisterRequest(worker=f"job-w{slot}-0", address=f"h:{slot}"))
@@ -76,9 +78,8 @@ def test_session_resumes_from_a_persisted_status() -> None:
             ),
         )
         driver = RecordingDriver()
-        session = JobSession(
-            "job", _spec(), "t", driver, status=status, live_workers={"job-w0-1": "n0"}
-        )
+        opening = open_resumed("job", _spec(), status, {"job-w0-1": "n0"})
+        session = JobSession(opening, "t", lambda _: driver)
         await session.start()
         await until(lambda: driver.started == ["job-w1-1"])
         view = await session.wait_membership(after=3, timeout=1.0)
@@ -107,7 +108,7 @@ def test_start_failures_are_workers_that_died() -> None:
     async def scenario() -> None:
         driver = _BrokenDriver()
         spec = _spec(workers=1, maxRestarts=0, backoff={"initialSeconds": 0.05})
-        session = JobSession("job", spec, "t", driver, tick_seconds=0.05)
+        session = JobSession(open_new("job", spec), "t", lambda _: driver, tick_seconds=0.05)
         await session.start()
         phase = await session.wait_done(timeout=20)
         await until(lambda: len(driver.started) == 2)

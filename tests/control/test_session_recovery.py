@@ -14,7 +14,7 @@ from waiting import until
 from bulkhead.api.protocol import FaultReport, ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Member, Membership, Recovery, TrainingJobStatus
-from bulkhead.operator.session import JobSession
+from bulkhead.operator.session.job import JobSession, open_new, open_resumed
 
 
 def _spec(workers: int, **ft: object) -> TrainingJobSpec:
@@ -33,7 +33,8 @@ def test_lone_silent_member_is_replaced_without_waiting_for_the_hang_timeout() -
         driver = RecordingDriver()
         # A 10-minute hang timeout: only the fast path can act within the test's deadline.
         spec = _spec(3, hangTimeoutSeconds=600.0)
-        session = JobSession("job", spec, "t", driver, tick_seconds=0.05, suspect_grace_seconds=0.3)
+        opening = open_new("job", spec, suspect_grace_seconds=0.3)
+        session = JobSession(opening, "t", lambda _: driver, tick_seconds=0.05)
         await session.start()
         for slot in range(3):
             await session.register(RegisterRequest(worker=f"job-w{slot}-0", address=f"h:{slot}"))
@@ -89,7 +90,7 @@ def test_open_recovery_survives_a_manager_restart() -> None:
         )
         driver = RecordingDriver()
         live = {"job-w0-0": "n0", "job-w1-0": "n1"}
-        session = JobSession("job", _spec(2), "t", driver, status=status, live_workers=live)
+        session = JobSession(open_resumed("job", _spec(2), status, live), "t", lambda _: driver)
         await session.start()
         open_ = session.status.recoveries
         assert [r.resumed is None for r in open_] == [False, True]  # restored, not duplicated

@@ -6,8 +6,8 @@ from typing import Any
 
 from bulkhead.api.protocol import CompletionReport, FaultReport, ProgressReport
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.operator.lifecycle import decide, initial_state
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.policy import decide, initial_state
+from bulkhead.operator.lifecycle.types import (
     CompletionReported,
     Decision,
     Event,

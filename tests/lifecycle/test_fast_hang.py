@@ -9,7 +9,7 @@ from typing import TypeVar
 from policy_sim import Sim, make_spec
 
 from bulkhead.api.protocol import FaultReport, ProgressReport
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.types import (
     Decision,
     FaultReported,
     PolicyConfig,

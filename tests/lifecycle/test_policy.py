@@ -8,8 +8,8 @@ from policy_sim import Sim, make_spec
 
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import Member, Membership, TrainingJobStatus
-from bulkhead.operator.lifecycle_rebuild import GENERATION_SKIP, rebuild
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.rebuild import GENERATION_SKIP, rebuild
+from bulkhead.operator.lifecycle.types import (
     EvictNode,
     Fail,
     JobStarted,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from policy_sim import Sim, make_spec
 
 from bulkhead.api.protocol import CompletionReport, FaultReport, ProgressReport, WorkerExit
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.types import (
     CompletionReported,
     FaultReported,
     JobStarted,

@@ -10,9 +10,9 @@ from policy_sim import make_spec
 
 from bulkhead.api.protocol import ProgressReport
 from bulkhead.api.status import Member, Membership, Recovery, TrainingJobStatus
-from bulkhead.operator.lifecycle import decide
-from bulkhead.operator.lifecycle_rebuild import GENERATION_SKIP, rebuild
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.policy import decide
+from bulkhead.operator.lifecycle.rebuild import GENERATION_SKIP, rebuild
+from bulkhead.operator.lifecycle.types import (
     Decision,
     ProgressReported,
     PublishMembership,

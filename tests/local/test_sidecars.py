@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
-from bulkhead.operator.driver import WorkerRef
+from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local.sidecars import CheckpointSidecars
 from bulkhead.trainer.checkpoint.client import SidecarClient
 from bulkhead.trainer.checkpoint.replica import ReplicaError, list_replicas

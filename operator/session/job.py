@@ -15,7 +15,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from bulkhead.api.protocol import (
     CompletionReport,
@@ -27,12 +28,12 @@ from bulkhead.api.protocol import (
     RegisterResponse,
 )
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.api.status import TrainingJobStatus
+from bulkhead.api.status import Recovery, TrainingJobStatus
 from bulkhead.operator import metrics
-from bulkhead.operator.driver import Driver, parse_worker_id
-from bulkhead.operator.lifecycle import decide, initial_state
-from bulkhead.operator.lifecycle_rebuild import rebuild
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.driver import Driver, Observe
+from bulkhead.operator.lifecycle.policy import decide, initial_state
+from bulkhead.operator.lifecycle.rebuild import rebuild
+from bulkhead.operator.lifecycle.types import (
     CompletionReported,
     Decision,
     Event,
@@ -49,12 +50,80 @@ from bulkhead.operator.lifecycle_types import (
     WorkerRegistered,
     WorkerRunning,
 )
-from bulkhead.operator.session_effects import DriverWork, EffectRunner, count
-from bulkhead.operator.session_status import StatusView
+from bulkhead.operator.lifecycle.workers import parse_worker_id
+from bulkhead.operator.session.effects import DriverWork, EffectRunner, count
+from bulkhead.operator.session.status import StatusView
 
 log = logging.getLogger(__name__)
 
+D = TypeVar("D", bound=Driver)
 ProgressListener = Callable[[ProgressReport, LifecycleState], None]
+Observation = WorkerRunning | WorkerExited | NodeAnomaly
+
+
+@dataclass(frozen=True)
+class Opening:
+    """Where a session begins: a state and the decisions to carry out first.
+
+    ``closed_recoveries`` are the finished recoveries of a previous manager, published as
+    they were; ``wall_offset_s`` maps the session clock to wall-clock time (Unix seconds).
+    """
+
+    spec: TrainingJobSpec
+    state: LifecycleState
+    decisions: tuple[Decision, ...]
+    wall_offset_s: float
+    closed_recoveries: tuple[Recovery, ...] = ()
+
+
+def open_new(
+    job_name: str,
+    spec: TrainingJobSpec,
+    clock: Callable[[], float] = time.monotonic,
+    suspect_grace_seconds: float | None = None,
+) -> Opening:
+    """A job starting from scratch: ``initial_state`` and the decisions of ``JobStarted``.
+
+    ``suspect_grace_seconds`` overrides the policy's grace for a lone silent member
+    (default min(5 s, hangTimeoutSeconds / 4)).
+    """
+    now = clock()
+    state, decisions = decide(
+        initial_state(job_name, spec, suspect_grace_seconds), JobStarted(), now
+    )
+    return Opening(spec, state, tuple(decisions), time.time() - now)
+
+
+def open_resumed(
+    job_name: str,
+    spec: TrainingJobSpec,
+    status: TrainingJobStatus,
+    live_workers: Mapping[str, str],
+    clock: Callable[[], float] = time.monotonic,
+    started_incarnations: Mapping[int, int] | None = None,
+    suspect_grace_seconds: float | None = None,
+) -> Opening:
+    """A job rebuilt after a manager restart (``rebuild``) from its published ``status`` and
+    ``live_workers`` (worker id -> node). ``started_incarnations`` (slot -> newest
+    incarnation ever started, if the driver keeps it) makes sure a restarted manager never
+    reuses the id of a worker that is gone without a trace.
+    """
+    now = clock()
+    wall_offset_s = time.time() - now
+    state, decisions = rebuild(
+        job_name,
+        spec,
+        status,
+        dict(live_workers),
+        now,
+        started=dict(started_incarnations or {}),
+        wall_offset_s=wall_offset_s,
+        suspect_grace_s=suspect_grace_seconds,
+    )
+    # Open recoveries of a previous manager go back into the policy state (see rebuild),
+    # which closes them on the next step; only closed ones stay as they are.
+    closed = tuple(r for r in status.recoveries if r.resumed is not None)
+    return Opening(spec, state, tuple(decisions), wall_offset_s, closed)
 
 
 class SessionError(Exception):
@@ -66,60 +135,47 @@ class SessionError(Exception):
         self.message = message
 
 
-class JobSession:
+class JobSession(Generic[D]):
     """The lifecycle manager of one TrainingJob."""
 
     def __init__(
         self,
-        job_name: str,
-        spec: TrainingJobSpec,
+        opening: Opening,
         token: str,
-        driver: Driver,
-        status: TrainingJobStatus | None = None,
+        make_driver: Callable[[Observe], D],
         clock: Callable[[], float] = time.monotonic,
         *,
-        live_workers: dict[str, str] | None = None,
-        started_incarnations: Mapping[int, int] | None = None,
-        suspect_grace_seconds: float | None = None,
         tick_seconds: float = 0.5,
         max_poll_seconds: float | None = None,
     ) -> None:
-        """``status`` + ``live_workers`` (worker id -> node) rebuild a job after a manager
-        restart; without ``status`` the job starts from scratch. ``started_incarnations``
-        (slot -> newest incarnation ever started, if the driver keeps it) makes sure a
-        restarted manager never reuses the id of a worker that is gone without a trace.
-        ``suspect_grace_seconds`` overrides the policy's grace for a lone silent member
-        (default min(5 s, hangTimeoutSeconds / 4)).
+        """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
+        must be the clock it was opened with). ``make_driver`` builds the driver, given the
+        session's one inbox, ``observe``.
         """
-        self.job_name = job_name
-        self.spec = spec
+        self.job_name = opening.state.job
+        self.spec = opening.spec
         self.token = token
-        self.driver = driver
         self._clock = clock
-        self._resumed_status = status
-        self._live_workers = dict(live_workers or {})
-        self._started_incarnations = dict(started_incarnations or {})
-        self._suspect_grace_s = suspect_grace_seconds
         self._tick_s = tick_seconds
-        hang = spec.fault_tolerance.hang_timeout_seconds
+        hang = opening.spec.fault_tolerance.hang_timeout_seconds
         # Healthy workers re-poll well within the silence threshold of the hang timer.
         self.max_poll_s = max_poll_seconds or max(0.5, hang / 4)
-        self._state: LifecycleState = initial_state(job_name, spec, suspect_grace_seconds)
+        self._state: LifecycleState = opening.state
+        self._opening_decisions = list(opening.decisions)
         self._changed = asyncio.Event()
+        self.driver = make_driver(self.observe)
+        # A start the driver fails is just a worker that exited, with the reason.
         self._effects = EffectRunner(
-            job_name,
-            driver,
+            self.job_name,
+            self.driver,
             lambda: self.status,
-            lambda worker, exc: self._apply(WorkerExited(worker, reason=f"StartFailed: {exc}")),
+            lambda worker, exc: self.observe(WorkerExited(worker, reason=f"StartFailed: {exc}")),
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._done = asyncio.Event()
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
-        # Open recoveries of a previous manager go back into the policy state (see rebuild),
-        # which closes them on the next step; only closed ones stay as they are.
-        prior = [r for r in status.recoveries if r.resumed is not None] if status else []
-        self._status_view = StatusView(time.time() - clock(), prior)
+        self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
         self._progress_listeners: list[ProgressListener] = []
         self._started = False
         self._phase_metric: str | None = None
@@ -132,22 +188,8 @@ class JobSession:
             return
         self._started = True
         self._tasks.append(asyncio.create_task(self._effects.run(), name=f"{self.job_name}-fx"))
-        if self._resumed_status is None:
-            self._apply(JobStarted())
-        else:
-            now = self._clock()
-            state, decisions = rebuild(
-                self.job_name,
-                self.spec,
-                self._resumed_status,
-                self._live_workers,
-                now,
-                started=self._started_incarnations,
-                wall_offset_s=self._status_view.wall_offset_s,
-                suspect_grace_s=self._suspect_grace_s,
-            )
-            self._state = state
-            self._carry_out(decisions, changed=True)
+        decisions, self._opening_decisions = self._opening_decisions, []
+        self._carry_out(decisions, changed=True)
         self._tasks.append(asyncio.create_task(self._hang_timer(), name=f"{self.job_name}-tick"))
         log.info("job %s: session started", self.job_name)
 
@@ -248,19 +290,14 @@ class JobSession:
         self._apply(CompletionReported(report))
         return self._directive(report.generation)
 
-    # ------------------------------------------------------------ driver observations
+    # ------------------------------------------------------------ the inbox
 
-    async def on_worker_exit(
-        self, worker_id: str, exit_code: int | None, signal: int | None, reason: str = ""
-    ) -> None:
-        self._last_seen.pop(worker_id, None)
-        self._apply(WorkerExited(worker_id, exit_code, signal, reason))
-
-    async def on_worker_running(self, worker_id: str, node: str) -> None:
-        self._apply(WorkerRunning(worker_id, node))
-
-    async def on_node_anomaly(self, node: str, reason: str, severity: str) -> None:
-        self._apply(NodeAnomaly(node, reason, severity))
+    def observe(self, event: Observation) -> None:
+        """The one way an observation reaches the session (drivers get it when built):
+        a worker running, a worker exited (a failed start included), a node anomaly."""
+        if isinstance(event, WorkerExited):
+            self._last_seen.pop(event.worker, None)
+        self._apply(event)
 
     # ------------------------------------------------------------ status
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator import metrics
 from bulkhead.operator.driver import Driver
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.types import (
     Decision,
     EvictNode,
     PublishMembership,

@@ -32,8 +32,8 @@ from dataclasses import replace
 
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.operator.lifecycle_actions import PolicyActions
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.actions import PolicyActions
+from bulkhead.operator.lifecycle.types import (
     CompletionReported,
     Decision,
     Event,
@@ -52,7 +52,7 @@ from bulkhead.operator.lifecycle_types import (
     WorkerRegistered,
     WorkerRunning,
 )
-from bulkhead.operator.lifecycle_types import EvictNode as EvictNodeDecision
+from bulkhead.operator.lifecycle.types import EvictNode as EvictNodeDecision
 
 
 def initial_state(

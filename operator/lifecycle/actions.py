@@ -1,9 +1,9 @@
 """The actions of the lifecycle policy: what rules do to the state (no I/O, no clock).
 
 ``PolicyActions`` holds one application of the policy (a state being rewritten and the
-decisions collected so far); ``bulkhead.operator.lifecycle`` subclasses it with the rules
+decisions collected so far); ``bulkhead.operator.lifecycle.policy`` subclasses it with the rules
 that map events to these actions. The hang checks of a timer tick live here too (see the
-rules in ``bulkhead.operator.lifecycle``), which keeps the rules module short.
+rules in ``bulkhead.operator.lifecycle.policy``), which keeps the rules module short.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.types import (
     Decision,
     Fail,
     LifecycleState,

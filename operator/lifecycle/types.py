@@ -1,4 +1,4 @@
-"""Events, decisions and state of the lifecycle policy (``bulkhead.operator.lifecycle``).
+"""Events, decisions and state of the lifecycle policy (``bulkhead.operator.lifecycle.policy``).
 
 Plain immutable values: the policy is a pure function of (state, event, now), so these
 types carry everything it needs and nothing that does I/O. Times are floats in the
@@ -14,7 +14,7 @@ from typing import Literal
 from bulkhead.api.protocol import CompletionReport, FaultReport, MembershipView, ProgressReport
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Phase
-from bulkhead.operator.driver import WorkerRef, parse_worker_id
+from bulkhead.operator.lifecycle.workers import WorkerRef, parse_worker_id
 
 # pending: waiting for its (backoff) start time; starting: asked to start, not registered;
 # registered: registered with the control endpoint. A lost or stopped worker's slot moves

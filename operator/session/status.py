@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from bulkhead.api.status import Condition, Membership, Recovery, TrainingJobStatus
-from bulkhead.operator.lifecycle_types import LifecycleState
+from bulkhead.operator.lifecycle.types import LifecycleState
 
 # The status lists at most this many recoveries (the newest): it is stored in etcd.
 MAX_RECOVERIES_IN_STATUS = 50

@@ -15,10 +15,9 @@ from datetime import datetime
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Recovery, TrainingJobStatus
-from bulkhead.operator.driver import parse_worker_id, worker_id
-from bulkhead.operator.lifecycle import decide
-from bulkhead.operator.lifecycle_actions import PolicyActions
-from bulkhead.operator.lifecycle_types import (
+from bulkhead.operator.lifecycle.actions import PolicyActions
+from bulkhead.operator.lifecycle.policy import decide
+from bulkhead.operator.lifecycle.types import (
     Decision,
     LifecycleState,
     PendingRecovery,
@@ -28,6 +27,7 @@ from bulkhead.operator.lifecycle_types import (
     Tick,
     WorkerExited,
 )
+from bulkhead.operator.lifecycle.workers import parse_worker_id, worker_id
 
 log = logging.getLogger(__name__)
 
