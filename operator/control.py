@@ -159,6 +159,7 @@ class ControlServer:
         self.host, self.port = self._sock.getsockname()[:2]
         config = uvicorn.Config(
             app,
+            log_config=None,  # the embedding process configures logging (JSON in the operator)
             log_level="warning",
             access_log=False,
             lifespan="off",

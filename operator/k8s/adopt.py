@@ -10,8 +10,9 @@ from datetime import datetime
 from typing import Any
 
 from bulkhead.api.node_problems import rfc3339
-from bulkhead.api.status import Condition, TrainingJobStatus
+from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.k8s import names
+from bulkhead.operator.session.conditions import spec_invalid
 
 log = logging.getLogger(__name__)
 
@@ -20,15 +21,7 @@ def invalid_status(errors: str, now: datetime) -> TrainingJobStatus:
     """Status of a job whose spec passed the schema but not the semantic checks."""
     return TrainingJobStatus(
         phase="Failed",
-        conditions=[
-            Condition(
-                type="Valid",
-                status="False",
-                reason="InvalidSpec",
-                message=errors,
-                last_transition_time=rfc3339(now),
-            )
-        ],
+        conditions=[spec_invalid(errors, rfc3339(now))],
         message=f"invalid spec: {errors}",
     )
 

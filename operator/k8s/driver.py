@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
-from bulkhead.api.status import Condition, TrainingJobStatus
+from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
@@ -25,13 +25,12 @@ from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
 from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.lifecycle.types import WorkerExited
+from bulkhead.operator.session.conditions import spec_valid, with_unschedulable
 
 if TYPE_CHECKING:
     from bulkhead.operator.lifecycle.workers import WorkerRef
 
 log = logging.getLogger(__name__)
-
-# (worker id, exit code, reason) -> the session learns a pod could not be created.
 
 
 def decorate_status(
@@ -40,19 +39,11 @@ def decorate_status(
     """Adds what only Kubernetes knows: the spec passed validation (``Valid=True``), and
     why workers are not running when the scheduler cannot place them."""
     conditions = [c for c in status.conditions if c.type != "Valid"]
-    valid = Condition(
-        type="Valid", status="True", reason="SpecValid", last_transition_time=valid_since
-    )
-    update: dict[str, Any] = {"conditions": [valid, *conditions]}
+    update: dict[str, Any] = {"conditions": [spec_valid(valid_since), *conditions]}
     if unschedulable and status.phase in ("Pending", "Recovering"):
         pod, why = sorted(unschedulable.items())[0]
         message = f"{len(unschedulable)} worker pod(s) cannot be scheduled ({pod}: {why})"
-        update["conditions"] = [
-            c.model_copy(update={"reason": "WorkersUnschedulable", "message": message})
-            if c.type == "Ready" and c.status != "True"
-            else c
-            for c in update["conditions"]
-        ]
+        update["conditions"] = with_unschedulable(update["conditions"], message)
         update["message"] = message
     return status.model_copy(update=update)
 

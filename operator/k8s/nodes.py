@@ -10,7 +10,6 @@ it by hand: ``kubectl taint node <n> bulkhead.dev/unhealthy-`` and ``kubectl unc
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 from datetime import UTC, datetime
@@ -125,10 +124,3 @@ class NodeActions:
             await self._client.create(core_path("events", self._event_namespace), event)
         except KubeError as exc:  # an Event is informative: never fail the eviction for it
             log.warning("could not post event on node %s: %s", node, exc)
-
-
-async def gather_logged(*coros: Any) -> None:
-    """Run coroutines concurrently; log failures instead of raising them."""
-    for result in await asyncio.gather(*coros, return_exceptions=True):
-        if isinstance(result, BaseException):
-            log.error("background Kubernetes call failed: %s", result)

@@ -26,10 +26,11 @@ from bulkhead.operator.k8s.adopt import (
 )
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.driver import KubernetesDriver, live_pods
-from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path
 from bulkhead.operator.k8s.metrics import RECONCILE_ERRORS
 from bulkhead.operator.k8s.nodes import NodeActions
 from bulkhead.operator.k8s.settings import OperatorSettings
+from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
@@ -97,9 +98,7 @@ class OperatorRuntime:
             errors = "; ".join(str(e) for e in exc.errors)
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
             status = invalid_status(errors, datetime.now(UTC))
-            await self.client.merge_patch(
-                tj_path(namespace, name) + "/status", {"status": status.wire()}
-            )
+            await StatusWriter(self.client, namespace, name).write_now(status)
             return
         status = self._persisted_status(body.get("status"))
         if status is not None and status.phase in ("Succeeded", "Failed"):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator import metrics
-from bulkhead.operator.driver import Driver
+from bulkhead.operator.driver import Driver, Observe
 from bulkhead.operator.lifecycle.types import (
     Decision,
     EvictNode,
@@ -24,6 +24,7 @@ from bulkhead.operator.lifecycle.types import (
     RestartAll,
     StartWorker,
     StopWorker,
+    WorkerExited,
 )
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ _STOP = None
 class EffectRunner:
     """The driver side of one session.
 
-    ``status`` builds the current status; ``start_failed(worker_id, exc)`` is called when
-    the driver could not start a worker (the session treats it as an exit).
+    ``status`` builds the current status; ``observe`` is the session's inbox, which hears
+    of a start the driver could not make as that worker exiting, with the reason.
     """
 
     def __init__(
@@ -70,12 +71,12 @@ class EffectRunner:
         job_name: str,
         driver: Driver,
         status: Callable[[], TrainingJobStatus],
-        start_failed: Callable[[str, Exception], None],
+        observe: Observe,
     ) -> None:
         self.job_name = job_name
         self.driver = driver
         self._status = status
-        self._start_failed = start_failed
+        self._observe = observe
         self._queue: asyncio.Queue[DriverWork | _PublishStatus | None] = asyncio.Queue()
         self.status_dirty = False
 
@@ -106,7 +107,7 @@ class EffectRunner:
             except Exception as exc:  # a driver failure must not stop the session
                 log.exception("job %s: %s failed", self.job_name, item)
                 if isinstance(item, StartWorker):
-                    self._start_failed(item.worker.id, exc)
+                    self._observe(WorkerExited(item.worker.id, reason=f"StartFailed: {exc}"))
             if self.status_dirty and self._queue.empty():
                 await self._publish_status()
 

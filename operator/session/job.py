@@ -164,13 +164,7 @@ class JobSession(Generic[D]):
         self._opening_decisions = list(opening.decisions)
         self._changed = asyncio.Event()
         self.driver = make_driver(self.observe)
-        # A start the driver fails is just a worker that exited, with the reason.
-        self._effects = EffectRunner(
-            self.job_name,
-            self.driver,
-            lambda: self.status,
-            lambda worker, exc: self.observe(WorkerExited(worker, reason=f"StartFailed: {exc}")),
-        )
+        self._effects = EffectRunner(self.job_name, self.driver, lambda: self.status, self.observe)
         self._tasks: list[asyncio.Task[Any]] = []
         self._done = asyncio.Event()
         self._last_seen: dict[str, float] = {}

@@ -1,15 +1,16 @@
 """The TrainingJobStatus of a job session, built from the lifecycle policy state.
 
 Times in the policy state are in the session's clock; they become RFC 3339 wall-clock
-times here. Conditions keep their last transition time across rebuilds of the status.
+times here. Conditions come from ``conditions``.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from bulkhead.api.status import Condition, Membership, Recovery, TrainingJobStatus
+from bulkhead.api.status import Membership, Recovery, TrainingJobStatus
 from bulkhead.operator.lifecycle.types import LifecycleState
+from bulkhead.operator.session.conditions import ConditionBook
 
 # The status lists at most this many recoveries (the newest): it is stored in etcd.
 MAX_RECOVERIES_IN_STATUS = 50
@@ -21,7 +22,7 @@ class StatusView:
         status of a previous manager."""
         self._wall_offset = wall_offset_s
         self._prior = list(prior_recoveries)
-        self._conditions: dict[str, Condition] = {}
+        self._conditions = ConditionBook()
 
     def build(self, s: LifecycleState, now: float) -> TrainingJobStatus:
         recoveries = [*self._prior]
@@ -43,7 +44,7 @@ class StatusView:
         )
         return TrainingJobStatus(
             phase=s.phase,
-            conditions=self._conditions_for(s, now),
+            conditions=self._conditions.update(s, lambda: self.rfc3339(now)),
             membership=membership,
             workers=f"{s.live_count()}/{s.config.workers}",
             step=s.step,
@@ -63,26 +64,3 @@ class StatusView:
 
     def rfc3339(self, t: float) -> str:
         return datetime.fromtimestamp(t + self._wall_offset, UTC).isoformat(timespec="milliseconds")
-
-    def _conditions_for(self, s: LifecycleState, now: float) -> list[Condition]:
-        wanted = {
-            "Ready": ("True", "Training") if s.phase == "Running" else ("False", s.phase),
-            "Progressing": (
-                ("True", "Steps") if s.phase in ("Running", "Recovering") else ("False", s.phase)
-            ),
-            "Degraded": (
-                ("True", "Recovering") if s.phase == "Recovering" else ("False", "AllHealthy")
-            ),
-        }
-        for kind, (value, reason) in wanted.items():
-            old = self._conditions.get(kind)
-            if old is None or old.status != value or old.reason != reason:
-                changed = old is None or old.status != value
-                self._conditions[kind] = Condition(
-                    type=kind,
-                    status=value,
-                    reason=reason,
-                    message=s.message if value == "False" else "",
-                    last_transition_time=self.rfc3339(now) if changed else old.last_transition_time,
-                )
-        return list(self._conditions.values())
