@@ -12,12 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol
 
-from bulkhead.agent.collectors.base import Snapshot
-from bulkhead.agent.collectors.gpu import GpuCollector
-from bulkhead.agent.collectors.host import HostCollector
-from bulkhead.agent.collectors.kernel_log import XidCollector
+from bulkhead.agent.collectors.base import Collector, Snapshot
 from bulkhead.agent.collectors.training import TrainingCollector
 from bulkhead.agent.detect.metric import MetricAnomalyDetector
 from bulkhead.agent.detect.persistence import Persistence
@@ -29,7 +26,6 @@ from bulkhead.api.protocol import WorkerReport
 from bulkhead.api.spec import Severity
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
@@ -52,10 +48,18 @@ class Reporter(Protocol):
 
 @dataclass
 class Collectors:
+    """The registered collectors: ``training`` (also fed by the workers' reports) and any
+    others. Each registers the snapshot keys it ``produces``; adding one means appending
+    it here, nothing else (a detector rule names the keys it ``reads``)."""
+
     training: TrainingCollector
-    gpu: GpuCollector | None = None
-    xid: XidCollector | None = None
-    host: HostCollector | None = None
+    others: list[Collector] = field(default_factory=list)
+
+    def all(self) -> list[Collector]:
+        return [self.training, *self.others]
+
+    def produced(self) -> set[str]:
+        return {key for c in self.all() for key in c.produces}
 
 
 class Agent:
@@ -82,6 +86,9 @@ class Agent:
         self._problems: dict[tuple[str, str], Problem] = {}
         self.last_tick: float | None = None
         self.last_result: TickResult | None = None
+        unread = rules.reads - collectors.produced()
+        if unread:
+            log.info("no collector produces %s: the rules reading them stay idle", sorted(unread))
 
     # --- inputs from the API ---------------------------------------------------------------
     def record_report(self, report: WorkerReport) -> None:
@@ -93,28 +100,15 @@ class Agent:
 
     # --- the tick --------------------------------------------------------------------------
     def _snapshot(self, now: float, errors: list[str]) -> Snapshot:
-        c = self.collectors
-
-        def guarded(name: str, read: Callable[[], T], default: T) -> T:
+        readings: dict[str, Any] = {}
+        for collector in self.collectors.all():
             try:
-                return read()
+                readings.update(collector.read(now))
             except Exception as exc:  # one broken source must not blind the others
+                name = type(collector).__name__
                 log.exception("collector %s failed", name)
                 errors.append(f"{name}: {exc}")
-                return default
-
-        gpus = guarded("gpu", c.gpu.collect, []) if c.gpu else []
-        xids = guarded("xid", c.xid.collect, []) if c.xid else []
-        host = guarded("host", c.host.collect, None) if c.host else None
-        workers = guarded("training", lambda: c.training.collect(now), [])
-        return Snapshot(
-            time=now,
-            gpus=tuple(gpus),
-            expected_gpus=c.gpu.expected if c.gpu else 0,
-            xids=tuple(xids),
-            host=host,
-            workers=tuple(workers),
-        )
+        return Snapshot(now, readings)
 
     def tick(self, now: float | None = None) -> TickResult:
         started_at = time.perf_counter()

@@ -70,12 +70,13 @@ def build(
 ) -> Built:
     """The agent for ``settings`` around ``sources`` (default: the real ones)."""
     sources = sources or Sources.from_settings(settings)
-    collectors = Collectors(
-        training=TrainingCollector(settings.forget_worker_after_s),
-        gpu=GpuCollector(sources.gpu) if sources.gpu is not None else None,
-        xid=XidCollector(sources.kernel_log) if sources.kernel_log is not None else None,
-        host=HostCollector(settings.proc_root) if sources.host else None,
-    )
+    collectors = Collectors(TrainingCollector(settings.forget_worker_after_s))
+    if sources.gpu is not None:
+        collectors.others.append(GpuCollector(sources.gpu))
+    if sources.kernel_log is not None:
+        collectors.others.append(XidCollector(sources.kernel_log))
+    if sources.host:
+        collectors.others.append(HostCollector(settings.proc_root))
     metrics = AgentMetrics()
     reporters: list[Reporter] = [metrics]
     if sources.api is not None:

@@ -1,8 +1,12 @@
-"""The samples collectors produce and the per-tick snapshot the detectors consume."""
+"""The samples collectors produce, the ``Collector`` protocol, and the per-tick snapshot
+the detectors consume (readings keyed by what each collector produces)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
 
 from bulkhead.agent.xid import XidEvent
 
@@ -54,13 +58,72 @@ class WorkerState:
     straggler_scores: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """Everything observed at one tick."""
+# The readings of the built-in collectors, by the key each produces (a collector's
+# ``produces``, a detector rule's ``reads``). A new collector adds its own key; nothing here
+# has to change for it.
+GPUS = "gpus"  # tuple[GpuSample, ...]
+EXPECTED_GPUS = "expected_gpus"  # int: GPUs seen at start-up
+XIDS = "xids"  # tuple[XidEvent, ...]
+HOST = "host"  # HostSample | None
+WORKERS = "workers"  # tuple[WorkerState, ...]
 
-    time: float
-    gpus: tuple[GpuSample, ...] = ()
-    expected_gpus: int = 0
-    xids: tuple[XidEvent, ...] = ()
-    host: HostSample | None = None
-    workers: tuple[WorkerState, ...] = ()
+
+class Collector(Protocol):
+    """A source of readings: registers the keys it produces, reads them once per tick."""
+
+    produces: tuple[str, ...]
+
+    def read(self, now: float) -> Mapping[str, Any]:
+        """This tick's readings, one per key of ``produces``."""
+        ...
+
+
+class Snapshot:
+    """Everything observed at one tick: each collector's readings under the keys it produces.
+
+    ``Snapshot(time, readings)`` or ``Snapshot(time, gpus=..., host=...)``. The properties
+    are typed views of the built-in keys; other keys are read with ``get``.
+    """
+
+    __slots__ = ("readings", "time")
+
+    def __init__(
+        self, time: float, readings: Mapping[str, Any] | None = None, **named: Any
+    ) -> None:
+        self.time = time
+        self.readings: Mapping[str, Any] = MappingProxyType({**(readings or {}), **named})
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.readings.get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Snapshot) and (self.time, dict(self.readings)) == (
+            other.time,
+            dict(other.readings),
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.time)
+
+    def __repr__(self) -> str:
+        return f"Snapshot(time={self.time!r}, readings={dict(self.readings)!r})"
+
+    @property
+    def gpus(self) -> tuple[GpuSample, ...]:
+        return tuple(self.get(GPUS, ()))
+
+    @property
+    def expected_gpus(self) -> int:
+        return int(self.get(EXPECTED_GPUS, 0))
+
+    @property
+    def xids(self) -> tuple[XidEvent, ...]:
+        return tuple(self.get(XIDS, ()))
+
+    @property
+    def host(self) -> HostSample | None:
+        return self.get(HOST)
+
+    @property
+    def workers(self) -> tuple[WorkerState, ...]:
+        return tuple(self.get(WORKERS, ()))

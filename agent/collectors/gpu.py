@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from bulkhead.agent.collectors.base import GpuSample
+from bulkhead.agent.collectors.base import EXPECTED_GPUS, GPUS, GpuSample
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,9 +27,15 @@ class GpuSource(Protocol):
 class GpuCollector:
     """Reads every GPU each tick; ``expected`` is the device count seen at start-up."""
 
+    produces = (GPUS, EXPECTED_GPUS)
+
     def __init__(self, source: GpuSource) -> None:
         self._source = source
         self.expected = 0
+
+    def read(self, now: float) -> dict[str, Any]:
+        gpus = tuple(self.collect())
+        return {GPUS: gpus, EXPECTED_GPUS: self.expected}
 
     def collect(self) -> list[GpuSample]:
         samples = self._source.read()

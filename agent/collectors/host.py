@@ -9,15 +9,20 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from bulkhead.agent.collectors.base import HostSample
+from bulkhead.agent.collectors.base import HOST, HostSample
 
 log = logging.getLogger(__name__)
 
 
 class HostCollector:
+    produces = (HOST,)
+
     def __init__(self, proc_root: Path | str = "/proc") -> None:
         self._root = Path(proc_root)
         self._last_cpu: tuple[float, float] | None = None
+
+    def read(self, now: float) -> dict[str, HostSample]:
+        return {HOST: self.collect()}
 
     def collect(self) -> HostSample:
         return HostSample(

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+from bulkhead.agent.collectors.base import XIDS
 from bulkhead.agent.xid import XidEvent, parse_xid
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,13 @@ class FileFollowSource:
 class XidCollector:
     """XID events logged since the previous tick."""
 
+    produces = (XIDS,)
+
     def __init__(self, source: LineSource) -> None:
         self._source = source
+
+    def read(self, now: float) -> dict[str, tuple[XidEvent, ...]]:
+        return {XIDS: tuple(self.collect())}
 
     def collect(self) -> list[XidEvent]:
         events = [e for e in map(parse_xid, self._source.read_lines()) if e is not None]

@@ -11,13 +11,15 @@ import logging
 import math
 import threading
 
-from bulkhead.agent.collectors.base import WorkerState
+from bulkhead.agent.collectors.base import WORKERS, WorkerState
 from bulkhead.api.protocol import WorkerReport
 
 log = logging.getLogger(__name__)
 
 
 class TrainingCollector:
+    produces = (WORKERS,)
+
     def __init__(self, forget_after_s: float = 3600.0) -> None:
         self._forget_after_s = forget_after_s
         self._lock = threading.Lock()
@@ -47,6 +49,9 @@ class TrainingCollector:
                 log.warning(
                     "worker %s reported loss %s at step %d", report.worker, report.loss, report.step
                 )
+
+    def read(self, now: float) -> dict[str, tuple[WorkerState, ...]]:
+        return {WORKERS: tuple(self.collect(now))}
 
     def collect(self, now: float) -> list[WorkerState]:
         with self._lock:

@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from bulkhead.agent.collectors.base import Snapshot
+from bulkhead.agent.collectors.base import GPUS, HOST, Snapshot
 from bulkhead.agent.detect.multivariate import KnnParams, MultivariateDetector
 from bulkhead.agent.problems import Finding
 from bulkhead.api.node_problems import Reason
@@ -37,6 +37,8 @@ def features(snap: Snapshot) -> np.ndarray:
 
 
 class MetricAnomalyDetector:
+    reads = (HOST, GPUS)
+
     def __init__(self, warmup: int = 600, params: KnnParams | None = None) -> None:
         if warmup < 10:
             raise ValueError(f"the warm-up needs at least 10 ticks, got {warmup}")

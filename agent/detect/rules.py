@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from bulkhead.agent.collectors.base import GpuSample, HostSample, Snapshot, WorkerState
+from bulkhead.agent.collectors.base import (
+    EXPECTED_GPUS,
+    GPUS,
+    HOST,
+    WORKERS,
+    XIDS,
+    GpuSample,
+    Snapshot,
+    WorkerState,
+)
 from bulkhead.agent.collectors.gpu import POWER_BRAKE_MASK, THERMAL_THROTTLE_MASK
 from bulkhead.agent.detect.change import RobustChange
 from bulkhead.agent.problems import Finding
@@ -29,16 +39,63 @@ def gpu_subject(gpu: GpuSample) -> str:
     return f"gpu{gpu.index}"
 
 
-class RuleDetector:
-    """Stateful only in the previous counters it diffs against and per-worker step history."""
+class Rule(Protocol):
+    """A detector rule: names the snapshot keys it ``reads`` (see ``collectors.base``)."""
 
-    def __init__(self, thresholds: RuleThresholds | None = None) -> None:
+    reads: tuple[str, ...]
+
+    def check(self, snap: Snapshot) -> list[Finding]: ...
+
+
+class RuleDetector:
+    """Runs each rule on the snapshots that carry what it reads, in order.
+
+    A new rule is a class with ``reads`` and ``check``, added to ``default_rules`` (or passed
+    in); a new collector's readings reach it through ``Snapshot.get``.
+    """
+
+    def __init__(
+        self, thresholds: RuleThresholds | None = None, rules: list[Rule] | None = None
+    ) -> None:
         self.thresholds = thresholds or RuleThresholds()
-        self._previous: dict[int, GpuSample] = {}
-        self._step_times: dict[str, RobustChange] = {}
+        self.rules = rules if rules is not None else default_rules(self.thresholds)
+
+    @property
+    def reads(self) -> set[str]:
+        return {key for rule in self.rules for key in rule.reads}
 
     def detect(self, snap: Snapshot) -> list[Finding]:
-        findings = [f for xid in snap.xids for f in _xid(xid)]
+        findings: list[Finding] = []
+        for rule in self.rules:
+            if any(key in snap.readings for key in rule.reads):
+                findings += rule.check(snap)
+        return findings
+
+
+def default_rules(thresholds: RuleThresholds) -> list[Rule]:
+    return [XidRule(), GpuRules(thresholds), HostRule(thresholds), WorkerRules(thresholds)]
+
+
+class XidRule:
+    """Fatal XIDs in the kernel log."""
+
+    reads = (XIDS,)
+
+    def check(self, snap: Snapshot) -> list[Finding]:
+        return [f for xid in snap.xids for f in _xid(xid)]
+
+
+class GpuRules:
+    """NVML readings; stateful only in the previous counters it diffs against."""
+
+    reads = (GPUS, EXPECTED_GPUS)
+
+    def __init__(self, thresholds: RuleThresholds) -> None:
+        self.thresholds = thresholds
+        self._previous: dict[int, GpuSample] = {}
+
+    def check(self, snap: Snapshot) -> list[Finding]:
+        findings: list[Finding] = []
         for gpu in snap.gpus:
             findings += self._gpu(gpu, self._previous.get(gpu.index))
             if not gpu.lost:
@@ -49,13 +106,6 @@ class RuleDetector:
             findings.append(
                 Finding(Reason.GPU_LOST, "node", f"{missing} of {snap.expected_gpus} GPUs missing")
             )
-        if snap.host is not None:
-            findings += self._host(snap.host)
-        known = {w.worker for w in snap.workers}
-        for worker in snap.workers:
-            findings += self._worker(worker, snap.time)
-        for gone in self._step_times.keys() - known:
-            del self._step_times[gone]
         return findings
 
     def _gpu(self, gpu: GpuSample, prev: GpuSample | None) -> list[Finding]:
@@ -96,8 +146,21 @@ class RuleDetector:
                 )
         return out
 
-    def _host(self, host: HostSample) -> list[Finding]:
-        if host.memory_available_frac < self.thresholds.memory_available_min_frac:
+
+class HostRule:
+    """Host memory pressure."""
+
+    reads = (HOST,)
+
+    def __init__(self, thresholds: RuleThresholds) -> None:
+        self.thresholds = thresholds
+
+    def check(self, snap: Snapshot) -> list[Finding]:
+        host = snap.host
+        if (
+            host is not None
+            and host.memory_available_frac < self.thresholds.memory_available_min_frac
+        ):
             return [
                 Finding(
                     Reason.HOST_PRESSURE,
@@ -106,6 +169,25 @@ class RuleDetector:
                 )
             ]
         return []
+
+
+class WorkerRules:
+    """The workers' reports; stateful only in each worker's step-time history."""
+
+    reads = (WORKERS,)
+
+    def __init__(self, thresholds: RuleThresholds) -> None:
+        self.thresholds = thresholds
+        self._step_times: dict[str, RobustChange] = {}
+
+    def check(self, snap: Snapshot) -> list[Finding]:
+        findings: list[Finding] = []
+        known = {w.worker for w in snap.workers}
+        for worker in snap.workers:
+            findings += self._worker(worker, snap.time)
+        for gone in self._step_times.keys() - known:
+            del self._step_times[gone]
+        return findings
 
     def _worker(self, worker: WorkerState, now: float) -> list[Finding]:
         out: list[Finding] = []

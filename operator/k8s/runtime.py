@@ -4,6 +4,22 @@ Kopf handlers (``handlers``) call into this class; it owns the sessions, their d
 an index of which worker runs on which node, and it turns pod and node objects into the
 session's observations. On (re)start it rebuilds each job from its status and the pods that
 exist, so killing the operator at any moment loses nothing.
+
+Why this class keeps its own state instead of Kopf's daemons, indexes and timers:
+
+- The per-job session map (``jobs``) instead of a Kopf daemon per TrainingJob: a session is
+  also reached from outside Kopf (the control endpoint serves the workers through the same
+  ``SessionRegistry`` as local mode), and local mode runs the same ``JobSession`` without
+  Kopf at all. A daemon is cancelled and restarted by Kopf's handler machinery (on stop,
+  on error with backoff); a session must instead stop without touching pods, and must never
+  restart half-way through a recovery. A plain dict keyed by job keeps that in our hands.
+- The pod -> node index (``_pod_node``) instead of a Kopf index: it is fed by the same pod
+  events that feed the sessions and by the pod list each job start reads, so "which jobs
+  run on this node" always agrees with what the sessions were told, whatever order Kopf
+  runs handlers in; it is also plain data the unit tests can drive without Kopf.
+- The untaint loop instead of a Kopf timer on nodes: only the few nodes we tainted need a
+  re-check, at one interval derived from ``--untaint-after-healthy-seconds``; one loop over
+  ``_tainted`` does that, where a timer would run for every node the operator watches.
 """
 
 from __future__ import annotations
