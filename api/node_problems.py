@@ -95,8 +95,14 @@ def parse_severity(reason: str, message: str = "") -> str:
     return DEFAULT_SEVERITY.get(reason, "warning")  # type: ignore[call-overload]
 
 
-def rfc3339(moment: datetime | float) -> str:
-    """A Kubernetes timestamp (RFC 3339, whole seconds, UTC) of a datetime or Unix time."""
+def rfc3339(moment: datetime | float, millis: bool = False) -> str:
+    """An RFC 3339 UTC timestamp of a datetime or Unix time: whole seconds with ``Z`` (the
+    Kubernetes ``Time`` format of conditions and Events), or with ``millis`` milliseconds
+    and ``+00:00`` (TrainingJob status times, where recoveries last well under a second)."""
+    if millis:
+        if isinstance(moment, datetime):
+            return moment.astimezone(UTC).isoformat(timespec="milliseconds")
+        return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds")
     if not isinstance(moment, datetime):
         moment = datetime.fromtimestamp(int(moment), UTC)
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

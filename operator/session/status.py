@@ -6,8 +6,7 @@ times here. Conditions come from ``conditions``.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
+from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.status import Membership, Recovery, TrainingJobStatus
 from bulkhead.operator.lifecycle.types import LifecycleState
 from bulkhead.operator.session.conditions import ConditionBook
@@ -63,4 +62,5 @@ class StatusView:
         return self._wall_offset
 
     def rfc3339(self, t: float) -> str:
-        return datetime.fromtimestamp(t + self._wall_offset, UTC).isoformat(timespec="milliseconds")
+        """A session-clock time as wall-clock RFC 3339."""
+        return rfc3339(t + self._wall_offset, millis=True)
