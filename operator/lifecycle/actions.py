@@ -1,9 +1,9 @@
 """The actions of the lifecycle policy: what rules do to the state (no I/O, no clock).
 
 ``PolicyActions`` holds one application of the policy (a state being rewritten and the
-decisions collected so far); ``bulkhead.operator.lifecycle.policy`` subclasses it with the rules
-that map events to these actions. The hang checks of a timer tick live here too (see the
-rules in ``bulkhead.operator.lifecycle.policy``), which keeps the rules module short.
+decisions collected so far); ``policy`` subclasses it with the rules that map events to
+these actions. ``check_hang`` applies the hang rules of a timer tick, which are pure
+functions in ``hang``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
+from bulkhead.operator.lifecycle.hang import lone_silent_member, silent_members
 from bulkhead.operator.lifecycle.types import (
     Decision,
     Fail,
@@ -222,7 +223,7 @@ class PolicyActions:
     def check_hang(self, ev: Tick) -> None:
         """The hang rules of a timer tick, for a formed job that is not restarting."""
         s = self.state
-        suspect = self.lone_silent_member(ev)
+        suspect = lone_silent_member(s, ev, self.now)
         if suspect is not None:
             wid = s.ref(suspect).id
             quiet = self.now - ev.last_seen.get(wid, s.last_progress_at)
@@ -237,14 +238,7 @@ class PolicyActions:
             return
         if self.now - s.last_progress_at < self.cfg.hang_timeout_s:
             return
-        quiet_for = self.cfg.hang_timeout_s / 2
-        silent = [
-            slot
-            for slot in s.slots
-            if self.is_member(slot)
-            and s.ref(slot).id not in ev.polling  # a poller is alive by definition
-            and self.now - ev.last_seen.get(s.ref(slot).id, s.last_progress_at) >= quiet_for
-        ]
+        silent = silent_members(s, ev, self.now)
         self.state = replace(self.state, last_progress_at=self.now)
         if silent:
             for slot in silent:
@@ -259,25 +253,6 @@ class PolicyActions:
             self.publish(f"no progress for {self.cfg.hang_timeout_s:g}s: re-forming")
         else:
             self.restart_all(f"hang: no progress for {self.cfg.hang_timeout_s:g}s")
-
-    def lone_silent_member(self, ev: Tick) -> Slot | None:
-        """The one member that neither reported a collective error nor polls membership,
-        silent for the grace, while at least one other member reported a collective error
-        in this generation; None unless exactly one member fits."""
-        s = self.state
-        if not s.collective_errors:
-            return None
-        members = [slot for slot in s.slots if self.is_member(slot)]
-        silent = [
-            slot
-            for slot in members
-            if s.ref(slot).id not in s.collective_errors and s.ref(slot).id not in ev.polling
-        ]
-        if len(members) < 2 or len(silent) != 1:
-            return None
-        (slot,) = silent
-        last_seen = ev.last_seen.get(s.ref(slot).id, s.last_progress_at)
-        return slot if self.now - last_seen >= self.cfg.suspect_grace_s else None
 
     def fail(self, reason: str) -> None:
         s = self.state
