@@ -20,9 +20,13 @@ def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title
     ax_loss.plot(t, [m.loss for m in metrics], color="tab:blue", lw=1.2, label="loss")
     ax_loss.set_ylabel("loss")
     ax_tput.plot(
-        t, [m.tokens_per_s or 0.0 for m in metrics], color="tab:purple", lw=1.0, label="tokens/s"
+        t,
+        [m.tokens_per_s or 0.0 for m in metrics],
+        color="tab:purple",
+        lw=1.0,
+        label="job tokens/s",
     )
-    ax_tput.set_ylabel("tokens/s")
+    ax_tput.set_ylabel("job tokens/s\n(committed steps)")
     ax_tput.set_xlabel("time since start (s)")
     # Workers in the generation of each step: a loss and the replacement joining show as steps.
     ax_workers = ax_tput.twinx()

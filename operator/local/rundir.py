@@ -2,7 +2,8 @@
 
 Layout::
 
-    metrics.jsonl   one line per completed step: t, step, loss, tokens_per_s, generation, workers
+    metrics.jsonl   one line per completed step: t, step, loss, tokens_per_s (job throughput),
+                    generation, workers, worker_tokens_per_s (per-worker compute)
     events.jsonl    one line per lifecycle event: t, time, reason, message, warning
     summary.json    written at the end (atomically): steps, lost steps, faults, recoveries
     plot.png        loss and throughput over time with failure and recovery markers
@@ -29,9 +30,12 @@ class MetricRow:
     t: float
     step: int
     loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # job throughput (throughput.py)
     generation: int
     workers: int
+    # Per-worker compute throughput: the mean of the members' own reports (global batch
+    # tokens / that worker's step time); not the job's rate.
+    worker_tokens_per_s: float | None = None
 
 
 @dataclass
@@ -66,8 +70,21 @@ class RunRecorder:
         tokens_per_s: float | None,
         generation: int,
         workers: int,
+        *,
+        t: float | None = None,
+        worker_tokens_per_s: float | None = None,
     ) -> MetricRow:
-        row = MetricRow(self.elapsed(), step, loss, tokens_per_s, generation, workers)
+        """One completed step; ``t`` (seconds since the run started, default now) is the
+        time the throughput was measured at, so the file and the figure agree."""
+        row = MetricRow(
+            self.elapsed() if t is None else t,
+            step,
+            loss,
+            tokens_per_s,
+            generation,
+            workers,
+            worker_tokens_per_s,
+        )
         self.metrics.append(row)
         self._metrics_file.write(json.dumps(row.__dict__) + "\n")
         return row

@@ -26,6 +26,7 @@ from bulkhead.operator.local.driver import LocalDriver
 from bulkhead.operator.local.plot import plot_run
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.operator.local.sidecars import CheckpointSidecars
+from bulkhead.operator.local.throughput import JobThroughput
 from bulkhead.operator.local.view import LiveView
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
 
@@ -115,7 +116,8 @@ class LocalRun:
         )
         self.failures_injected = 0
         self.stop_requested = asyncio.Event()
-        self._tokens_per_s: dict[str, float] = {}
+        self.throughput = JobThroughput()
+        self._worker_tokens_per_s: dict[str, float] = {}
         self._last_row: tuple[int, int] | None = None
         self._armed = False
 
@@ -213,16 +215,27 @@ class LocalRun:
         driver: LocalDriver,
         view: LiveView,
     ) -> None:
+        self.throughput.learn_step_tokens(report.tokens_per_s, report.step_time_s)
         if report.tokens_per_s is not None:
-            self._tokens_per_s[report.worker] = report.tokens_per_s
+            self._worker_tokens_per_s[report.worker] = report.tokens_per_s
         key = (report.generation, report.step)
         last = self._last_row
         if last is None or report.step > last[1] or (key[0] > last[0] and key[1] != last[1]):
             self._last_row = key
             members = state.members()
-            throughput = sum(self._tokens_per_s.get(w, 0.0) for w in members) or None
+            t = recorder.elapsed()
+            self.throughput.committed(t, report.step)
+            per_worker = [
+                self._worker_tokens_per_s[w] for w in members if w in self._worker_tokens_per_s
+            ]
             row = recorder.metric(
-                report.step, report.loss, throughput, report.generation, len(members)
+                report.step,
+                report.loss,
+                self.throughput.current(),
+                report.generation,
+                len(members),
+                t=t,
+                worker_tokens_per_s=sum(per_worker) / len(per_worker) if per_worker else None,
             )
             view.on_metric(row)
         if not self._armed:
@@ -262,7 +275,7 @@ class LocalRun:
         state = session.state
         status = session.status
         rows = recorder.metrics
-        throughputs = [r.tokens_per_s for r in rows if r.tokens_per_s]
+        mean_tokens_per_s = self.throughput.mean()
         return {
             "job": self.name,
             "phase": phase,
@@ -281,9 +294,9 @@ class LocalRun:
             "generation": status.membership.generation,
             "first_loss": next((r.loss for r in rows if r.loss is not None), None),
             "final_loss": status.loss,
-            "mean_tokens_per_s": round(sum(throughputs) / len(throughputs), 1)
-            if throughputs
-            else None,
+            # Job throughput (see throughput.py); not the workers' compute throughput.
+            "mean_tokens_per_s": round(mean_tokens_per_s, 1) if mean_tokens_per_s else None,
+            "tokens_per_step": self.throughput.tokens_per_step,
             "wall_seconds": recorder.elapsed(),
             "chaos": self.options.chaos or "",
         }

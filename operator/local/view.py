@@ -70,7 +70,7 @@ class LiveView:
         if row and row.loss is not None:
             parts.append(f"loss {row.loss:.4f}")
         if row and row.tokens_per_s:
-            parts.append(f"{row.tokens_per_s:,.0f} tok/s")
+            parts.append(f"{row.tokens_per_s:,.0f} job tok/s")
         if status:
             parts.append(f"gen {status.membership.generation}")
             parts.append(f"workers {status.workers}")
@@ -87,7 +87,12 @@ class LiveView:
         table.add_row("phase", f"[{_STYLE.get(phase, 'white')}]{phase}[/]")
         table.add_row("step", f"{done}/{self.total_steps}")
         table.add_row("loss", f"{row.loss:.4f}" if row and row.loss is not None else "-")
-        table.add_row("tokens/s", f"{row.tokens_per_s:,.0f}" if row and row.tokens_per_s else "-")
+        # The job's rate (committed steps per wall second), then each worker's compute rate.
+        table.add_row(
+            "job tokens/s", f"{row.tokens_per_s:,.0f}" if row and row.tokens_per_s else "-"
+        )
+        if row and row.worker_tokens_per_s:
+            table.add_row("per-worker compute tokens/s", f"{row.worker_tokens_per_s:,.0f}")
         if status:
             table.add_row("generation", str(status.membership.generation))
             table.add_row("workers", status.workers)

@@ -34,6 +34,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
     subprocess.Popen(["sleep", "600"])  # a grandchild: must die with its worker
     step_s = float(os.environ.get("FAKE_STEP_SECONDS", "0.05"))
+    # Like the trainer: tokens of the global batch over this worker's own step time.
+    step_tokens = float(os.environ.get("FAKE_TOKENS_PER_STEP", "768"))
     me = os.environ[WORKER_ENV]
     client = ControlClient.from_env()
     client.register(RegisterRequest(worker=me, address="127.0.0.1:1"))
@@ -47,9 +49,16 @@ def main() -> int:
         generation = view.generation
         step = max(step, view.resume_step)
         while step < view.total_steps:
+            began = time.monotonic()
             time.sleep(step_s)
+            took = time.monotonic() - began
             report = ProgressReport(
-                worker=me, generation=generation, step=step, loss=5.0 / (step + 1), tokens_per_s=1e3
+                worker=me,
+                generation=generation,
+                step=step,
+                loss=5.0 / (step + 1),
+                step_time_s=took,
+                tokens_per_s=step_tokens / took,
             )
             directive = client.progress(report)
             step += 1

@@ -173,3 +173,31 @@ def test_periodic_random_kills_are_survived(tmp_path: Path) -> None:
     lost = [e for e in events if e["reason"] == "WorkerLost"]
     assert len(lost) >= len(injected) == summary["failures_injected"]
     assert wait_no_processes(name) == []
+
+
+def test_job_throughput_is_committed_tokens_per_wall_second(tmp_path: Path) -> None:
+    """Two workers each report the global batch's tokens over their own step time; the job
+    throughput must still be (committed steps x global batch x sequence length) / wall time,
+    from the run's own timestamps, not the sum of the workers' figures."""
+    global_batch, seq_len = 12, 64  # write_job: globalBatchSize 12, the tiny preset's seqLen
+    job = write_job(tmp_path / "job.yaml", "fake-throughput", workers=2, steps=60)
+    run_dir = tmp_path / "run"
+    proc = _run(job, run_dir, FAKE_TOKENS_PER_STEP=str(global_batch * seq_len))
+    assert proc.returncode == 0, proc.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    first, last = rows[0], rows[-1]
+    committed = last["step"] - first["step"]
+    expected = committed * global_batch * seq_len / (last["t"] - first["t"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mean_tokens_per_s"] == pytest.approx(expected, rel=0.05)
+    # The live figure (metrics.jsonl, the view, the plot) is the same rate over recent steps.
+    window = rows[-21:]
+    recent = (
+        (window[-1]["step"] - window[0]["step"])
+        * global_batch
+        * seq_len
+        / (window[-1]["t"] - window[0]["t"])
+    )
+    assert last["tokens_per_s"] == pytest.approx(recent, rel=0.05)
+    # The per-worker compute figure is kept, labelled as such, and is not the job's rate.
+    assert last["worker_tokens_per_s"] is not None
