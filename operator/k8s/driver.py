@@ -3,7 +3,7 @@
 The lifecycle session calls these methods; they return quickly. Pod creations and
 deletions run as background tasks (bounded by the client's concurrency), so a session
 starting a thousand workers does not wait a thousand round trips, and a failed create is
-reported back to the session like a worker that died (``on_create_failed``).
+observed by the session as a worker that exited (a ``WorkerExited`` with the reason).
 """
 
 from __future__ import annotations
