@@ -3,7 +3,7 @@
 The session is the only place where the pure policy meets time and I/O. It owns the
 policy state, answers the control protocol (called by ``bulkhead.operator.control``),
 receives the driver's observations, runs the hang timer, and hands start/stop/evict/event/
-status work to its ``EffectRunner`` (``session_effects``), so handlers never wait on a slow
+status work to its ``EffectRunner`` (``effects``), so handlers never wait on a slow
 driver. Everything runs on one asyncio event loop.
 """
 
