@@ -106,6 +106,14 @@ class ProgressReport(Model):
     step_time_s: float | None = Field(None, ge=0)
     tokens_per_s: float | None = Field(None, ge=0)
     checkpoint_step: int | None = Field(None, ge=0)
+    state_source: Literal["fresh", "kept", "peers", "checkpoint"] | None = Field(
+        None,
+        description=(
+            "How this generation got its state: fresh start, "
+            "every rank kept its own, moved between surviving holders, or restored from the "
+            "checkpoint because some piece had no surviving holder."
+        ),
+    )
 
 
 class FaultReport(Model):

@@ -102,26 +102,115 @@ class ModelConfig(Model):
 
 
 class PipelineConfig(Model):
-    stages: int = Field(1, ge=1, description="Pipeline stages per pipeline (1 = no pipelining).")
-    microbatches: int = Field(4, ge=1, description="Microbatches per pipeline per step.")
+    """Oobleck pipelines (not yet trained by the engine: setting this block is rejected)."""
+
+    stages: int = Field(1, ge=1, le=1024, description="Pipeline stages per pipeline.")
+    microbatches: int = Field(4, ge=1, le=4096, description="Microbatches per pipeline per step.")
 
 
 class ExpertParallelConfig(Model):
-    min_replicas: int = Field(2, ge=1, description="Minimum replicas of every expert (Lazarus f).")
-    rebalance_interval_steps: int = Field(200, ge=1)
+    """Lazarus expert parallelism (not yet trained by the engine: setting it is rejected)."""
 
-
-class ZeroConfig(Model):
-    stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage; 0 = plain data parallel.")
-    hpz_partition_size: int = Field(
-        1, ge=1, description="Secondary (hierarchical) partition size; 1 = off."
+    min_replicas: int = Field(
+        2, ge=1, le=1024, description="Minimum replicas of every expert (Lazarus f + 1)."
+    )
+    rebalance_interval_steps: int = Field(
+        200, ge=1, le=10_000_000, description="Steps between replica rebalancing."
     )
 
 
+class ZeroConfig(Model):
+    """ZeRO sharding of parameters, gradients and optimizer state (FSDP2).
+
+    Sharding happens within shard groups of consecutive ranks; the state is replicated
+    across at least faultTolerance.maxFailures + 1 such groups (HSDP), so any maxFailures
+    worker losses are recovered in process from the surviving replicas without reading a
+    checkpoint. The shard group size is the largest divisor of the live worker count that
+    leaves maxFailures + 1 replicas.
+    """
+
+    stage: Literal[0, 1, 2, 3] = Field(
+        0,
+        description=(
+            "ZeRO stage: 0 = plain data parallel; 1 = optimizer state sharded; 2 = + "
+            "gradients; 3 = + parameters. Each shard lives on maxFailures + 1 workers."
+        ),
+    )
+    hpz_partition_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "ZeRO++ hpZ secondary partition size h (stage 3 only; 1 = off): after forward "
+            "each rank keeps 1/h of every parameter so the backward all-gather stays within "
+            "h consecutive ranks (one node). Must divide the shard group size."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _hpz_needs_stage_3(self) -> ZeroConfig:
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            raise _rule(
+                "hpzPartitionSize",
+                "hierarchical partitioning applies to ZeRO stage 3 only (stage is {s}), got {h}",
+                s=self.stage,
+                h=self.hpz_partition_size,
+            )
+        return self
+
+
 class ParallelismConfig(Model):
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    experts: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
-    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    """How the model and its state are split over the workers."""
+
+    pipeline: PipelineConfig | None = Field(
+        None,
+        description=(
+            "Pipeline parallelism. Not supported by this version of the engine: a job "
+            "that sets it is rejected rather than trained without it."
+        ),
+    )
+    experts: ExpertParallelConfig | None = Field(
+        None,
+        description=(
+            "Expert parallelism. Not supported by this version of the engine: a job that "
+            "sets it is rejected rather than trained without it."
+        ),
+    )
+    zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO / hpZ sharding.")
+
+    @model_validator(mode="after")
+    def _only_what_the_engine_runs(self) -> ParallelismConfig:
+        for name in ("pipeline", "experts"):
+            if getattr(self, name) is not None:
+                raise _rule(
+                    name,
+                    "{what} parallelism is not supported by this version of the engine; "
+                    "remove the block (the job would otherwise train without it)",
+                    what=name,
+                )
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.pipeline)", "pipeline parallelism is not supported", "pipeline"),
+                cel("!has(self.experts)", "expert parallelism is not supported", "experts"),
+            ]
+        },
+    )
+
+
+def zero_shard_group_size(workers: int, max_failures: int) -> int:
+    """Shard group size for ``workers`` live workers that keeps ``max_failures + 1`` replicas.
+
+    The largest divisor S of ``workers`` with ``workers / S >= max_failures + 1``: every
+    worker trains, the mesh is rectangular (replicas x S), and any ``max_failures`` losses
+    leave at least one holder of every shard. 1 means no sharding (plain data parallel).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    replicas = max_failures + 1
+    return max(s for s in range(1, workers + 1) if workers % s == 0 and workers // s >= replicas)
 
 
 class BatchConfig(Model):
@@ -273,6 +362,28 @@ class TrainingJobSpec(Model):
                 w=self.workers,
                 f=f,
             )
+        zero = self.trainer.parallelism.zero
+        if zero.stage > 0:
+            size = zero_shard_group_size(self.workers, f)
+            if size < 2:
+                raise _rule(
+                    "trainer.parallelism.zero.stage",
+                    "ZeRO needs shard groups of >= 2 workers, but {w} workers kept in "
+                    "maxFailures + 1 = {r} replicas leave groups of 1 (use more workers, "
+                    "a lower maxFailures, or stage 0)",
+                    w=self.workers,
+                    r=f + 1,
+                )
+            if size % zero.hpz_partition_size:
+                raise _rule(
+                    "trainer.parallelism.zero.hpzPartitionSize",
+                    "must divide the shard group size {s} ({w} workers, maxFailures + 1 = {r} "
+                    "replicas), got {h}",
+                    s=size,
+                    w=self.workers,
+                    r=f + 1,
+                    h=zero.hpz_partition_size,
+                )
         return self
 
 

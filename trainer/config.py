@@ -118,6 +118,15 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class Parallelism:
+    """What the engine shards and how many copies of the state it keeps."""
+
+    zero_stage: int = 0
+    hpz: int = 1  # hpZ secondary partition size (1 = off)
+    max_failures: int = 0  # f: the state is kept on f + 1 workers
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything the trainer needs, concrete and immutable."""
 
@@ -133,6 +142,7 @@ class TrainConfig:
     log_interval_steps: int = 1
     checkpoint_interval_steps: int = 50
     timeouts: Timeouts = field(default_factory=Timeouts)
+    parallelism: Parallelism = field(default_factory=Parallelism)
 
 
 def train_config(spec: TrainingJobSpec) -> TrainConfig:
@@ -158,5 +168,10 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         timeouts=Timeouts(
             collective_s=ft.collective_timeout_seconds,
             registration_s=ft.registration_timeout_seconds,
+        ),
+        parallelism=Parallelism(
+            zero_stage=trainer.parallelism.zero.stage,
+            hpz=trainer.parallelism.zero.hpz_partition_size,
+            max_failures=ft.max_failures,
         ),
     )

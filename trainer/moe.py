@@ -48,9 +48,9 @@ class MoEFeedForward(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
+            # Every expert runs, on no tokens if none chose it: its gradient is then zero
+            # rather than missing, so sharded and replicated gradient reductions line up.
             token_idx, slot = (chosen == e).nonzero(as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
             contribution = expert(tokens[token_idx]) * weights[token_idx, slot].unsqueeze(-1)
             out.index_add_(0, token_idx, contribution)
         return out.reshape(shape), self.balance_loss(probs, chosen)

@@ -194,7 +194,9 @@ def _checkpointer(
     from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointSettings
     from bulkhead.trainer.runtime.checkpointing import EngineCheckpointer
 
-    settings = CheckpointSettings.from_spec(spec.checkpoint, job=launch.job, worker=launch.worker)
+    settings = CheckpointSettings.from_spec(
+        spec.checkpoint, job=launch.job, env=env, worker=launch.worker
+    )
     return EngineCheckpointer(CheckpointEngine(settings))
 
 

@@ -246,10 +246,17 @@ class _Policy(PolicyActions):
                 lost_steps=self.state.lost_steps + lost,
             )
             self.emit(done)
+            source = {
+                "kept": "; every survivor kept its state",
+                "peers": "; state moved between surviving holders",
+                "checkpoint": "; some state had no surviving holder: restored from checkpoint",
+                "fresh": "; no state survived: started over",
+            }.get(r.state_source or "", "")
             self.event(
                 "Recovered",
                 f"{pending.cause}: training resumed at step {r.step} after "
-                f"{done.seconds:.2f}s ({lost} steps redone)",
+                f"{done.seconds:.2f}s ({lost} steps redone){source}",
+                warning=r.state_source in ("checkpoint", "fresh"),
             )
         self.state = replace(self.state, pending_recoveries=())
 

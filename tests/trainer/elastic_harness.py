@@ -207,9 +207,18 @@ def worker_main(
     if slow_forward_s:
         import time
 
-        trainer.state.model.register_forward_hook(lambda *_: time.sleep(slow_forward_s))
+        from torch.nn.modules.module import register_module_forward_hook
+
+        from bulkhead.trainer.model import GPT
+
+        def slow(module: object, *_: object) -> None:
+            if isinstance(module, GPT):  # once per model forward, whichever engine built it
+                time.sleep(slow_forward_s)
+
+        register_module_forward_hook(slow)
     trainer.run()
-    torch.save(trainer.state.model.state_dict(), base / f"final-{worker}.pt")
+    assert trainer.held is not None
+    torch.save(trainer.held.tensors, base / f"final-{worker}.pt")
     logging.shutdown()
     # Like bulkhead-worker: skip the interpreter's teardown, which would wait for the gloo
     # group parked after an abandoned collective (until its timeout).

@@ -19,9 +19,8 @@ record and wakes the sidecar, which seals, replicates and persists asynchronousl
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,9 +59,7 @@ class CheckpointSettings(BaseModel):
 
     job: str
     worker: str = ""
-    shm_dir: Path = Field(
-        default_factory=lambda: Path(os.environ.get(SHM_DIR_ENV, DEFAULT_SHM_DIR))
-    )
+    shm_dir: Path = Field(Path(DEFAULT_SHM_DIR), description="The shared-memory volume.")
     socket: Path | None = Field(
         None, description="Sidecar socket; default <shm_dir>/checkpointd.sock."
     )
@@ -70,7 +67,7 @@ class CheckpointSettings(BaseModel):
     interval_steps: int = Field(50, gt=0)
     keep: int = Field(3, ge=1)
     peer_replication: bool = True
-    token: str | None = Field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    token: str | None = Field(None, description="Bearer token of peer replica requests.")
     lock_timeout_s: float = Field(60.0, gt=0, description="Max wait for a slot the sidecar holds.")
     seal_timeout_s: float = Field(30.0, ge=0, description="Max wait at restore for the seal.")
     peer_timeout_s: float = Field(60.0, gt=0)
@@ -82,8 +79,17 @@ class CheckpointSettings(BaseModel):
     )
 
     @classmethod
-    def from_spec(cls, config: CheckpointConfig, job: str, **runtime: Any) -> CheckpointSettings:
-        """Settings from ``spec.checkpoint``; ``runtime`` overrides (worker, shm_dir, ...)."""
+    def from_spec(
+        cls,
+        config: CheckpointConfig,
+        job: str,
+        env: Mapping[str, str] | None = None,
+        **runtime: Any,
+    ) -> CheckpointSettings:
+        """Settings from ``spec.checkpoint`` and the launch environment ``env`` (shared
+        memory, sidecar socket and token as the operator or ``bulkhead run`` set them);
+        ``runtime`` overrides (worker, shm_dir, ...)."""
+        env = env or {}
         storage = config.storage.path or (PVC_MOUNT_PATH if config.storage.pvc else None)
         values: dict[str, Any] = {
             "job": job,
@@ -92,8 +98,12 @@ class CheckpointSettings(BaseModel):
             "keep": config.keep,
             "peer_replication": config.peer_replication,
         }
-        if os.environ.get(CHECKPOINT_SOCKET_ENV):
-            values["socket"] = Path(os.environ[CHECKPOINT_SOCKET_ENV])
+        if env.get(SHM_DIR_ENV):
+            values["shm_dir"] = Path(env[SHM_DIR_ENV])
+        if env.get(CHECKPOINT_SOCKET_ENV):
+            values["socket"] = Path(env[CHECKPOINT_SOCKET_ENV])
+        if env.get(TOKEN_ENV):
+            values["token"] = env[TOKEN_ENV]
         return cls(**{**values, **runtime})
 
     @property
@@ -223,9 +233,15 @@ class CheckpointEngine:
     # -- restore and the rest --------------------------------------------------------
 
     def restore(
-        self, into: dict[str, Any] | None = None, max_step: int | None = None
+        self,
+        into: dict[str, Any] | None = None,
+        max_step: int | None = None,
+        shard: str | None = None,
     ) -> Restored | None:
         """The newest complete and verified snapshot of our shard at or below ``max_step``.
+
+        ``shard``: another shard than this rank's (``restore.ANY_SHARD``: whichever is
+        newest), to rebuild a state whose layout differs from the current one.
 
         Tiers: own shared memory, then peers' replicas (``topology.peers``), then storage.
         Tensors found at the same key path in ``into`` with the same dtype and shape are
@@ -241,7 +257,7 @@ class CheckpointEngine:
             seal_timeout=self.settings.seal_timeout_s,
             peer_timeout=self.settings.peer_timeout_s,
         )
-        restorer = Restorer(options, self.topology, self.sidecar, self._read_own_slot)
+        restorer = Restorer(options, self.topology, self.sidecar, self._read_own_slot, shard)
         restored = restorer.restore(into, max_step)
         if restored is not None:
             self._discard_newer_than(restored.step)

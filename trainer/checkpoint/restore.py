@@ -37,6 +37,7 @@ from bulkhead.trainer.checkpoint.wire import ProtocolError
 log = logging.getLogger(__name__)
 
 TIERS = ("shm", "peer", "storage")  # preference order for the same step
+ANY_SHARD = "*"  # restore the newest snapshot of whichever shard (to learn a layout)
 # Opens own slot ``index`` for reading: (record, uint8 buffer) under a shared lock, or None.
 SlotReader = Callable[[int], AbstractContextManager[tuple[SlotMeta, torch.Tensor] | None]]
 
@@ -88,9 +89,11 @@ class Restorer:
         topology: Topology,
         sidecar: SidecarClient,
         read_slot: SlotReader,
+        shard: str | None = None,
     ) -> None:
         self.options = options
         self.topology = topology
+        self.shard = shard or topology.shard  # ANY_SHARD: whichever
         self.sidecar = sidecar
         self.read_slot = read_slot
 
@@ -103,7 +106,7 @@ class Restorer:
         return found, notes
 
     def _ours(self, record: SnapshotRecord) -> bool:
-        return record.job == self.options.job and record.shard == self.topology.shard
+        return record.job == self.options.job and self.shard in (ANY_SHARD, record.shard)
 
     def _from_memory(self, notes: list[str]) -> list[Candidate]:
         try:  # the sidecar seals snapshots the trainer wrote just before it died
@@ -145,10 +148,14 @@ class Restorer:
         if self.options.storage_dir is None:
             return []
         storage = FileStorage(self.options.storage_dir)
-        return [
-            Candidate("storage", r, storage)
-            for _, r in storage.complete_steps(self.options.job, self.topology.shard)
-        ]
+        if self.shard != ANY_SHARD:
+            complete = storage.complete_steps(self.options.job, self.shard)
+            return [Candidate("storage", r, storage) for _, r in complete]
+        out = []
+        for records in storage.manifests(self.options.job).values():
+            whole = [r for r in records.values() if all(n in records for n in r.shards)]
+            out += [Candidate("storage", r, storage) for r in whole[:1]]
+        return out
 
     def load(self, candidate: Candidate, into: dict[str, Any] | None) -> dict[str, Any]:
         """The candidate's state, verified first; raises ChecksumMismatch, OSError, ..."""

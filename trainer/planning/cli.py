@@ -178,7 +178,8 @@ def _experts(
     console: Console, experts: int, n: int, gpus: int, slots_per_gpu: int, spec: Any,
     skew: float, fail: int, lost: list[str],
 ) -> dict[str, Any]:  # fmt: skip
-    f = spec.trainer.parallelism.experts.min_replicas
+    experts_cfg = spec.trainer.parallelism.experts
+    f = experts_cfg.min_replicas if experts_cfg else spec.fault_tolerance.max_failures + 1
     slots = gpus * slots_per_gpu
     loads = zipf_loads(experts, skew)
     replicas = allocate_replicas(loads, n, slots, f)

@@ -1,32 +1,40 @@
 """Connects the elastic loop to the checkpoint engine (TCE, ``bulkhead.trainer.checkpoint``).
 
-Snapshots are taken every ``checkpoint.intervalSteps`` completed steps; they are read only
-when the manager says no replica of the state survived (``restoreFromCheckpoint``). With
-data parallelism every rank holds the same bytes, so all ranks share one shard id and only
-rank 0 persists. Each rank's sidecar also sends every snapshot to the sidecar of the next
-member on another node (a ring, as in TRANSOM's TCE), so a worker whose own memory is gone
-restores from a peer before it falls back to storage. Step numbers follow the control
-protocol: a checkpoint's ``step`` is the index of the last step it contains, and training
-resumes at ``step + 1``.
+The plan of each generation says which checkpoint shard a rank snapshots (ranks with
+equal shard ids hold identical bytes: every rank under data parallelism, one replica of
+each ZeRO shard group), which ranks persist (one holder of each shard) and which shards
+make a checkpoint complete. A snapshot is the engine's ``HeldState``: this rank's flat key
+ranges and the layout they belong to. Each rank's sidecar also sends every snapshot to the
+sidecar of the next member on another node (a ring, as in TRANSOM's TCE), so a worker
+whose own memory is gone restores from a peer before it falls back to storage.
+
+Restoring rebuilds the state whatever the layout it was written in: the newest snapshot
+of any shard names the shards of its checkpoint, each is fetched through the ladder (own
+shared memory -> peer replica -> storage) at that same step, and the engine's transfer
+plan then moves the pieces where the current plan wants them. Step numbers follow the
+control protocol: a checkpoint's ``step`` is the index of the last step it contains.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
 from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointError
 from bulkhead.trainer.checkpoint.records import Topology
-from bulkhead.trainer.runtime.state import TrainState
+from bulkhead.trainer.checkpoint.restore import ANY_SHARD, Restored
+from bulkhead.trainer.engine.engine import HeldState
+from bulkhead.trainer.engine.plan import ParallelPlan, shard_id
 
 log = logging.getLogger(__name__)
 
-DP_SHARD = "dp"
-# Peers a restore asks for replicas: a few nearest predecessors. Any of them holds a
-# replica of the shard, and asking all of a large job's sidecars one by one would be slow.
-MAX_PEERS = 4
+# Peers a restore asks for replicas: the nearest predecessors first (ring replication
+# feeds each sidecar from its predecessor). A sharded checkpoint needs every shard, whose
+# replicas sit next to their holders anywhere in the ring, so all peers are listed.
+MAX_PEERS = 64
 
 
 def ring_successor(members: list[Member], rank: int) -> str | None:
@@ -43,13 +51,8 @@ def ring_successor(members: list[Member], rank: int) -> str | None:
     return chosen[0].checkpoint_address if chosen else None
 
 
-def dp_topology(view: MembershipView, rank: int) -> Topology:
-    """This rank's place in the checkpoint of a data-parallel generation.
-
-    Every rank holds the same shard, so any peer's replica will do; the peers are the
-    ``MAX_PEERS`` nearest predecessors (ring replication feeds each sidecar from its
-    predecessor), nearest first.
-    """
+def topology_for(view: MembershipView, plan: ParallelPlan, rank: int) -> Topology:
+    """This rank's place in the checkpoints of generation ``view`` laid out by ``plan``."""
     ordered = sorted(view.members, key=lambda m: m.rank)
     mine = next(m.checkpoint_address for m in ordered if m.rank == rank)
     position = next(i for i, m in enumerate(ordered) if m.rank == rank)
@@ -57,20 +60,22 @@ def dp_topology(view: MembershipView, rank: int) -> Topology:
     peers = tuple(dict.fromkeys(m.checkpoint_address for m in before if m.checkpoint_address))
     return Topology(
         generation=view.generation,
-        shard=DP_SHARD,
-        shards=(DP_SHARD,),
-        persist=rank == 0,
+        shard=plan.checkpoint_shard(rank),
+        shards=plan.checkpoint_shards(),
+        persist=plan.persists(rank),
         replicate_to=ring_successor(view.members, rank),
         peers=tuple(p for p in peers if p != mine)[:MAX_PEERS],
+        plan={"shards": list(plan.checkpoint_shards()), "layout": plan.describe()},
     )
 
 
-def _state_dict(state: TrainState) -> dict[str, Any]:
-    return {
-        "model": state.model.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
-        "completed_steps": state.completed_steps,
-    }
+@dataclass(frozen=True)
+class RestoredState:
+    """Every shard of one checkpoint step, as held states, and where the first came from."""
+
+    step: int  # index of the last step the checkpoint contains
+    pieces: list[HeldState]
+    tiers: list[str]
 
 
 class EngineCheckpointer:
@@ -88,22 +93,29 @@ class EngineCheckpointer:
     def replica_address(self, advertise_host: str) -> str:
         return self.engine.replica_address(advertise_host) or ""
 
-    def begin_generation(self, view: MembershipView, rank: int) -> None:
-        if view.generation != self._generation:
-            self._generation = view.generation
-            topology = dp_topology(view, rank)
-            self.engine.set_topology(topology)
-            log.info(
-                "generation %d: snapshots replicate to %s; %d peer sidecar(s) to restore from",
-                view.generation,
-                topology.replicate_to or "nobody",
-                len(topology.peers),
-            )
+    def due(self, completed_steps: int) -> bool:
+        """Whether the state after ``completed_steps`` steps is to be snapshotted."""
+        return self.engine.due(completed_steps)
 
-    def snapshot(self, state: TrainState) -> None:
-        step = state.completed_steps - 1
+    def begin_generation(self, view: MembershipView, plan: ParallelPlan, rank: int) -> None:
+        if view.generation == self._generation:
+            return
+        self._generation = view.generation
+        topology = topology_for(view, plan, rank)
+        self.engine.set_topology(topology)
+        log.info(
+            "generation %d: snapshots of shard %s (%s), replicated to %s; %d peer sidecar(s)",
+            view.generation,
+            topology.shard,
+            "persisted here" if topology.persist else "persisted by another holder",
+            topology.replicate_to or "nobody",
+            len(topology.peers),
+        )
+
+    def snapshot(self, held: HeldState) -> None:
+        step = held.holding.step - 1
         try:
-            result = self.engine.snapshot(step, _state_dict(state))
+            result = self.engine.snapshot(step, held.to_snapshot())
         except (CheckpointError, OSError) as exc:  # training goes on; the next one may work
             log.warning("snapshot of step %d failed: %s", step, exc)
             return
@@ -112,18 +124,44 @@ class EngineCheckpointer:
             "snapshot of step %d: %d bytes, blocked %.3fs", step, result.nbytes, result.blocking_s
         )
 
-    def restore(self, state: TrainState, max_step: int | None = None) -> bool:
-        bound = f" at or before step {max_step}" if max_step is not None else ""
-        log.info("restoring the newest verified checkpoint%s", bound)
-        restored = self.engine.restore(into=_state_dict(state), max_step=max_step)
-        if restored is None:
-            return False
-        state.model.load_state_dict(restored.state["model"])
-        state.optimizer.load_state_dict(restored.state["optimizer"])
-        state.completed_steps = restored.step + 1
-        self._last_step = restored.step
-        log.info("restored step %d from %s", restored.step, restored.tier)
-        return True
+    def restore(self, max_step: int | None = None) -> RestoredState | None:
+        """Every shard of the newest checkpoint all of whose shards can be had, or None."""
+        return restore_all_shards(self.engine.restore, max_step)
 
     def close(self) -> None:
         self.engine.close()
+
+
+RestoreFn = Callable[..., Restored | None]
+
+
+def restore_all_shards(restore: RestoreFn, max_step: int | None) -> RestoredState | None:
+    """Newest first: a snapshot of any shard names its checkpoint's shards; fetch the
+    others at the same step; when one is missing everywhere, try older steps."""
+    bound = max_step
+    while True:
+        first = restore(max_step=bound, shard=ANY_SHARD)
+        if first is None:
+            return None
+        step = first.step
+        shards = list(first.plan.get("shards") or [])
+        pieces = [HeldState.from_snapshot(first.state)]
+        tiers = [first.tier]
+        complete = True
+        have = {shard_id(pieces[0].holding.shards, pieces[0].holding.index)}
+        for shard in shards:
+            if shard in have:
+                continue
+            other = restore(max_step=step, shard=shard)
+            if other is None or other.step != step:
+                log.warning("checkpoint step %d: shard %s is not available anywhere", step, shard)
+                complete = False
+                break
+            pieces.append(HeldState.from_snapshot(other.state))
+            tiers.append(other.tier)
+            have.add(shard)
+        if complete:
+            return RestoredState(step, pieces, tiers)
+        if step == 0:
+            return None
+        bound = step - 1

@@ -1,17 +1,17 @@
 """The elastic training loop: one worker's life across membership generations.
 
-register -> wait for a generation that contains this worker -> form its group -> sync the
-state from the newest replica -> train until done, a newer generation (all ranks switch at
-the same step boundary) or a collective error (report it, wait for the manager's next
-generation) -> tear down -> repeat. The state lives in this process, so survivors of a
-reconfiguration lose no step; checkpoints are read only when the manager says that no
-replica survived (``restoreFromCheckpoint``).
+register -> wait for a generation that contains this worker -> form its world -> plan it
+-> build the engine the plan lays out -> adopt the state from whoever holds it -> train
+until done, a newer generation (all ranks switch at the same step boundary) or a
+collective error (report it, wait for the manager's next generation) -> keep this rank's
+state, tear the world down -> repeat. The state lives in this process, so survivors of a
+reconfiguration lose no step; checkpoints are read only when some piece of the state has
+no surviving holder, or when the manager says none survived (``restoreFromCheckpoint``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -27,18 +27,26 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
-from bulkhead.trainer.model import build_model
+from bulkhead.trainer.engine.device import DeviceChoice, activate, pick_device
+from bulkhead.trainer.engine.engine import (
+    Adoption,
+    Engine,
+    HeldState,
+    NonFiniteLoss,
+    StepResult,
+    describe_adoption,
+)
+from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
+from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
+from bulkhead.trainer.runtime.checkpointing import RestoredState
 from bulkhead.trainer.runtime.control import (
     ControlClient,
     MembershipWatcher,
     Reporter,
     is_gone,
 )
-from bulkhead.trainer.runtime.group import CollectiveError, GenerationGroup, StoreHost, form_group
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 from bulkhead.trainer.runtime.samples_log import SamplesLog
-from bulkhead.trainer.runtime.state import TrainState, make_optimizer, sync_state
-from bulkhead.trainer.runtime.step import NonFiniteLoss, StepResult, train_step
 from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
 log = logging.getLogger(__name__)
@@ -60,15 +68,17 @@ class Checkpointer(Protocol):
     def replica_address(self, advertise_host: str) -> str:
         """host:port where peers reach this worker's checkpoint sidecar ("" if none)."""
 
-    def begin_generation(self, view: MembershipView, rank: int) -> None:
+    def begin_generation(self, view: MembershipView, plan: ParallelPlan, rank: int) -> None:
         """Called once per generation, before any snapshot or restore in it."""
 
-    def snapshot(self, state: TrainState) -> None:
-        """Snapshot the state after ``state.completed_steps`` steps; blocks only for a copy."""
+    def due(self, completed_steps: int) -> bool:
+        """Whether the state after ``completed_steps`` steps is to be snapshotted."""
 
-    def restore(self, state: TrainState, max_step: int | None = None) -> bool:
-        """Load the newest verified checkpoint (at most step ``max_step``) into ``state``;
-        False if there is none."""
+    def snapshot(self, held: HeldState) -> None:
+        """Snapshot this rank's state (``held.holding.step`` steps); blocks only for a copy."""
+
+    def restore(self, max_step: int | None = None) -> RestoredState | None:
+        """Every shard of the newest verified checkpoint (at most step ``max_step``)."""
 
     @property
     def last_step(self) -> int | None:
@@ -101,13 +111,17 @@ class ElasticTrainer:
         self.samples_log = samples_log
         self.checkpointer = checkpointer
         self.node_agent = node_agent
-        model = build_model(cfg.model, cfg.seed)
-        self.state = TrainState(model, make_optimizer(model, cfg.optimizer))
+        self.device: DeviceChoice = pick_device()
+        activate(self.device)
+        # This rank's state between generations: its last engine's, or nothing (new member).
+        self.held: HeldState | None = None
         self.store_host = StoreHost(identity.advertise_host, cfg.timeouts.collective_s)
         # Each thread that blocks on the control endpoint has its own client.
         self.watcher = MembershipWatcher(connect(), cfg.timeouts.membership_poll_s)
         self.reporter = Reporter(connect())
         self.last_result: StepResult | None = None
+        self._state_source: str | None = None  # how this generation got its state
+        self._adoption: Adoption | None = None
         # Fed the compute times each step's all-reduce already carries: no extra collective.
         self.stragglers = StragglerDetector(every_steps=20)
         # This rank's latest straggler verdict, repeated in every report to the node agent
@@ -170,12 +184,17 @@ class ElasticTrainer:
 
     # ------------------------------------------------------------ one generation
 
+    @property
+    def completed_steps(self) -> int:
+        return self.held.holding.step if self.held is not None else 0
+
     def _run_generation(self, view: MembershipView) -> Outcome:
         try:
-            group = form_group(
+            world = form_world(
                 view,
                 self.me.worker,
                 self.store_host,
+                self.device,
                 self.cfg.timeouts.collective_s,
                 should_abandon=lambda: self._newer_generation_seen(view),
                 abandon_after_s=self.cfg.timeouts.abandon_after_s,
@@ -183,9 +202,12 @@ class ElasticTrainer:
         except CollectiveError as exc:
             self._report_fault("collective_error", str(exc), view.generation)
             return "reconfigure"
+        engine: Engine | None = None
         try:
-            self._prepare(view, group)
-            return self._train(view, group)
+            plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
+            engine = Engine.build(plan, world, self.cfg)
+            self._prepare(view, engine)
+            return self._train(view, engine)
         except CollectiveError as exc:
             log.warning("generation %d: %s", view.generation, exc)
             self._report_fault("collective_error", str(exc), view.generation)
@@ -195,57 +217,89 @@ class ElasticTrainer:
             self._report_fault("nan_loss", str(exc), view.generation)
             return "reconfigure"
         finally:
-            group.destroy()
+            # The state of the last completed step, for the next generation's engine; an
+            # engine that never adopted any state leaves the previous one in place.
+            if engine is not None and engine.adopted:
+                self.held = engine.held_state()
+            del engine
+            world.close()
 
-    def _prepare(self, view: MembershipView, group: GenerationGroup) -> None:
-        started = time.perf_counter()
+    def _prepare(self, view: MembershipView, engine: Engine) -> None:
+        plan, world = engine.plan, engine.world
         if self.checkpointer is not None:
-            self.checkpointer.begin_generation(view, group.rank)
-        if view.restore_from_checkpoint:
-            if self.checkpointer is None:
-                log.warning(
-                    "generation %d: restore requested but no checkpoint engine", view.generation
-                )
-            # The newest snapshot, not just the one the manager heard of (resume_step - 1):
-            # that one may be retired already; ranks then agree on the newest by sync_state.
-            elif not self.checkpointer.restore(self.state):
-                log.warning("generation %d: no checkpoint to restore", view.generation)
-        source = sync_state(self.state, group)
-        if self.samples_log is not None and group.rank == 0:
-            self.samples_log.reconcile(
-                self.state.completed_steps, view.generation, group.world_size
+            self.checkpointer.begin_generation(view, plan, world.rank)
+        for line in plan.describe():
+            log.info("plan: %s", line)
+        held = self.held
+        if view.restore_from_checkpoint:  # the manager knows no replica survived
+            held = self._restore(engine, "the manager asked for a checkpoint") or held
+        adoption = engine.adopt(held)
+        if not adoption.complete:
+            # Every rank computed the same transfer plan, so all of them come here together.
+            keys = len(adoption.missing)
+            log.warning(
+                "generation %d: %d state key(s) have no surviving holder at step %d; "
+                "falling back to the checkpoint",
+                view.generation,
+                keys,
+                adoption.step,
             )
-        log.info(
-            "generation %d: state at step %d from rank %d in %.3fs",
-            view.generation,
-            self.state.completed_steps,
-            source,
-            time.perf_counter() - started,
-        )
+            restored = self._restore(engine, f"{keys} state keys had no surviving holder")
+            adoption = engine.adopt(restored)
+            if not adoption.complete:
+                log.error(
+                    "generation %d: no checkpoint holds the whole state either: "
+                    "training starts over from step 0",
+                    view.generation,
+                )
+                adoption = engine.adopt(None)
+            self._state_source = "checkpoint"
+        else:
+            self._state_source = adoption.source
+        self._adoption = adoption
+        if self.samples_log is not None and world.rank == 0:
+            self.samples_log.reconcile(engine.completed_steps, view.generation, world.world_size)
+        log.info("%s", describe_adoption(adoption, plan))
 
-    def _train(self, view: MembershipView, group: GenerationGroup) -> Outcome:
+    def _restore(self, engine: Engine, why: str) -> HeldState | None:
+        """The newest checkpoint as one whole state (its shards from the ladder), or None."""
+        if self.checkpointer is None:
+            log.warning("%s, but this worker has no checkpoint engine", why)
+            return None
+        restored = self.checkpointer.restore()
+        if restored is None:
+            log.warning("%s, but no checkpoint is available", why)
+            return None
+        log.info(
+            "%s: restored step %d (%d shard(s) from %s)",
+            why,
+            restored.step,
+            len(restored.pieces),
+            "/".join(sorted(set(restored.tiers))),
+        )
+        return engine.assemble(restored.pieces)
+
+    def _train(self, view: MembershipView, engine: Engine) -> Outcome:
         total = view.total_steps or self.cfg.steps
         first = True
         self.stragglers.reset()
         self._own_straggler = None
-        while self.state.completed_steps < total:
-            result = train_step(
-                self.state,
+        while engine.completed_steps < total:
+            result = engine.step(
                 self.dataset,
-                self.cfg,
-                group,
                 newer_generation=self._newer_generation_seen(view),
                 stop=self.reporter.stop_requested.is_set(),
             )
             self.last_result = result
-            self._after_step(result, view, group, report=first)
-            self._check_stragglers(result, view, group)
+            self._after_step(result, view, engine, report=first)
+            self._check_stragglers(result, view, engine.world)
             first = False
             if result.stop:
                 raise Stopped(self.reporter.stop_reason or "told to stop")
             if result.newer_generation:
                 log.info("generation %d: switching after step %d", view.generation, result.step)
                 return "reconfigure"
+        self.held = engine.held_state()
         self._complete(view)
         return "done"
 
@@ -254,13 +308,14 @@ class ElasticTrainer:
         return newest > view.generation
 
     def _after_step(
-        self, result: StepResult, view: MembershipView, group: GenerationGroup, report: bool
+        self, result: StepResult, view: MembershipView, engine: Engine, report: bool
     ) -> None:
-        if self.samples_log is not None and group.rank == 0:
-            self.samples_log.append(result.step, view.generation, group.world_size)
-        completed = self.state.completed_steps
-        if self.checkpointer is not None and completed % self.cfg.checkpoint_interval_steps == 0:
-            self.checkpointer.snapshot(self.state)
+        world = engine.world
+        if self.samples_log is not None and world.rank == 0:
+            self.samples_log.append(result.step, view.generation, world.world_size)
+        completed = engine.completed_steps
+        if self.checkpointer is not None and self.checkpointer.due(completed):
+            self.checkpointer.snapshot(engine.held_state())
         if report or completed % self.cfg.log_interval_steps == 0:
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else None
             self.reporter.post(
@@ -272,6 +327,7 @@ class ElasticTrainer:
                     step_time_s=result.seconds,
                     tokens_per_s=tokens_per_s,
                     checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
+                    state_source=self._state_source,
                 )
             )
             own = self._own_straggler
@@ -292,12 +348,10 @@ class ElasticTrainer:
                 result.loss,
                 result.seconds,
                 view.generation,
-                group.world_size,
+                world.world_size,
             )
 
-    def _check_stragglers(
-        self, result: StepResult, view: MembershipView, group: GenerationGroup
-    ) -> None:
+    def _check_stragglers(self, result: StepResult, view: MembershipView, group: World) -> None:
         verdict = self.stragglers.observe(result.compute_s, result.step)
         if verdict is None:
             return
@@ -320,7 +374,7 @@ class ElasticTrainer:
         report = CompletionReport(
             worker=self.me.worker,
             generation=view.generation,
-            step=self.state.completed_steps - 1,
+            step=self.completed_steps - 1,
             loss=last.loss if last else None,
         )
         try:
@@ -328,7 +382,7 @@ class ElasticTrainer:
         except Exception as exc:  # the job is done either way; the manager sees the exit
             log.warning("completion report failed: %s", exc)
         self._to_node_agent(WorkerReport(worker=self.me.worker, step=report.step, done=True))
-        log.info("finished %d steps", self.state.completed_steps)
+        log.info("finished %d steps", self.completed_steps)
 
     def _to_node_agent(self, report: WorkerReport) -> None:
         if self.node_agent is not None:
@@ -343,13 +397,9 @@ class ElasticTrainer:
             kind=kind,
             message=message[:4096],
             suspects=suspects or [],
-            step=self.state.completed_steps - 1 if self.state.completed_steps else None,
+            step=self.completed_steps - 1 if self.completed_steps else None,
         )
         try:
             self.reporter.observe(self.client.fault(report))
         except Exception as exc:
             log.warning("fault report (%s) failed: %s", kind, exc)
-
-    def report_user_error(self, message: str) -> None:
-        """Tell the manager the job cannot succeed (bad config or an exception in user code)."""
-        self._report_fault("user_error", message, self.watcher.generation)

@@ -1,0 +1,149 @@
+"""Runs the engine in real gloo processes, without the control plane.
+
+``run_scenario(cfg, phases)`` starts one process per slot; each phase is a generation
+with the slots that are alive in it. Between phases a slot may be *killed* (its process
+exits with SIGKILL, mid-step, before the phase's generation forms) or *join* (a new
+process with no state). Every process records per-step losses and, at the end, the full
+state (parameters and optimizer state gathered from the shards) of rank 0 in the last
+phase, so a test compares it with a data-parallel reference.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.data import open_dataset
+from bulkhead.trainer.engine.device import pick_device
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.world import CollectiveError, open_world
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One generation: which slots train in it, for how many steps."""
+
+    slots: tuple[int, ...]
+    steps: int
+    kill_after: tuple[int, ...] = ()  # slots that die mid-way into the next phase's first step
+
+
+@dataclass
+class Outcome:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss (rank 0 of each phase)
+    adoptions: list[tuple[int, str, int]] = field(default_factory=list)  # (gen, source, step)
+    full_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every key gathered whole (collective), for comparison with a reference."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for spec, t in engine._entries:
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        out[spec.name] = whole.detach().reshape(-1).clone()
+    return out
+
+
+def _slot_main(
+    slot: int,
+    cfg: TrainConfig,
+    phases: list[Phase],
+    port: int,
+    out_dir: str,
+) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
+    )
+    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    device = pick_device()
+    held = None
+    outcome = Outcome()
+    engine = None
+    for generation, phase in enumerate(phases, start=1):
+        if slot not in phase.slots:
+            continue
+        workers = [f"w{s}" for s in phase.slots]
+        rank = phase.slots.index(slot)
+        world = open_world(generation, rank, workers, workers, store, device, 60)
+        plan = make_plan(generation, workers, workers, cfg)
+        engine = Engine.build(plan, world, cfg)
+        adoption = engine.adopt(held)
+        outcome.adoptions.append((generation, adoption.source, adoption.step))
+        assert adoption.complete, adoption.missing
+        try:
+            for _ in range(phase.steps):
+                last = engine.completed_steps == adoption.step + phase.steps - 1
+                if slot in phase.kill_after and last:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                result = engine.step(dataset)
+                if rank == 0:
+                    outcome.losses[result.step] = result.loss
+        except CollectiveError as exc:
+            # A peer died mid-step: the state is still that of the last committed step.
+            outcome.errors.append(str(exc))
+            held = engine.held_state()
+        is_last = generation == len(phases)
+        if is_last:
+            state = full_state(engine)
+            if rank == 0:
+                outcome.full_state = state
+        world.close()
+    Path(out_dir, f"slot{slot}.pkl").write_bytes(pickle.dumps(outcome))
+
+
+def _store_server(port_queue) -> None:  # pragma: no cover - a tiny process
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
+    port_queue.put(store.port)
+
+    time.sleep(3600)
+
+
+def run_scenario(cfg: TrainConfig, phases: list[Phase], tmp: Path) -> dict[int, Outcome]:
+    """Run all phases; returns each slot's outcome (killed slots have none)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    server = ctx.Process(target=_store_server, args=(q,), daemon=True)
+    server.start()
+    port = q.get(timeout=300)
+    slots = sorted({s for p in phases for s in p.slots})
+    procs = {
+        s: ctx.Process(target=_slot_main, args=(s, cfg, phases, port, str(tmp))) for s in slots
+    }
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join(timeout=600)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        server.kill()
+    out = {}
+    for s in slots:
+        path = tmp / f"slot{s}.pkl"
+        if path.exists():
+            out[s] = pickle.loads(path.read_bytes())
+    return out

@@ -1,0 +1,451 @@
+"""The engine of one generation: ``build(plan, world, cfg)`` -> ``Engine``.
+
+An engine owns the model as the plan lays it out (replicated for data parallelism,
+FSDP2-sharded for ZeRO), its optimizer and the count of completed steps. It exposes its
+state as keys (see ``layout``), so after a membership change the next generation's engine
+``adopt``s the state from whoever holds it — the previous engine of this process, the
+surviving peers, or (when some key has no surviving holder) pieces restored from the
+checkpoint ladder — through one transfer plan, whatever the parallelism.
+
+``step`` runs one optimizer step on this rank's share of the global batch and commits it
+on every rank with one agreement all-reduce (``grad_sync``); nothing in the optimizer
+update communicates, so a failure before the agreement leaves every survivor's state at
+the last completed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.data import ByteDataset, step_positions
+from bulkhead.trainer.engine.grad_sync import reduce_step
+from bulkhead.trainer.engine.layout import (
+    NOTHING,
+    Holding,
+    KeySpec,
+    Range,
+    needed_ranges,
+    ranges_of,
+)
+from bulkhead.trainer.engine.optim import lr_at, make_optimizer
+from bulkhead.trainer.engine.plan import ParallelPlan
+from bulkhead.trainer.engine.transfer import TransferPlan, plan_transfer
+from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.engine.zero import after_optimizer_step, apply_zero, begin_microbatch
+from bulkhead.trainer.model import build_model
+from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(ArithmeticError):
+    """The global loss became NaN or infinite."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"step {step}: loss is {loss}")
+        self.step = step
+        self.loss = loss
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float  # mean language-model loss over the global batch
+    aux_loss: float  # mean MoE balance loss over the global batch's microbatches
+    seconds: float
+    tokens: int  # tokens of the global batch
+    newer_generation: bool  # some rank saw a newer generation: switch after this step
+    stop: bool  # some rank was told to stop
+    compute_s: list[float]  # forward/backward seconds of every rank (index = rank)
+
+
+@dataclass
+class HeldState:
+    """State this process holds outside an engine's model: ``tensors[key]`` is the flat
+    range ``ranges_of(holding)[key]`` (from a previous engine or a checkpoint)."""
+
+    holding: Holding
+    tensors: dict[str, torch.Tensor]
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return {"holding": list(self.holding.encode()), "keys": self.tensors}
+
+    @classmethod
+    def from_snapshot(cls, state: dict[str, Any]) -> HeldState:
+        return cls(Holding.decode(state["holding"]), dict(state["keys"]))
+
+
+def assemble_whole(pieces: list[HeldState], specs: list[KeySpec]) -> HeldState:
+    """The whole state from the shards of one layout at one step (every shard present)."""
+    if not pieces:
+        raise ValueError("no pieces to assemble")
+    step, shards = pieces[0].holding.step, pieces[0].holding.shards
+    by_index = {p.holding.index: p for p in pieces}
+    if {(p.holding.step, p.holding.shards) for p in pieces} != {(step, shards)}:
+        raise ValueError("pieces of different steps or layouts")
+    if sorted(by_index) != list(range(shards)):
+        raise ValueError(f"shards {sorted(by_index)} of {shards}: some are missing")
+    tensors = {}
+    for spec in specs:
+        parts = [by_index[i].tensors[spec.name] for i in range(shards) if spec.name in
+                 by_index[i].tensors]  # fmt: skip
+        whole = torch.cat(parts) if spec.shardable and shards > 1 else parts[0]
+        if whole.numel() != spec.numel:
+            raise ValueError(
+                f"{spec.name}: {whole.numel()} elements restored, {spec.numel} expected"
+            )
+        tensors[spec.name] = whole
+    return HeldState(Holding(step=step, shards=1, index=0), tensors)
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """How a new engine got its state."""
+
+    step: int  # completed steps after adoption
+    source: str  # "fresh" | "kept" | "peers" | "incomplete"
+    bytes_received: int
+    seconds: float
+    missing: dict[str, tuple[Range, ...]]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+
+
+def _norm_sq(grads: list[torch.Tensor]) -> float:
+    return sum(float(g.double().pow(2).sum()) for g in grads)
+
+
+def _shardable(key: str, t: torch.Tensor) -> bool:
+    """Whether a sharded layout splits this key (FSDP2 shards every parameter on dim 0)."""
+    return key.startswith(("param/", "optim/")) and t.dim() >= 1
+
+
+class Engine:
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        world: World,
+        cfg: TrainConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        root: nn.Module | None,
+    ) -> None:
+        self.plan = plan
+        self.world = world
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.root = root
+        self.completed_steps = 0
+        self.adopted = False  # holds no state worth keeping until adopt() succeeds
+        self._entries = self._state_entries()
+        self.specs = [spec for spec, _ in self._entries]
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, plan: ParallelPlan, world: World, cfg: TrainConfig) -> Engine:
+        """A fresh model laid out per ``plan`` (state not yet adopted)."""
+        if plan.world_size != world.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
+        device = world.device.device
+        model = build_model(cfg.model, cfg.seed).to(device)
+        root = None
+        if plan.zero.sharded:
+            with world.guard("sharding the model"):
+                root = apply_zero(model, plan.zero, device.type)
+        world.seal()  # every group of the generation exists now
+        optimizer = make_optimizer(model, cfg.optimizer)
+        _materialize_optimizer(model, optimizer)
+        return cls(plan, world, cfg, model, optimizer, root)
+
+    # -- state as keys -----------------------------------------------------------------
+
+    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        tensors: list[tuple[str, torch.Tensor]] = [
+            (f"param/{name}", p) for name, p in self.model.named_parameters()
+        ]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                slots = self.optimizer.state[p]
+                for slot in sorted(slots):
+                    if isinstance(slots[slot], torch.Tensor):
+                        tensors.append((f"optim/{names[id(p)]}/{slot}", slots[slot]))
+        tensors += [(f"buffer/{name}", b) for name, b in self.model.named_buffers()]
+        entries = []
+        for key, t in tensors:
+            spec = KeySpec(
+                name=key,
+                numel=t.numel(),
+                rows=t.shape[0] if t.dim() > 0 else 1,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shardable=_shardable(key, t),
+            )
+            if self.plan.zero.sharded and spec.shardable != _is_sharded(t):
+                raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
+            entries.append((spec, t))
+        return entries
+
+    @property
+    def holding(self) -> Holding:
+        if not self.adopted:
+            return NOTHING
+        z = self.plan.zero
+        return Holding(
+            step=self.completed_steps,
+            shards=z.shard_size if z.sharded else 1,
+            index=z.shard_index(self.world.rank),
+        )
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """Every key's flat local range (views: writing them writes the state)."""
+        out = {}
+        for spec, t in self._entries:
+            local = _local(t.detach())
+            if local.numel():
+                out[spec.name] = local.reshape(-1)
+        return out
+
+    def held_state(self) -> HeldState:
+        """This engine's state, for the next generation's engine or a snapshot."""
+        return HeldState(self.holding, self.local_tensors())
+
+    def assemble(self, pieces: list[HeldState]) -> HeldState:
+        """One whole state from every shard of one layout (restored from a checkpoint)."""
+        return assemble_whole(pieces, self.specs)
+
+    # -- adoption ----------------------------------------------------------------------
+
+    def adopt(self, held: HeldState | None) -> Adoption:
+        """Take the newest state any rank holds (collective: every rank calls it).
+
+        ``held``: what this process holds (its previous engine's state, or pieces restored
+        from a checkpoint), None for a new member. Returns an incomplete ``Adoption`` when
+        some key has no holder; the state is then unchanged and the caller falls back.
+        """
+        started = time.perf_counter()
+        mine = held.holding if held is not None else NOTHING
+        encoded = torch.tensor(mine.encode(), dtype=torch.int64, device=self.world.device.device)
+        gathered = self.world.all_gather(encoded).cpu().tolist()
+        holdings = [Holding.decode(row) for row in gathered]
+        if all(h.empty for h in holdings):
+            self.completed_steps = 0
+            self.adopted = True
+            return Adoption(0, "fresh", 0, time.perf_counter() - started, {})
+        z = self.plan.zero
+        shards = z.shard_size if z.sharded else 1
+        needs = [needed_ranges(shards, z.shard_index(r), self.specs) for r in range(len(holdings))]
+        transfer = plan_transfer(holdings, needs, self.specs)
+        if not transfer.complete:
+            return Adoption(
+                transfer.step, "incomplete", 0, time.perf_counter() - started, transfer.missing
+            )
+        received = execute_transfer(
+            transfer,
+            self.world,
+            held,
+            self.local_tensors(),
+            needs[self.world.rank],
+            {s.name: s for s in self.specs},
+        )
+        self.completed_steps = transfer.step
+        self.adopted = True
+        only_local = all(m.src == m.dst for m in transfer.moves)
+        return Adoption(
+            transfer.step,
+            "kept" if only_local else "peers",
+            received,
+            time.perf_counter() - started,
+            {},
+        )
+
+    # -- training ----------------------------------------------------------------------
+
+    def step(
+        self, dataset: ByteDataset, newer_generation: bool = False, stop: bool = False
+    ) -> StepResult:
+        """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
+        started = time.perf_counter()
+        cfg, plan, world = self.cfg, self.plan, self.world
+        step = self.completed_steps
+        gb = cfg.global_batch_size
+        share = rank_share(step, gb, world.rank, world.world_size)
+        passes: list[list[int]] = micro_batches(share, cfg.micro_batch_size)
+        sharded = plan.zero.sharded
+        if sharded:
+            # FSDP2's gathers are collective: every rank runs as many passes as the rank
+            # with the largest share; extra passes carry weight 0.
+            largest = -(-gb // world.world_size)
+            passes += [[]] * (-(-largest // cfg.micro_batch_size) - len(passes))
+        aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
+        device = world.device.device
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lm_sum = aux_sum = 0.0
+        with world.guard("forward/backward"):
+            for i, positions in enumerate(passes):
+                if sharded:
+                    assert self.root is not None
+                    begin_microbatch(self.root, plan.zero, last=i == len(passes) - 1)
+                used = positions or [step_positions(step, gb)[0]]
+                batch = dataset.batch(used)
+                out = self.model(batch.inputs.to(device), batch.targets.to(device))
+                weight = len(positions) / gb
+                (out.total(aux_coef) * weight).backward()
+                assert out.lm_loss is not None
+                lm_sum += out.lm_loss.item() * len(positions)
+                aux_sum += out.aux_loss.item() * len(positions)
+        compute_s = time.perf_counter() - started
+        # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
+        # tensors registered after backward, while gradients live on the sharded ones.
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if p.grad is None:  # e.g. a rank with no sample: contributes zeros
+                p.grad = torch.zeros_like(p)
+        clip = cfg.optimizer.grad_clip
+        if sharded:
+            local_grads = [_local(p.grad) for p in params]
+            # Replicas hold identical shards: one replica group's shards make the norm.
+            contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
+            norm_sq = _norm_sq(local_grads) if contributes else 0.0
+            agreed = reduce_step(
+                world, [], lm_sum, aux_sum, newer_generation, stop, norm_sq, compute_s
+            )
+        else:
+            local_grads = [p.grad for p in params]
+            agreed = reduce_step(
+                world, local_grads, lm_sum, aux_sum, newer_generation, stop, 0.0, compute_s
+            )
+            norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
+        loss = agreed.lm_sum / gb
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(step, loss)
+        if clip > 0:
+            total = math.sqrt(agreed.grad_norm_sq if sharded else norm_sq)
+            coef = clip / (total + 1e-6)
+            if coef < 1.0:
+                for g in local_grads:
+                    g.mul_(coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optimizer)
+        self.optimizer.step()
+        if sharded:
+            after_optimizer_step(self.model, plan.zero)
+        self.completed_steps = step + 1
+        return StepResult(
+            step=step,
+            loss=loss,
+            aux_loss=agreed.aux_sum / gb,
+            seconds=time.perf_counter() - started,
+            tokens=gb * cfg.model.seq_len,
+            newer_generation=agreed.newer_generation,
+            stop=agreed.stop,
+            compute_s=agreed.compute_s,
+        )
+
+
+@torch.no_grad()
+def _materialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily built state as it is before the first step.
+
+    One zero-gradient step at learning rate 0 builds it (same structure on every rank, so
+    state can be transferred into it); step counters are then reset to 0.
+    """
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr
+    for slots in optimizer.state.values():
+        if "step" in slots and isinstance(slots["step"], torch.Tensor):
+            _local(slots["step"]).zero_()
+
+
+@torch.no_grad()
+def execute_transfer(
+    transfer: TransferPlan,
+    world: World,
+    held: HeldState | None,
+    target: dict[str, torch.Tensor],
+    target_ranges: dict[str, Range],
+    specs: dict[str, KeySpec],
+) -> int:
+    """Carry out this rank's part of ``transfer``; returns the bytes it received."""
+    rank = world.rank
+    source_ranges = ranges_of(held.holding, list(specs.values())) if held is not None else {}
+
+    def source(key: str, start: int, stop: int) -> torch.Tensor:
+        assert held is not None, f"rank {rank} asked to send {key} it does not hold"
+        base = source_ranges[key][0]
+        return held.tensors[key][start - base : stop - base]
+
+    def destination(key: str, start: int, stop: int) -> torch.Tensor:
+        base = target_ranges[key][0]
+        return target[key][start - base : stop - base]
+
+    for move in transfer.local(rank):
+        destination(move.key, move.start, move.stop).copy_(source(move.key, move.start, move.stop))
+    # One exchange per dtype that moves, in the same order on every rank (all know the plan).
+    received = 0
+    remote_dtypes = {specs[m.key].dtype for m in transfer.moves if m.src != m.dst}
+    for dtype in sorted(remote_dtypes):
+        outgoing: dict[int, list] = defaultdict(list)
+        for move in transfer.sends(rank):
+            if specs[move.key].dtype == dtype:
+                outgoing[move.dst].append(move)
+        incoming: dict[int, list] = defaultdict(list)
+        for move in transfer.receives(rank):
+            if specs[move.key].dtype == dtype:
+                incoming[move.src].append(move)
+        sends = {
+            peer: torch.cat([source(m.key, m.start, m.stop).reshape(-1) for m in moves])
+            for peer, moves in outgoing.items()
+        }
+        sizes = {peer: sum(m.numel for m in moves) for peer, moves in incoming.items()}
+        buffers = world.exchange(sends, sizes, getattr(torch, dtype))
+        for peer, moves in incoming.items():
+            buffer, offset = buffers[peer], 0
+            for m in moves:
+                destination(m.key, m.start, m.stop).copy_(buffer[offset : offset + m.numel])
+                offset += m.numel
+            received += buffer.numel() * buffer.element_size()
+    return received
+
+
+def describe_adoption(adoption: Adoption, plan: ParallelPlan) -> str:
+    what = {
+        "fresh": "fresh start (no rank held any state)",
+        "kept": "every rank kept its own state",
+        "peers": f"state moved between holders ({adoption.bytes_received} bytes received here)",
+        "incomplete": "some state has no surviving holder",
+    }[adoption.source]
+    return f"generation {plan.generation}: step {adoption.step}: {what} in {adoption.seconds:.3f}s"
+
+
+Restorer = Callable[[], HeldState | None]

@@ -1,0 +1,66 @@
+"""The step-boundary reduction: gradients (data parallel) fused with the step's agreement.
+
+One all-reduce per step carries, besides the data-parallel gradients when the state is
+replicated: the summed language-model and balance losses, the flags "a rank saw a newer
+generation" and "a rank was told to stop" (so all ranks switch or stop after the same
+step), each rank's share of the squared gradient norm (for clipping sharded gradients:
+only one replica group contributes, since the replicas hold identical shards), and each
+rank's compute time in its own slot (straggler detection without another collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bulkhead.trainer.engine.world import World
+
+_HEADER = 5  # lm_sum, aux_sum, newer, stop, grad_norm_sq
+
+
+@dataclass(frozen=True)
+class Agreement:
+    lm_sum: float
+    aux_sum: float
+    newer_generation: bool
+    stop: bool
+    grad_norm_sq: float
+    compute_s: list[float]
+
+
+def reduce_step(
+    world: World,
+    grads: list[torch.Tensor],
+    lm_sum: float,
+    aux_sum: float,
+    newer_generation: bool,
+    stop: bool,
+    grad_norm_sq: float,
+    compute_s: float,
+) -> Agreement:
+    """Sum ``grads`` in place across the world (may be empty) together with the header."""
+    device = world.device.device  # NCCL reduces device tensors, gloo host ones
+    compute = torch.zeros(world.world_size, dtype=torch.float32, device=device)
+    compute[world.rank] = compute_s
+    header = torch.tensor(
+        [lm_sum, aux_sum, float(newer_generation), float(stop), grad_norm_sq],
+        dtype=torch.float32,
+        device=device,
+    )
+    flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [header, compute])
+    world.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+    lm, aux, newer, stopping, norm_sq = flat[offset : offset + _HEADER].tolist()
+    return Agreement(
+        lm_sum=lm,
+        aux_sum=aux,
+        newer_generation=newer > 0,
+        stop=stopping > 0,
+        grad_norm_sq=norm_sq,
+        compute_s=flat[offset + _HEADER :].tolist(),
+    )

@@ -1,0 +1,25 @@
+"""The optimizer of the job's spec and its learning-rate schedule (a pure function)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bulkhead.api.spec import OptimizerConfig
+
+
+def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_at(step: int, cfg: OptimizerConfig) -> float:
+    """Learning rate of step ``step``: linear warm-up, then constant."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr

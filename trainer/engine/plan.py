@@ -1,0 +1,151 @@
+"""The parallel plan of one generation: a pure function of the membership and the spec.
+
+Every rank computes the same plan from the same membership, so no rank has to tell another
+what it is responsible for. The plan says, for each rank, its share of the global batch and
+its place in the ZeRO mesh: ``replicas`` groups of ``shard_size`` consecutive ranks (ranks
+are node-major, so a shard group is as local as the membership allows); each shard group
+holds one full copy of the sharded state and there are at least ``maxFailures + 1`` copies.
+hpZ keeps, after forward, 1/h of every parameter on each rank of a block of h consecutive
+ranks inside the shard group.
+
+No torch here: ``bulkhead plan`` and the tests import it freely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bulkhead.api.spec import zero_shard_group_size
+from bulkhead.trainer.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """ZeRO stage and the HSDP mesh: ``replicas`` x ``shard_size`` ranks."""
+
+    stage: int
+    shard_size: int
+    replicas: int
+    hpz: int  # effective secondary partition size (1 = off)
+
+    @property
+    def sharded(self) -> bool:
+        return self.stage > 0 and self.shard_size > 1
+
+    def shard_index(self, rank: int) -> int:
+        """Which shard of the state rank ``rank`` holds (0 for everyone when unsharded)."""
+        return rank % self.shard_size if self.sharded else 0
+
+    def replica_index(self, rank: int) -> int:
+        return rank // self.shard_size if self.sharded else rank
+
+    def holders_of_shard(self, shard: int) -> list[int]:
+        """Ranks holding shard ``shard``: one per replica group."""
+        if not self.sharded:
+            return list(range(self.replicas))
+        return [r * self.shard_size + shard for r in range(self.replicas)]
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What every rank of one generation does; identical on every rank."""
+
+    generation: int
+    workers: tuple[str, ...]  # by rank
+    nodes: tuple[str, ...]  # by rank
+    global_batch_size: int
+    micro_batch_size: int
+    max_failures: int
+    zero: ZeroPlan
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def share(self, rank: int) -> tuple[int, int]:
+        """(offset, size) of rank ``rank``'s contiguous share of the global batch.
+
+        Shares differ by at most one sample; lower ranks take the extra ones. A rank may get
+        none when the world is larger than the batch.
+        """
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+    def state_copies(self) -> int:
+        """How many workers hold each piece of training state."""
+        return self.zero.replicas
+
+    def checkpoint_shard(self, rank: int) -> str:
+        """The checkpoint shard id rank ``rank`` snapshots (equal ids = identical bytes)."""
+        if not self.zero.sharded:
+            return shard_id(1, 0)
+        return shard_id(self.zero.shard_size, self.zero.shard_index(rank))
+
+    def checkpoint_shards(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.checkpoint_shard(r) for r in range(self.world_size)))
+
+    def persists(self, rank: int) -> bool:
+        """One holder of each checkpoint shard persists it: the one in replica group 0."""
+        return self.zero.replica_index(rank) == 0 if self.zero.sharded else rank == 0
+
+    def describe(self) -> list[str]:
+        """Human-readable lines for logs, events and ``bulkhead plan``."""
+        z = self.zero
+        lines = [
+            f"generation {self.generation}: {self.world_size} worker(s), global batch "
+            f"{self.global_batch_size} (micro {self.micro_batch_size})"
+        ]
+        if z.sharded:
+            hpz = f", hpZ blocks of {z.hpz}" if z.hpz > 1 else ""
+            lines.append(
+                f"ZeRO-{z.stage}: {z.replicas} replica group(s) x {z.shard_size} shard(s){hpz}; "
+                f"every shard on {z.replicas} worker(s) (survives {z.replicas - 1} loss(es))"
+            )
+        else:
+            what = "data parallel" if z.stage == 0 else f"ZeRO-{z.stage} degraded to data parallel"
+            lines.append(f"{what}: every worker holds the whole state ({z.replicas} copies)")
+        return lines
+
+
+def shard_id(shards: int, index: int) -> str:
+    """Checkpoint shard id of shard ``index`` of a layout with ``shards`` shards."""
+    return "dp" if shards <= 1 else f"zero{shards}-s{index}"
+
+
+def zero_plan(stage: int, hpz: int, workers: int, max_failures: int) -> ZeroPlan:
+    """The ZeRO mesh for ``workers`` live workers keeping ``max_failures + 1`` copies.
+
+    With fewer workers than the spec asked for, the shard groups shrink (down to 1, plain
+    data parallel) so the copies survive; hpZ shrinks to the largest size dividing them.
+    """
+    if stage == 0:
+        return ZeroPlan(stage=0, shard_size=1, replicas=workers, hpz=1)
+    size = zero_shard_group_size(workers, max_failures)
+    effective_hpz = math.gcd(hpz, size) if hpz > 1 else 1
+    return ZeroPlan(
+        stage=stage,
+        shard_size=size,
+        replicas=workers // size,
+        hpz=effective_hpz if effective_hpz > 1 and size > 1 else 1,
+    )
+
+
+def make_plan(
+    generation: int, workers: list[str], nodes: list[str], cfg: TrainConfig
+) -> ParallelPlan:
+    """The plan of a generation whose members, in rank order, are ``workers`` on ``nodes``."""
+    if len(workers) != len(nodes):
+        raise ValueError(f"{len(workers)} workers but {len(nodes)} nodes")
+    if not workers:
+        raise ValueError("a plan needs at least one worker")
+    p = cfg.parallelism
+    return ParallelPlan(
+        generation=generation,
+        workers=tuple(workers),
+        nodes=tuple(nodes),
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        max_failures=p.max_failures,
+        zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures),
+    )

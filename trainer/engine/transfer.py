@@ -1,0 +1,149 @@
+"""The state transfer after a membership change: a pure plan of moves, then its execution.
+
+Planning (pure): from what every rank of the new world holds (``Holding``s, from the old
+layout, or nothing for a new member) and what each must hold under the new plan, pick
+the step to continue from — the newest step at which every key is fully held by someone —
+then, for each rank and key, cover the range it needs with pieces of holders at that step:
+itself first (a local copy), then other holders, rotating the starting holder by the
+receiving rank so the sending is spread over the holders. What no holder covers is
+``missing``: the caller falls back to the checkpoint ladder.
+
+Execution (``execute``): every rank packs the pieces it sends to each peer into one flat
+buffer per dtype and receives the pieces it needs the same way, point-to-point on the new
+world; both sides know every size from the plan, so nothing but the data travels.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bulkhead.trainer.engine.layout import Holding, KeySpec, Range, ranges_of
+
+
+@dataclass(frozen=True)
+class Move:
+    """Elements [start, stop) of ``key`` go from rank ``src`` to rank ``dst``."""
+
+    key: str
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    step: int  # the completed steps every rank continues from (-1: nobody holds anything)
+    moves: tuple[Move, ...]
+    missing: dict[str, tuple[Range, ...]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def sends(self, rank: int) -> list[Move]:
+        return [m for m in self.moves if m.src == rank and m.dst != rank]
+
+    def receives(self, rank: int) -> list[Move]:
+        return [m for m in self.moves if m.dst == rank and m.src != rank]
+
+    def local(self, rank: int) -> list[Move]:
+        return [m for m in self.moves if m.src == rank == m.dst]
+
+    def bytes_moved(self, itemsize: Callable[[str], int]) -> int:
+        return sum(m.numel * itemsize(m.key) for m in self.moves if m.src != m.dst)
+
+
+def _covered(spans: list[Range], numel: int) -> bool:
+    position = 0
+    for start, stop in sorted(spans):
+        if start > position:
+            return False
+        position = max(position, stop)
+    return position >= numel
+
+
+def choose_step(holdings: list[Holding], specs: list[KeySpec]) -> int:
+    """The newest step at which every key is fully held by some rank; -1 if none is."""
+    for step in sorted({h.step for h in holdings if not h.empty}, reverse=True):
+        at_step = [ranges_of(h, specs) for h in holdings if h.step == step]
+        if all(
+            _covered([r[s.name] for r in at_step if s.name in r], s.numel)
+            for s in specs
+            if s.numel > 0
+        ):
+            return step
+    return -1
+
+
+def plan_transfer(
+    holdings: list[Holding], needs: list[dict[str, Range]], specs: list[KeySpec]
+) -> TransferPlan:
+    """Moves that give rank ``r`` the ranges ``needs[r]`` from the ranks' ``holdings``.
+
+    ``holdings`` and ``needs`` are indexed by rank in the new world. When no step is fully
+    held, the newest step held at all is chosen and the uncovered ranges are ``missing``.
+    """
+    if len(holdings) != len(needs):
+        raise ValueError(f"{len(holdings)} holdings for {len(needs)} ranks")
+    step = choose_step(holdings, specs)
+    if step < 0:
+        held = [h.step for h in holdings if not h.empty]
+        step = max(held) if held else -1
+    sources = [
+        (rank, ranges_of(h, specs)) for rank, h in enumerate(holdings) if h.step == step >= 0
+    ]
+    moves: list[Move] = []
+    missing: dict[str, list[Range]] = defaultdict(list)
+    for dst, wanted in enumerate(needs):
+        # Self first, then the others starting at a rank-dependent offset (spreads load).
+        others = [s for s in sources if s[0] != dst]
+        if others:
+            shift = dst % len(others)
+            others = others[shift:] + others[:shift]
+        order = [s for s in sources if s[0] == dst] + others
+        for key in sorted(wanted):
+            start, stop = wanted[key]
+            for gap_start, gap_stop in _cover(key, start, stop, order, dst, moves):
+                missing[key].append((gap_start, gap_stop))
+    return TransferPlan(
+        step=step, moves=tuple(moves), missing={k: tuple(v) for k, v in missing.items()}
+    )
+
+
+def _cover(
+    key: str,
+    start: int,
+    stop: int,
+    order: list[tuple[int, dict[str, Range]]],
+    dst: int,
+    moves: list[Move],
+) -> list[Range]:
+    """Append moves covering [start, stop) of ``key`` for ``dst``; return the gaps left."""
+    gaps: list[Range] = []
+    position = start
+    while position < stop:
+        source = next(
+            (
+                (rank, min(ranges[key][1], stop))
+                for rank, ranges in order
+                if key in ranges and ranges[key][0] <= position < ranges[key][1]
+            ),
+            None,
+        )
+        if source is None:
+            # A gap up to the next position some holder covers (or the end).
+            later = [r[key][0] for _, r in order if key in r and position < r[key][0] < stop]
+            gap_stop = min(later) if later else stop
+            gaps.append((position, gap_stop))
+            position = gap_stop
+            continue
+        moves.append(Move(key, source[0], dst, position, source[1]))
+        position = source[1]
+    return gaps

@@ -1,0 +1,370 @@
+"""The registered c10d world of one membership generation.
+
+Each generation is its own ``init_process_group`` under the store prefix ``gen<G>`` (FSDP2
+and DeviceMesh need a *registered* default group; a standalone backend object does not
+work with them). A world that ends at a healthy step boundary is destroyed normally. A
+world whose collective failed is shut down, which closes its connections so every peer
+still waiting on this rank sees the error at once instead of waiting out the timeout. A
+world with an operation this rank abandoned (a hung peer, a newer generation) is
+*parked*: dropped from torch's registry without shutdown, because shutting down a gloo
+group waits for its in-flight operation. A world is never reused.
+
+Our own collectives (the step commit, the state exchange) are waited for by polling, so a
+rank blocked by a hung peer gives up as soon as ``should_abandon()`` says a newer
+generation exists. Collectives inside FSDP2 block in the library; their failures arrive
+as exceptions, which ``guard`` turns into ``CollectiveError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from bulkhead.api.protocol import MembershipView
+from bulkhead.trainer.engine.device import DeviceChoice
+from bulkhead.trainer.engine.failfast import (
+    Connections,
+    generation_connections,
+    new_listen_ports,
+    own_socket_fds,
+)
+
+log = logging.getLogger(__name__)
+
+# Polling an in-flight collective: start fine-grained (steps take milliseconds), back off.
+_FIRST_POLL_S = 0.0002
+_MAX_POLL_S = 0.02
+# Process groups of parked worlds: never shut down or freed while the process lives.
+_PARKED: list[object] = []
+
+
+class CollectiveError(RuntimeError):
+    """A rendezvous or collective failed or timed out (a peer died, hung or went away)."""
+
+
+class NotAMember(LookupError):
+    """This worker is not in the generation it was asked to join."""
+
+
+class StoreHost:
+    """The TCPStore server this worker hosts for the generations it coordinates.
+
+    Every worker hosts one from the start (on a free port it registers as its address), so
+    whichever worker becomes the coordinator already serves one, and a coordinator that
+    survives keeps serving across generations.
+    """
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host = host
+        self.store = dist.TCPStore(
+            host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.port = self.store.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _never() -> bool:
+    return False
+
+
+def member_rank(view: MembershipView, worker: str) -> int:
+    for member in view.members:
+        if member.worker == worker:
+            return member.rank
+    raise NotAMember(f"worker {worker} is not in generation {view.generation}")
+
+
+@dataclass
+class World:
+    """The default process group of one generation; ``rank``/``world_size`` within it."""
+
+    generation: int
+    rank: int
+    world_size: int
+    workers: list[str]
+    nodes: list[str]
+    device: DeviceChoice
+    should_abandon: Callable[[], bool] = _never
+    abandon_after_s: float = 0.5
+    store: dist.Store | None = None
+    sockets_before: set[int] = field(default_factory=set)
+    connections: Connections = field(default_factory=Connections)
+    _state: str = field(default="open", init=False)  # open | failed | abandoned | closed
+
+    @property
+    def failed(self) -> bool:
+        return self._state in ("failed", "abandoned")
+
+    def seal(self) -> None:
+        """Record this generation's gloo connections, once all its groups exist (collective).
+
+        Every rank publishes the ports of the listeners its groups opened; a connection
+        accepted on one of ours or leading to one of a peer's belongs to this generation.
+        """
+        if self.device.backend != "gloo" or self.store is None:
+            return
+        own = new_listen_ports(self.sockets_before)
+        try:
+            self.store.set(f"gloo-ports/{self.rank}", ",".join(map(str, own)))
+            peers: set[int] = set()
+            for r in range(self.world_size):
+                text = self.store.get(f"gloo-ports/{r}").decode()
+                peers |= {int(p) for p in text.split(",") if p}
+        except (RuntimeError, dist.DistError) as exc:
+            self._fail(f"publishing connections: {exc}", abandoned=False)
+            raise CollectiveError(
+                f"generation {self.generation}: rendezvous failed: {exc}"
+            ) from exc
+        self.connections = Connections(generation_connections(self.sockets_before, own, peers))
+        log.debug(
+            "generation %d: %d gloo connections recorded",
+            self.generation,
+            len(self.connections.sockets),
+        )
+
+    def _fail(self, why: str, abandoned: bool) -> None:
+        """Mark the world failed and cut its connections so every peer fails now too."""
+        first = not self.failed
+        self._state = "abandoned" if abandoned else "failed"
+        if first:
+            cut = self.connections.cut()
+            log.info("generation %d failed (%s); cut %d connections", self.generation, why, cut)
+
+    # -- our own collectives, waited for by polling --------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM):
+        """In-place all-reduce; any failure becomes a CollectiveError."""
+        self._wait("all_reduce", lambda: [dist.all_reduce(tensor, op=op, async_op=True)])
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked by rank (a new tensor)."""
+        flat = tensor.reshape(-1)
+        out = flat.new_empty(self.world_size * flat.numel())  # gloo wants a flat output
+        self._wait("all_gather", lambda: [dist.all_gather_into_tensor(out, flat, async_op=True)])
+        return out.view(self.world_size, *tensor.shape)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._wait(
+            f"broadcast from rank {src}", lambda: [dist.broadcast(tensor, src, async_op=True)]
+        )
+
+    def exchange(
+        self, sends: dict[int, torch.Tensor], receive: dict[int, int], dtype: torch.dtype
+    ) -> dict[int, torch.Tensor]:
+        """Send each peer its flat tensor, receive ``receive[peer]`` elements from each.
+
+        One uneven all-to-all (collective: every rank calls it, also with nothing to move):
+        gloo's point-to-point operations report completion only once waited for, so they
+        cannot be polled; a collective can.
+        """
+        device = self.device.device
+        peers = range(self.world_size)
+        send_sizes = [sends[p].numel() if p in sends else 0 for p in peers]
+        recv_sizes = [receive.get(p, 0) for p in peers]
+        parts = [sends[p].reshape(-1).to(device) for p in peers if p in sends]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+        out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        self._wait(
+            "state exchange",
+            lambda: [dist.all_to_all_single(out, flat, recv_sizes, send_sizes, async_op=True)],
+        )
+        pieces = out.split(recv_sizes)
+        return {p: pieces[p] for p in peers if recv_sizes[p]}
+
+    def _wait(self, what: str, launch: Callable[[], list[dist.Work]]) -> None:
+        try:
+            works = launch()
+            started = time.monotonic()
+            pause = _FIRST_POLL_S
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() - started > self.abandon_after_s and self.should_abandon():
+                    self._fail(f"{what} abandoned for a newer generation", abandoned=True)
+                    raise CollectiveError(
+                        f"{what} abandoned: a newer generation was published while it waited"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_POLL_S)
+            for w in works:
+                w.wait()
+        except CollectiveError:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            self._fail(f"{what}: {exc}", abandoned=False)
+            raise CollectiveError(f"generation {self.generation}: {what} failed: {exc}") from exc
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Turn a communication failure inside library code (FSDP2) into CollectiveError."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            if not _looks_like_comm_failure(exc):
+                raise
+            self._fail(f"{what}: {exc}", abandoned=False)
+            raise CollectiveError(f"generation {self.generation}: {what} failed: {exc}") from exc
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End this world: destroy (healthy or failed) or park (abandoned); idempotent."""
+        if self._state == "closed" or not dist.is_initialized():
+            self._state = "closed"
+            return
+        if self._state == "abandoned":
+            park_default_world()
+        else:
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group may fail to shut down cleanly
+                log.debug("generation %d: teardown: %s", self.generation, exc)
+                park_default_world()
+        self._state = "closed"
+
+
+_COMM_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection",
+    "timed out",
+    "timeout",
+    "closed",
+    "reset by peer",
+    "broken pipe",
+    "socket",
+    "process group",
+    "ProcessGroup",
+)
+
+
+def _looks_like_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _COMM_MARKERS)
+
+
+def park_default_world() -> None:
+    """Drop every registered process group from torch's registry without shutting any down.
+
+    Relies on torch's private registry (``distributed_c10d._world``), the same state that
+    ``destroy_process_group`` clears after its shutdowns; ``tests/engine`` guards it so a
+    torch upgrade that changes it fails loudly.
+    """
+    world = c10d._world
+    _PARKED.extend(world.pg_map.keys())
+    c10d._update_default_pg(None)
+    world.pg_map.clear()
+    world.pg_names.clear()
+    world.pg_group_ranks.clear()
+    world.pg_backend_config.clear()
+    world.pg_to_tag.clear()
+    world.tags_to_pg.clear()
+    world.pg_coalesce_state.clear()
+    world.pg_flight_recorder_hooks.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def open_world(
+    generation: int,
+    rank: int,
+    workers: list[str],
+    nodes: list[str],
+    store: dist.Store,
+    device: DeviceChoice,
+    timeout_s: float,
+    should_abandon: Callable[[], bool] = _never,
+    abandon_after_s: float = 0.5,
+) -> World:
+    """Init the registered world of ``generation`` on ``store`` (under prefix gen<G>)."""
+    if dist.is_initialized():  # a previous world that was not closed: never reuse it
+        park_default_world()
+    before = set(own_socket_fds())
+    try:
+        dist.init_process_group(
+            device.backend,
+            store=dist.PrefixStore(f"gen{generation}", store),
+            rank=rank,
+            world_size=len(workers),
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, ValueError, dist.DistError) as exc:
+        if dist.is_initialized():
+            park_default_world()
+        raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
+    return World(
+        generation=generation,
+        rank=rank,
+        world_size=len(workers),
+        workers=list(workers),
+        nodes=list(nodes),
+        device=device,
+        should_abandon=should_abandon,
+        abandon_after_s=abandon_after_s,
+        store=dist.PrefixStore(f"gen{generation}", store),
+        sockets_before=before,
+    )
+
+
+def form_world(
+    view: MembershipView,
+    worker: str,
+    host: StoreHost,
+    device: DeviceChoice,
+    timeout_s: float,
+    should_abandon: Callable[[], bool] = _never,
+    abandon_after_s: float = 0.5,
+) -> World:
+    """Join generation ``view``: rendezvous at its coordinator, init the registered world."""
+    rank = member_rank(view, worker)
+    try:
+        if view.coordinator == host.address:
+            store: dist.Store = host.store
+        else:
+            coord_host, _, port = view.coordinator.rpartition(":")
+            store = dist.TCPStore(
+                coord_host,
+                int(port),
+                None,
+                False,
+                timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+    except (RuntimeError, ValueError, dist.DistError) as exc:
+        raise CollectiveError(
+            f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
+        ) from exc
+    ordered = sorted(view.members, key=lambda m: m.rank)
+    world = open_world(
+        view.generation,
+        rank,
+        [m.worker for m in ordered],
+        [m.node for m in ordered],
+        store,
+        device,
+        timeout_s,
+        should_abandon,
+        abandon_after_s,
+    )
+    log.info(
+        "generation %d: joined as rank %d of %d (coordinator %s, %s)",
+        view.generation,
+        rank,
+        world.world_size,
+        view.coordinator,
+        device.describe(),
+    )
+    return world

@@ -1,0 +1,91 @@
+"""ZeRO stages 1/2/3 and hpZ on FSDP2 (``fully_shard``), replicated HSDP-style.
+
+The mesh is ``replicas x shard_size`` (dims ``replicate``, ``shard``): parameters,
+gradients and optimizer state are sharded along ``shard`` and each shard group holds a
+whole copy, so ``replicas - 1`` losses leave a holder of every shard.
+
+Stages on FSDP2 (which always reduce-scatters gradients and keeps parameters sharded at
+rest):
+
+- stage 3: ``reshard_after_forward=True`` — parameters gathered per block, freed after use;
+- hpZ:     ``reshard_after_forward=h`` — after forward each rank keeps 1/h of every
+  parameter, so the backward all-gather stays within h consecutive ranks. The secondary
+  copy is built and consumed by FSDP2 itself, which orders it with an event before the
+  all-gather reads it (the race of DeepSpeed #5216 cannot happen as long as FSDP2's
+  internals are not driven by hand: we never call them);
+- stage 2: ``reshard_after_forward=False`` and no reshard after backward — whole
+  parameters stay gathered through the step, gradients are reduce-scattered per
+  microbatch;
+- stage 1: as stage 2, but gradients accumulate whole over the microbatches and are
+  reduce-scattered once, on the last (``set_requires_gradient_sync``).
+
+Gradients are *summed* (divide factor 1): each rank already weights its loss by its share
+of the global batch, so the sum is the gradient of the global batch's mean loss.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from bulkhead.trainer.engine.plan import ZeroPlan
+
+
+def zero_mesh(plan: ZeroPlan, device_type: str) -> DeviceMesh:
+    """The HSDP mesh of the current world (ranks ``r * shard_size + s``)."""
+    if plan.replicas > 1:
+        return init_device_mesh(
+            device_type, (plan.replicas, plan.shard_size), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (plan.shard_size,), mesh_dim_names=("shard",))
+
+
+def reshard_after_forward(plan: ZeroPlan) -> bool | int:
+    if plan.stage < 3:
+        return False
+    return plan.hpz if plan.hpz > 1 else True
+
+
+def sharded_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as one unit each: the decoder blocks (then the root)."""
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if blocks is not None else []
+
+
+def apply_zero(model: nn.Module, plan: ZeroPlan, device_type: str) -> FSDPModule:
+    """Shard ``model`` in place per ``plan``; returns the root FSDP module."""
+    if not plan.sharded:
+        raise ValueError("apply_zero needs a sharded plan (stage > 0, shard groups of >= 2)")
+    mesh = zero_mesh(plan, device_type)
+    after_forward = reshard_after_forward(plan)
+    for unit in sharded_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=after_forward)
+    # The root (embeddings, final norm, tied head) is needed again first in backward.
+    root = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    for module in fsdp_modules(model):  # these two setters are not recursive
+        module.set_gradient_divide_factor(1.0)
+        # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL then reduces zero-copy).
+        module.set_force_sum_reduction_for_comms(True)
+    if plan.stage < 3:
+        root.set_reshard_after_backward(False)
+    return root
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def begin_microbatch(root: FSDPModule, plan: ZeroPlan, last: bool) -> None:
+    """Stage 1 reduces gradients only on the step's last microbatch."""
+    if plan.stage == 1:
+        root.set_requires_gradient_sync(last)
+    root.set_is_last_backward(last)
+
+
+def after_optimizer_step(model: nn.Module, plan: ZeroPlan) -> None:
+    """Stages 1/2 keep whole parameters through the step; drop them once the shards moved
+    (the next forward gathers the updated ones)."""
+    if plan.stage < 3:
+        for module in fsdp_modules(model):
+            module.reshard()
