@@ -107,7 +107,7 @@ class StragglerDetector:
 @runtime_checkable
 class RankedGroup(Protocol):
     """A group that knows its rank and size and sums a tensor in place across its ranks
-    (the elastic runtime's ``GenerationGroup`` over a per-generation ``ProcessGroupGloo``)."""
+    (the engine's ``World`` of one membership generation)."""
 
     rank: int
     world_size: int

@@ -50,7 +50,8 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from bulkhead.trainer.runtime.group import GenerationGroup
+    from bulkhead.trainer.engine.device import pick_device
+    from bulkhead.trainer.engine.world import World
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,9 +62,8 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
             lambda v: called.append(v.ranks), every_steps=5, threshold=0.8, patience=2
         )
         # the runtime's group object: rank, world_size and an in-place all_reduce
-        runtime_group = GenerationGroup(
-            0, rank, WORLD, [f"w{r}" for r in range(WORLD)], dist.group.WORLD
-        )
+        names = [f"w{r}" for r in range(WORLD)]
+        runtime_group = World(0, rank, WORLD, names, names, pick_device())
         on_runtime_group = StragglerMonitor(lambda v: None, runtime_group, every_steps=5)
         verdicts, runtime_verdicts = [], []
         for step in range(20):

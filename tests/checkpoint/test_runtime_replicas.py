@@ -1,26 +1,30 @@
-"""The runtime's peer-replica wiring: membership -> ring topology -> sidecars -> restore.
+"""The runtime's checkpoint wiring: membership + plan -> topology -> sidecars -> restore.
 
 Two "nodes" (own shared memory and sidecar each) run the runtime's ``EngineCheckpointer``
 for a data-parallel generation whose members carry their sidecars' addresses, as the
 manager publishes them. Each snapshot reaches the next node's sidecar; a node that loses
-its memory restores from that replica before it would touch storage.
+its memory restores from that replica before it would touch storage. A sharded (ZeRO)
+checkpoint is restored whole: every shard of the newest step that has all of them.
 """
 
 from __future__ import annotations
 
-import logging
 import shutil
 
 import pytest
 import torch
-from torch import nn
 
 from bulkhead.api.protocol import MembershipView
-from bulkhead.api.spec import OptimizerConfig
 from bulkhead.api.status import Member
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
-from bulkhead.trainer.runtime.checkpointing import EngineCheckpointer, dp_topology, ring_successor
-from bulkhead.trainer.runtime.state import TrainState, make_optimizer
+from bulkhead.trainer.engine.engine import HeldState
+from bulkhead.trainer.engine.layout import Holding
+from bulkhead.trainer.engine.plan import ParallelPlan, zero_plan
+from bulkhead.trainer.runtime.checkpointing import (
+    EngineCheckpointer,
+    ring_successor,
+    topology_for,
+)
 
 TOKEN = "job-token"
 
@@ -44,32 +48,53 @@ def test_ring_prefers_the_next_member_on_another_node() -> None:
     assert ring_successor(members[:1], 0) is None
 
 
+def _plan(view: MembershipView, stage: int = 0, max_failures: int = 1) -> ParallelPlan:
+    n = len(view.members)
+    return ParallelPlan(
+        generation=view.generation,
+        workers=tuple(m.worker for m in view.members),
+        nodes=tuple(m.node for m in view.members),
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_failures=max_failures,
+        zero=zero_plan(stage, 1, n, max_failures),
+    )
+
+
 def test_topology_lists_peers_nearest_predecessor_first_and_rank_0_persists() -> None:
     view = MembershipView(
         generation=4,
         members=[_member(r, f"n{r}", f"n{r}:9") for r in range(4)],
     )
-    topology = dp_topology(view, 2)
+    topology = topology_for(view, _plan(view), 2)
     assert topology.generation == 4 and topology.shard == "dp" and not topology.persist
+    assert topology.shards == ("dp",)
     assert topology.replicate_to == "n3:9"
     assert topology.peers == ("n1:9", "n0:9", "n3:9")
-    assert dp_topology(view, 0).persist
-    large = MembershipView(
-        generation=1, members=[_member(r, f"n{r}", f"n{r}:9") for r in range(50)]
+    assert topology_for(view, _plan(view), 0).persist
+
+
+def test_sharded_topology_names_every_shard_and_one_persisting_holder_each() -> None:
+    view = MembershipView(generation=2, members=[_member(r, f"n{r}", f"n{r}:9") for r in range(4)])
+    plan = _plan(view, stage=3)  # 4 workers, f=1: 2 replicas x 2 shards
+    topologies = [topology_for(view, plan, r) for r in range(4)]
+    assert [t.shard for t in topologies] == ["zero2-s0", "zero2-s1", "zero2-s0", "zero2-s1"]
+    assert [t.persist for t in topologies] == [True, True, False, False]
+    assert all(t.shards == ("zero2-s0", "zero2-s1") for t in topologies)
+    assert topologies[0].plan["shards"] == ["zero2-s0", "zero2-s1"]
+
+
+def _held(fill: float, steps: int, shards: int = 1, index: int = 0) -> HeldState:
+    """A held state as an engine gives it: flat key ranges at ``steps`` completed steps."""
+    rows = 8 // shards
+    return HeldState(
+        Holding(step=steps, shards=shards, index=index),
+        {
+            "param/w": torch.full((rows * 4,), fill),
+            "optim/w/exp_avg": torch.full((rows * 4,), fill / 2),
+            "optim/w/step": torch.tensor(float(steps)),
+        },
     )
-    assert dp_topology(large, 10).peers == ("n9:9", "n8:9", "n7:9", "n6:9")
-
-
-def _train_state(fill: float, steps: int) -> TrainState:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = make_optimizer(model, OptimizerConfig(name="adamw", lr=0.01))
-    model(torch.ones(2, 8)).sum().backward()
-    optimizer.step()  # Adam state exists, as after real training
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    return TrainState(model, optimizer, completed_steps=steps)
 
 
 def _checkpointer(shm, storage) -> EngineCheckpointer:
@@ -92,8 +117,8 @@ def test_lost_memory_is_restored_from_the_peer_replica(
         generation=1, members=[_member(r, f"node-{r}", addresses[r]) for r in range(2)]
     )
     for rank, checkpointer in enumerate(nodes):
-        checkpointer.begin_generation(view, rank)
-        checkpointer.snapshot(_train_state(fill=3.0, steps=20))
+        checkpointer.begin_generation(view, _plan(view), rank)
+        checkpointer.snapshot(_held(fill=3.0, steps=20))
     for checkpointer in nodes:
         status = checkpointer.engine.flush(timeout=60)
         assert status["replicated_step"] == 19, status
@@ -114,18 +139,53 @@ def test_lost_memory_is_restored_from_the_peer_replica(
                 ],
             }
         )
-        replacement.begin_generation(rejoined, 1)
-        state = _train_state(fill=0.0, steps=0)
-        caplog.set_level(logging.INFO, logger="bulkhead.trainer.runtime.checkpointing")
-        assert replacement.restore(state)
+        replacement.begin_generation(rejoined, _plan(rejoined), 1)
+        restored = replacement.restore()
+        assert restored is not None
         # Rank 0 persisted step 19 too: the peer's memory wins over storage for a step.
-        assert "restored step 19 from peer" in caplog.text
-        assert state.completed_steps == 20 and replacement.last_step == 19
-        assert all(torch.all(p == 3.0) for p in state.model.parameters())
+        assert restored.step == 19 and restored.tiers == ["peer"]
+        (piece,) = restored.pieces
+        assert piece.holding == Holding(step=20, shards=1, index=0)
+        assert torch.all(piece.tensors["param/w"] == 3.0)
         assert replacement.engine.topology.peers == (addresses[0],)
     finally:
         replacement.close()
         nodes[0].close()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_is_restored_with_every_shard_of_its_newest_whole_step(
+    shm_factory, sidecar_factory, tmp_path
+) -> None:
+    # Two shard holders persist steps 9 and 19; shard 1 of step 19 never reached storage
+    # (its holder died first). A new member of another layout restores step 9, whole.
+    storage = tmp_path / "storage"
+    shm = [shm_factory() for _ in range(3)]
+    for directory in shm:
+        sidecar_factory(directory, listen=None)
+    view = MembershipView(generation=1, members=[_member(r, f"n{r}", "") for r in range(4)])
+    plan = _plan(view, stage=3)
+    holders = [_checkpointer(shm[r], storage) for r in range(2)]
+    for rank, checkpointer in enumerate(holders):
+        checkpointer.begin_generation(view, plan, rank)
+        checkpointer.snapshot(_held(fill=1.0 + rank, steps=10, shards=2, index=rank))
+    holders[0].snapshot(_held(fill=5.0, steps=20, shards=2, index=0))
+    for checkpointer in holders:
+        checkpointer.engine.flush(timeout=60)
+        checkpointer.close()
+    newcomer = _checkpointer(shm[2], storage)
+    try:
+        later = MembershipView(generation=2, members=[_member(r, f"n{r}", "") for r in range(3)])
+        newcomer.begin_generation(later, _plan(later), 0)
+        restored = newcomer.restore()
+        assert restored is not None and restored.step == 9
+        assert sorted(p.holding.index for p in restored.pieces) == [0, 1]
+        by_index = {p.holding.index: p for p in restored.pieces}
+        assert torch.all(by_index[0].tensors["param/w"] == 1.0)
+        assert torch.all(by_index[1].tensors["param/w"] == 2.0)
+        assert all(t == "storage" for t in restored.tiers)
+    finally:
+        newcomer.close()
 
 
 def test_no_listening_sidecar_means_no_address(shm_factory, sidecar_factory) -> None:
@@ -153,20 +213,18 @@ def test_a_replica_held_by_our_own_sidecar_beats_storage(
         generation=1, members=[_member(r, f"node-{r}", addresses[r]) for r in range(2)]
     )
     for rank, checkpointer in enumerate(nodes):
-        checkpointer.begin_generation(view, rank)
-        checkpointer.snapshot(_train_state(fill=2.0, steps=20))
-    nodes[0].snapshot(_train_state(fill=3.0, steps=30))
+        checkpointer.begin_generation(view, _plan(view), rank)
+        checkpointer.snapshot(_held(fill=2.0, steps=20))
+    nodes[0].snapshot(_held(fill=3.0, steps=30))
     assert nodes[0].engine.flush(timeout=60)["replicated_step"] == 29
     nodes[1].close()
     restarted = _checkpointer(shm[1], tmp_path / "storage")
     try:
-        restarted.begin_generation(view.model_copy(update={"generation": 2}), 1)
-        state = _train_state(fill=0.0, steps=0)
-        caplog.set_level(logging.INFO, logger="bulkhead.trainer.runtime.checkpointing")
-        assert restarted.restore(state)
-        assert state.completed_steps == 30
-        assert all(torch.all(p == 3.0) for p in state.model.parameters())
-        assert "restored step 29 from shm" in caplog.text
+        again = view.model_copy(update={"generation": 2})
+        restarted.begin_generation(again, _plan(again), 1)
+        restored = restarted.restore()
+        assert restored is not None and restored.step == 29 and restored.tiers == ["shm"]
+        assert torch.all(restored.pieces[0].tensors["param/w"] == 3.0)
     finally:
         restarted.close()
         nodes[0].close()

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.engine import Engine, HeldState
 from bulkhead.trainer.engine.plan import make_plan
 from bulkhead.trainer.engine.world import CollectiveError, open_world
 
@@ -65,12 +65,35 @@ def full_state(engine: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def _snapshot(engine: Engine, out_dir: str) -> None:
+    """A stand-in for the checkpoint engine: the persisting holder of each shard saves it."""
+    plan, rank = engine.plan, engine.world.rank
+    if plan.persists(rank):
+        held = engine.held_state()
+        name = f"step{held.holding.step}-{plan.checkpoint_shard(rank)}.pt"
+        torch.save(held.to_snapshot(), Path(out_dir, name))
+
+
+def _restore(engine: Engine, out_dir: str) -> HeldState | None:
+    """The newest saved step with every shard of its layout, assembled whole."""
+    by_step: dict[int, list[HeldState]] = {}
+    for path in Path(out_dir).glob("step*.pt"):
+        held = HeldState.from_snapshot(torch.load(path))
+        by_step.setdefault(held.holding.step, []).append(held)
+    for step in sorted(by_step, reverse=True):
+        pieces = by_step[step]
+        if len(pieces) == pieces[0].holding.shards:
+            return engine.assemble(pieces)
+    return None
+
+
 def _slot_main(
     slot: int,
     cfg: TrainConfig,
     phases: list[Phase],
     port: int,
     out_dir: str,
+    snapshot_every: int,
 ) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(
@@ -78,9 +101,8 @@ def _slot_main(
     )
     dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
     device = pick_device()
-    held = None
+    held: HeldState | None = None
     outcome = Outcome()
-    engine = None
     for generation, phase in enumerate(phases, start=1):
         if slot not in phase.slots:
             continue
@@ -91,6 +113,9 @@ def _slot_main(
         engine = Engine.build(plan, world, cfg)
         adoption = engine.adopt(held)
         outcome.adoptions.append((generation, adoption.source, adoption.step))
+        if not adoption.complete:
+            adoption = engine.adopt(_restore(engine, out_dir))
+            outcome.adoptions.append((generation, "checkpoint", adoption.step))
         assert adoption.complete, adoption.missing
         try:
             for _ in range(phase.steps):
@@ -100,13 +125,14 @@ def _slot_main(
                 result = engine.step(dataset)
                 if rank == 0:
                     outcome.losses[result.step] = result.loss
+                if snapshot_every and engine.completed_steps % snapshot_every == 0:
+                    _snapshot(engine, out_dir)
         except CollectiveError as exc:
             # A peer died mid-step: the state is still that of the last committed step.
             outcome.errors.append(str(exc))
-            held = engine.held_state()
-        is_last = generation == len(phases)
-        if is_last:
-            state = full_state(engine)
+        held = engine.held_state()
+        if generation == len(phases):
+            state = full_state(engine)  # collective: every rank gathers
             if rank == 0:
                 outcome.full_state = state
         world.close()
@@ -120,8 +146,15 @@ def _store_server(port_queue) -> None:  # pragma: no cover - a tiny process
     time.sleep(3600)
 
 
-def run_scenario(cfg: TrainConfig, phases: list[Phase], tmp: Path) -> dict[int, Outcome]:
-    """Run all phases; returns each slot's outcome (killed slots have none)."""
+def run_scenario(
+    cfg: TrainConfig, phases: list[Phase], tmp: Path, snapshot_every: int = 0
+) -> dict[int, Outcome]:
+    """Run all phases; returns each slot's outcome (killed slots have none).
+
+    ``snapshot_every``: save the state every so many steps (one holder per shard), the
+    fallback for an adoption that finds some key with no surviving holder.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     server = ctx.Process(target=_store_server, args=(q,), daemon=True)
@@ -129,7 +162,8 @@ def run_scenario(cfg: TrainConfig, phases: list[Phase], tmp: Path) -> dict[int, 
     port = q.get(timeout=300)
     slots = sorted({s for p in phases for s in p.slots})
     procs = {
-        s: ctx.Process(target=_slot_main, args=(s, cfg, phases, port, str(tmp))) for s in slots
+        s: ctx.Process(target=_slot_main, args=(s, cfg, phases, port, str(tmp), snapshot_every))
+        for s in slots
     }
     try:
         for p in procs.values():

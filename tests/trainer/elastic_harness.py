@@ -223,31 +223,3 @@ def worker_main(
     # Like bulkhead-worker: skip the interpreter's teardown, which would wait for the gloo
     # group parked after an abandoned collective (until its timeout).
     os._exit(0)
-
-
-def dp_rank_main(
-    coordinator: str, generation: int, rank: int, world: int, spec_wire: dict[str, Any], out: str
-) -> None:
-    """Train ``spec.trainer.steps`` steps as ``rank`` of a static generation; save params."""
-    import torch
-
-    from bulkhead.api.spec import TrainingJobSpec
-    from bulkhead.trainer.config import train_config
-    from bulkhead.trainer.data import open_dataset
-    from bulkhead.trainer.model import build_model
-    from bulkhead.trainer.runtime.group import StoreHost, form_group
-    from bulkhead.trainer.runtime.state import TrainState, make_optimizer, sync_state
-    from bulkhead.trainer.runtime.step import train_step
-
-    torch.set_num_threads(1)
-    cfg = train_config(TrainingJobSpec.model_validate(spec_wire))
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
-    members = [Member(rank=r, worker=f"w{r}", address=f"unused:{r}") for r in range(world)]
-    view = MembershipView(generation=generation, coordinator=coordinator, members=members)
-    group = form_group(view, f"w{rank}", StoreHost("127.0.0.1", 30), 30)
-    model = build_model(cfg.model, cfg.seed + rank)  # deliberately different: sync must fix it
-    state = TrainState(model, make_optimizer(model, cfg.optimizer))
-    sync_state(state, group)
-    losses = [train_step(state, dataset, cfg, group).loss for _ in range(cfg.steps)]
-    torch.save({"params": model.state_dict(), "losses": losses}, out)
-    group.destroy()
