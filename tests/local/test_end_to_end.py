@@ -99,3 +99,24 @@ def test_user_error_in_the_worker_fails_the_job_at_once(tmp_path: Path) -> None:
         "e2e-user-error-w1-checkpointd.log",
     ]
     assert wait_no_processes(name) == []
+
+
+def test_zero_3_with_hpz_survives_a_kill_in_process(tmp_path: Path) -> None:
+    # The shipped example, shortened: ZeRO-3 + hpZ on 4 workers (2 replicas x 2 shards);
+    # the survivors of a SIGKILL take the state from the dead worker's replica.
+    example = Path(__file__).resolve().parents[2] / "examples" / "local-zero.yaml"
+    run_dir = tmp_path / "run"
+    steps = 60
+    proc = run_cli(str(example), "--steps", str(steps), "--chaos", "kill:worker=1@step=20",
+                   "--run-dir", str(run_dir))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = _summary(run_dir)
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == steps
+    assert summary["lost_steps"] == 0 and summary["restarts"] == 0
+    recovered = [e for e in read_jsonl(run_dir / "events.jsonl") if e["reason"] == "Recovered"]
+    assert len(recovered) == 1
+    assert "state moved between surviving holders" in recovered[0]["message"]
+    assert_samples_exact(run_dir, steps, global_batch=16)
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "ZeRO-3: 2 replica group(s) x 2 shard(s), hpZ blocks of 2" in logs
+    assert wait_no_processes("local-zero") == []

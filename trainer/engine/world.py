@@ -127,8 +127,8 @@ class World:
                 f"generation {self.generation}: rendezvous failed: {exc}"
             ) from exc
         self.connections = Connections(generation_connections(self.sockets_before, own, peers))
-        log.debug(
-            "generation %d: %d gloo connections recorded",
+        log.info(
+            "generation %d: %d gloo connections recorded (cut if the generation fails)",
             self.generation,
             len(self.connections.sockets),
         )
