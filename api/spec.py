@@ -210,7 +210,8 @@ def zero_shard_group_size(workers: int, max_failures: int) -> int:
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     replicas = max_failures + 1
-    return max(s for s in range(1, workers + 1) if workers % s == 0 and workers // s >= replicas)
+    fitting = [s for s in range(1, workers + 1) if workers % s == 0 and workers // s >= replicas]
+    return max(fitting, default=1)  # fewer workers than copies: every worker holds it all
 
 
 class BatchConfig(Model):

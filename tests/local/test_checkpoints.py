@@ -60,7 +60,10 @@ def test_snapshots_are_persisted_every_interval_with_a_manifest(tmp_path: Path) 
         assert taken == expected
         # ... and its sidecar sends each to the other slot's sidecar, whose address the
         # worker learnt from the membership (each slot stands for a node).
-        assert re.search(r"generation 1: snapshots replicate to 127\.0\.0\.1:\d+; 1 peer", log)
+        assert re.search(
+            r"generation 1: snapshots of shard dp \(.+\), replicated to 127\.0\.0\.1:\d+; 1 peer",
+            log,
+        )
         other = (run_dir / "logs" / f"{name}-w{1 - slot}-checkpointd.log").read_text()
         held = [int(s) for s in re.findall(rf"holding replica of {name}/dp step (\d+)", other)]
         # The exporter may skip a snapshot a newer one overtook; never the last one.

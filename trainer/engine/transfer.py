@@ -1,4 +1,4 @@
-"""The state transfer after a membership change: a pure plan of moves, then its execution.
+"""The state transfer after a membership change: a pure plan of moves (no torch).
 
 Planning (pure): from what every rank of the new world holds (``Holding``s, from the old
 layout, or nothing for a new member) and what each must hold under the new plan, pick
@@ -8,9 +8,11 @@ itself first (a local copy), then other holders, rotating the starting holder by
 receiving rank so the sending is spread over the holders. What no holder covers is
 ``missing``: the caller falls back to the checkpoint ladder.
 
-Execution (``execute``): every rank packs the pieces it sends to each peer into one flat
-buffer per dtype and receives the pieces it needs the same way, point-to-point on the new
-world; both sides know every size from the plan, so nothing but the data travels.
+Execution (``engine.execute_transfer``): every rank packs the pieces it sends to each peer
+into one flat buffer per dtype and receives the pieces it needs the same way, in one
+uneven all-to-all per dtype on the new world (a collective can be polled, gloo's
+point-to-point operations cannot); both sides know every size from the plan, so nothing
+but the data travels.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def plan_transfer(
         (rank, ranges_of(h, specs)) for rank, h in enumerate(holdings) if h.step == step >= 0
     ]
     moves: list[Move] = []
-    missing: dict[str, list[Range]] = defaultdict(list)
+    missing: dict[str, set[Range]] = defaultdict(set)  # one gap may be missed by many ranks
     for dst, wanted in enumerate(needs):
         # Self first, then the others starting at a rank-dependent offset (spreads load).
         others = [s for s in sources if s[0] != dst]
@@ -111,9 +113,9 @@ def plan_transfer(
         for key in sorted(wanted):
             start, stop = wanted[key]
             for gap_start, gap_stop in _cover(key, start, stop, order, dst, moves):
-                missing[key].append((gap_start, gap_stop))
+                missing[key].add((gap_start, gap_stop))
     return TransferPlan(
-        step=step, moves=tuple(moves), missing={k: tuple(v) for k, v in missing.items()}
+        step=step, moves=tuple(moves), missing={k: tuple(sorted(v)) for k, v in missing.items()}
     )
 
 

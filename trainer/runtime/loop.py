@@ -27,7 +27,13 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
-from bulkhead.trainer.engine.device import DeviceChoice, activate, pick_device
+from bulkhead.trainer.engine.device import (
+    AbortMonitor,
+    DeviceChoice,
+    abort_all_process_groups,
+    activate,
+    pick_device,
+)
 from bulkhead.trainer.engine.engine import (
     Adoption,
     Engine,
@@ -203,6 +209,15 @@ class ElasticTrainer:
             self._report_fault("collective_error", str(exc), view.generation)
             return "reconfigure"
         engine: Engine | None = None
+        # NCCL waits cannot be polled: a side thread aborts the communicators once a newer
+        # generation exists, so a collective blocked on a dead peer returns with an error.
+        monitor = (
+            AbortMonitor(lambda: self._newer_generation_seen(view), abort_all_process_groups)
+            if self.device.is_cuda
+            else None
+        )
+        if monitor is not None:
+            monitor.start()
         try:
             plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
             engine = Engine.build(plan, world, self.cfg)
@@ -219,6 +234,8 @@ class ElasticTrainer:
         finally:
             # The state of the last completed step, for the next generation's engine; an
             # engine that never adopted any state leaves the previous one in place.
+            if monitor is not None:
+                monitor.stop()
             if engine is not None and engine.adopted:
                 self.held = engine.held_state()
             del engine

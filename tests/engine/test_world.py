@@ -1,0 +1,138 @@
+"""The world's edges: cutting a failed generation's connections, parking a registry,
+picking the device. In-process, with real sockets and a real one-rank gloo group."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from bulkhead.trainer.engine.device import (
+    NCCL_RECOVERY_ENV,
+    AbortMonitor,
+    DeviceChoice,
+    activate,
+    pick_device,
+)
+from bulkhead.trainer.engine.failfast import (
+    Connections,
+    generation_connections,
+    new_listen_ports,
+    own_socket_fds,
+    parse_proc_net_tcp,
+)
+from bulkhead.trainer.engine.world import open_world, park_default_world
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1
+   1: 0100007F:C350 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4343 1
+   2: 0100007F:C351 0100007F:1F91 06 00000000:00000000 00:00000000 00000000     0        0 0 1
+"""
+
+
+def test_proc_net_tcp_is_parsed_by_inode() -> None:
+    table = parse_proc_net_tcp(PROC_NET_TCP)
+    assert set(table) == {4242, 4343}  # inode 0 (time-wait) has no owner
+    assert (table[4242].local_port, table[4242].state) == (8080, "0A")
+    assert (table[4343].local_port, table[4343].remote_port) == (50000, 8080)
+
+
+def test_only_the_generations_connections_are_cut() -> None:
+    unrelated = socket.create_server(("127.0.0.1", 0))
+    other_client = socket.create_connection(unrelated.getsockname())
+    other_server, _ = unrelated.accept()
+    before = set(own_socket_fds())
+    listener = socket.create_server(("127.0.0.1", 0))  # stands for a gloo listener
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        ports = new_listen_ports(before)
+        assert ports == [listener.getsockname()[1]]
+        found = generation_connections(before, ports, set(ports))
+        assert set(found.values()) == {client.fileno(), accepted.fileno()}
+        connections = Connections(found)
+        assert connections.cut() == 2
+        assert connections.cut() == 0  # once only
+        # Both ends see the connection end at once; the descriptors themselves stay valid.
+        assert client.recv(1) == b"" and accepted.recv(1) == b""
+        other_client.sendall(b"x")
+        assert other_server.recv(1) == b"x"  # untouched
+    finally:
+        for s in (unrelated, other_client, other_server, listener, client, accepted):
+            s.close()
+
+
+def test_a_blocked_reader_wakes_when_its_peer_cuts() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    before = set(own_socket_fds())
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(accepted.recv(1)))
+    reader.start()
+    found = generation_connections(before, [], {listener.getsockname()[1]})
+    assert set(found.values()) == {client.fileno()}
+    Connections(found).cut()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and got == [b""]
+    for s in (listener, client, accepted):
+        s.close()
+
+
+def test_parking_forgets_the_registry_and_the_next_world_forms() -> None:
+    # Guards the private torch registry park_default_world relies on: a torch upgrade that
+    # changes it fails here, loudly.
+    store = dist.HashStore()
+    device = pick_device(cuda_available=False)
+    first = open_world(1, 0, ["w0"], ["n0"], store, device, timeout_s=10)
+    sub = dist.new_group([0])
+    assert dist.is_initialized() and len(c10d._world.pg_map) == 2
+    park_default_world()
+    assert not dist.is_initialized() and not c10d._world.pg_map
+    second = open_world(2, 0, ["w0"], ["n0"], store, device, timeout_s=10)
+    try:
+        t = torch.ones(3)
+        second.all_reduce(t)
+        assert torch.equal(t, torch.ones(3))
+        assert second.generation == 2 and first is not second and sub is not None
+    finally:
+        second.close()
+    assert not dist.is_initialized()
+
+
+def test_device_choice_and_the_nccl_environment() -> None:
+    cpu = pick_device(cuda_available=False)
+    assert (cpu.device.type, cpu.backend, cpu.is_cuda) == ("cpu", "gloo", False)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="local rank 1 needs GPU 1"):
+            pick_device(local_rank=1, cuda_available=True)
+    env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    activate(DeviceChoice(torch.device("cpu"), "nccl"), env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # what the user set wins
+    assert all(
+        env[k] == v for k, v in NCCL_RECOVERY_ENV.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    )
+    untouched: dict[str, str] = {}
+    activate(cpu, untouched)
+    assert untouched == {}
+
+
+def test_abort_monitor_fires_once_and_survives_a_broken_predicate() -> None:
+    answers = iter([RuntimeError("flaky"), False, True])
+
+    def should_abort() -> bool:
+        answer = next(answers, True)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    aborted: list[int] = []
+    monitor = AbortMonitor(should_abort, lambda: aborted.append(1), interval_s=0.01).start()
+    assert monitor.fired.wait(10)
+    monitor.stop()
+    assert aborted == [1]
