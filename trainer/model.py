@@ -104,9 +104,6 @@ class GPT(nn.Module):
             lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return ModelOutput(logits=logits, lm_loss=lm_loss, aux_loss=aux)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):

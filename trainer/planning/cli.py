@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bulkhead.api.manifest import ManifestError, load_job
-from bulkhead.trainer.config import resolve_model
+from bulkhead.trainer.config import resolve_model, train_config
+from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
@@ -95,6 +96,50 @@ def transfers_table(transfers: Any) -> Table:
     return table
 
 
+def engine_plan_table(plan: ParallelPlan, title: str) -> Table:
+    """Every rank's batch share and place in the ZeRO mesh."""
+    table = Table(title=f"{title}: " + "; ".join(plan.describe()[1:]))
+    for col in ("rank", "worker", "samples", "shard", "replica group", "checkpoint shard",
+                "persists"):  # fmt: skip
+        table.add_column(col)
+    z = plan.zero
+    for rank in _rows(list(range(plan.world_size))):
+        if rank is None:
+            table.add_row("...", "", "", "", "", "", "")
+            continue
+        start, size = plan.share(rank)
+        table.add_row(
+            str(rank), plan.workers[rank], f"{start}..{start + size - 1}" if size else "-",
+            str(z.shard_index(rank)), str(z.replica_index(rank)), plan.checkpoint_shard(rank),
+            "yes" if plan.persists(rank) else "",
+        )  # fmt: skip
+    return table
+
+
+def engine_plan_dict(plan: ParallelPlan) -> dict[str, Any]:
+    z = plan.zero
+    return {
+        "describe": plan.describe(),
+        "zero": {
+            "stage": z.stage,
+            "shardSize": z.shard_size,
+            "replicas": z.replicas,
+            "hpz": z.hpz,
+        },
+        "ranks": [
+            {
+                "rank": r,
+                "share": list(plan.share(r)),
+                "shard": z.shard_index(r),
+                "replica": z.replica_index(r),
+                "checkpointShard": plan.checkpoint_shard(r),
+                "persists": plan.persists(r),
+            }
+            for r in range(plan.world_size)
+        ],
+    }
+
+
 def _node_names(count: int) -> list[str]:
     return [f"node-{i}" for i in range(count)]
 
@@ -144,6 +189,18 @@ def plan(
     )
     console = Console()
     out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
+    cfg = train_config(spec)
+    members = [f"w{i}" for i in range(spec.workers)]
+    trained = make_plan(1, members, members, cfg)
+    console.print(engine_plan_table(trained, "What this version's engine trains"))
+    out["engine"] = engine_plan_dict(trained)
+    if fail:
+        survivors = members[fail:] or members[:1]
+        after = make_plan(2, survivors, survivors, cfg)
+        console.print(engine_plan_table(after, f"The engine after losing {fail} worker(s)"))
+        out["engineAfterFailure"] = engine_plan_dict(after)
+    console.print("[dim]Oobleck pipelines and Lazarus expert placement below are plans only: "
+                  "this version does not train them yet.[/dim]")  # fmt: skip
     try:
         layers = estimate_layer_costs(model, gpu, batch.micro_batch_size)
         templates = generate_templates(layers, gpu, n)

@@ -13,7 +13,6 @@ bf16, no recomputation).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -157,9 +156,3 @@ def estimate_layer_costs(
 
 def total_state_bytes(layers: Sequence[LayerCost]) -> int:
     return sum(layer.state_bytes for layer in layers)
-
-
-def min_nodes_for_memory(layers: Sequence[LayerCost], gpu: GpuSpec) -> int:
-    """Lower bound on nodes for one model replica: all state plus the largest activation."""
-    need = total_state_bytes(layers) + max(layer.activation_bytes for layer in layers)
-    return max(1, math.ceil(need / (gpu.usable_memory_bytes * gpu.gpus_per_node)))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,21 +222,6 @@ def place_experts(
         len(candidates),
     )
     return best
-
-
-def place_layers(
-    loads_by_layer: Mapping[int, Sequence[int]],
-    nodes: Sequence[str],
-    slots_per_node: int,
-    min_replicas: int,
-    failures: int = 1,
-) -> dict[int, ExpertPlacement]:
-    """Allocation and placement for every MoE layer (keyed by layer index) from its loads."""
-    out = {}
-    for layer, loads in loads_by_layer.items():
-        replicas = allocate_replicas(loads, len(nodes), slots_per_node, min_replicas)
-        out[layer] = place_experts(replicas, nodes, slots_per_node, loads, failures)
-    return out
 
 
 def spread_placement(
