@@ -200,6 +200,21 @@ class ParallelismConfig(Model):
     )
 
 
+def _gpus_per_container(template: dict[str, Any]) -> list[tuple[int, int]]:
+    """(container index, nvidia.com/gpu count) for each container of a pod template."""
+    containers = (template.get("spec") or {}).get("containers") or []
+    out = []
+    for index, container in enumerate(containers):
+        resources = (container or {}).get("resources") or {}
+        counts = [
+            (resources.get(kind) or {}).get("nvidia.com/gpu") for kind in ("limits", "requests")
+        ]
+        found = [int(str(c)) for c in counts if c is not None and str(c).isdigit()]
+        if found:
+            out.append((index, max(found)))
+    return out
+
+
 def zero_shard_group_size(workers: int, max_failures: int) -> int:
     """Shard group size for ``workers`` live workers that keeps ``max_failures + 1`` replicas.
 
@@ -320,7 +335,15 @@ class CheckpointConfig(Model):
 
 
 class TrainingJobSpec(Model):
-    workers: int = Field(..., ge=1, le=100_000, description="Worker pods (one per node).")
+    workers: int = Field(
+        ...,
+        ge=1,
+        le=100_000,
+        description=(
+            "Worker pods: one trainer process each, with at most one GPU (a node with 8 GPUs "
+            "hosts 8 workers; ranks are ordered node by node)."
+        ),
+    )
     min_workers: int = Field(
         1, ge=1, description="Below this many live workers the job restarts from checkpoint."
     )
@@ -363,6 +386,16 @@ class TrainingJobSpec(Model):
                 w=self.workers,
                 f=f,
             )
+        for index, gpus in _gpus_per_container(self.template):
+            if gpus > 1:
+                raise _rule(
+                    f"template.spec.containers[{index}].resources",
+                    "asks for {g} GPUs, but this version runs one trainer process per worker "
+                    "pod, which would leave {idle} of them idle: request 1 GPU per pod and "
+                    "set workers to nodes x GPUs per node",
+                    g=gpus,
+                    idle=gpus - 1,
+                )
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
             size = zero_shard_group_size(self.workers, f)

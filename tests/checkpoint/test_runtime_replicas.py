@@ -20,6 +20,7 @@ from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.engine.engine import HeldState
 from bulkhead.trainer.engine.layout import Holding
 from bulkhead.trainer.engine.plan import ParallelPlan, zero_plan
+from bulkhead.trainer.engine.world import member_rank, world_order
 from bulkhead.trainer.runtime.checkpointing import (
     EngineCheckpointer,
     ring_successor,
@@ -46,6 +47,21 @@ def test_ring_prefers_the_next_member_on_another_node() -> None:
     # Alone on its node with nobody elsewhere: a same-node peer still beats no replica.
     assert ring_successor(members[:2], 0) == "a:2"
     assert ring_successor(members[:1], 0) is None
+
+
+def test_world_ranks_go_node_by_node() -> None:
+    # The manager's ranks keep survivors in place; the world orders them by node so shard
+    # groups and hpZ blocks (consecutive ranks) stay inside nodes.
+    view = MembershipView(
+        generation=3,
+        members=[_member(0, "b", "b:1"), _member(1, "a", "a:1"), _member(2, "b", "b:2"),
+                 _member(3, "a", "a:2")],
+    )  # fmt: skip
+    assert [m.worker for m in world_order(view)] == ["w1", "w3", "w0", "w2"]
+    assert member_rank(view, "w0") == 2
+    plan = _plan(view, stage=3)  # 2 replicas x 2 shards: shard groups are the nodes
+    topology = topology_for(view, plan, 2)  # w0, first on node b
+    assert topology.shard == "zero2-s0" and topology.replicate_to == "a:1"
 
 
 def _plan(view: MembershipView, stage: int = 0, max_failures: int = 1) -> ParallelPlan:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from bulkhead.api.protocol import MembershipView
+from bulkhead.api.status import Member
 from bulkhead.trainer.engine.device import DeviceChoice
 from bulkhead.trainer.engine.failfast import (
     Connections,
@@ -78,10 +79,20 @@ def _never() -> bool:
     return False
 
 
+def world_order(view: MembershipView) -> list[Member]:
+    """The members in world-rank order: node by node, the manager's order within a node.
+
+    Consecutive ranks share a node wherever the membership allows, so ZeRO shard groups
+    and hpZ blocks (consecutive ranks) keep their traffic inside nodes.
+    """
+    return sorted(view.members, key=lambda m: (m.node, m.rank))
+
+
 def member_rank(view: MembershipView, worker: str) -> int:
-    for member in view.members:
+    """``worker``'s rank in the world of generation ``view``."""
+    for rank, member in enumerate(world_order(view)):
         if member.worker == worker:
-            return member.rank
+            return rank
     raise NotAMember(f"worker {worker} is not in generation {view.generation}")
 
 
@@ -347,7 +358,7 @@ def form_world(
         raise CollectiveError(
             f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
         ) from exc
-    ordered = sorted(view.members, key=lambda m: m.rank)
+    ordered = world_order(view)
     world = open_world(
         view.generation,
         rank,

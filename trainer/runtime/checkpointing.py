@@ -28,6 +28,7 @@ from bulkhead.trainer.checkpoint.records import Topology
 from bulkhead.trainer.checkpoint.restore import ANY_SHARD, Restored
 from bulkhead.trainer.engine.engine import HeldState
 from bulkhead.trainer.engine.plan import ParallelPlan, shard_id
+from bulkhead.trainer.engine.world import world_order
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,10 @@ log = logging.getLogger(__name__)
 MAX_PEERS = 64
 
 
-def ring_successor(members: list[Member], rank: int) -> str | None:
-    """The sidecar to send rank ``rank``'s snapshots to: the next member (in rank order,
-    wrapping) on another node, so a lost node's state survives elsewhere; failing that, the
-    next member with a sidecar of its own. None when no other sidecar is known."""
-    ordered = sorted(members, key=lambda m: m.rank)
-    position = next(i for i, m in enumerate(ordered) if m.rank == rank)
+def ring_successor(ordered: list[Member], position: int) -> str | None:
+    """The sidecar to send the snapshots of ``ordered[position]`` to: the next member
+    (wrapping) on another node, so a lost node's state survives elsewhere; failing that,
+    the next member with a sidecar of its own. None when no other sidecar is known."""
     me = ordered[position]
     following = ordered[position + 1 :] + ordered[:position]
     others = [m for m in following if m.checkpoint_address not in ("", me.checkpoint_address)]
@@ -52,18 +51,17 @@ def ring_successor(members: list[Member], rank: int) -> str | None:
 
 
 def topology_for(view: MembershipView, plan: ParallelPlan, rank: int) -> Topology:
-    """This rank's place in the checkpoints of generation ``view`` laid out by ``plan``."""
-    ordered = sorted(view.members, key=lambda m: m.rank)
-    mine = next(m.checkpoint_address for m in ordered if m.rank == rank)
-    position = next(i for i, m in enumerate(ordered) if m.rank == rank)
-    before = ordered[:position][::-1] + ordered[position + 1 :][::-1]
+    """World rank ``rank``'s place in the checkpoints of generation ``view`` under ``plan``."""
+    ordered = world_order(view)
+    mine = ordered[rank].checkpoint_address
+    before = ordered[:rank][::-1] + ordered[rank + 1 :][::-1]
     peers = tuple(dict.fromkeys(m.checkpoint_address for m in before if m.checkpoint_address))
     return Topology(
         generation=view.generation,
         shard=plan.checkpoint_shard(rank),
         shards=plan.checkpoint_shards(),
         persist=plan.persists(rank),
-        replicate_to=ring_successor(view.members, rank),
+        replicate_to=ring_successor(ordered, rank),
         peers=tuple(p for p in peers if p != mine)[:MAX_PEERS],
         plan={"shards": list(plan.checkpoint_shards()), "layout": plan.describe()},
     )
