@@ -20,15 +20,18 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
+from bulkhead.trainer.engine.data_parallel import wrap_data_parallel
 from bulkhead.trainer.engine.grad_sync import reduce_step
 from bulkhead.trainer.engine.layout import (
     NOTHING,
@@ -150,6 +153,7 @@ class Engine:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         root: nn.Module | None,
+        replicated: nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.world = world
@@ -157,6 +161,9 @@ class Engine:
         self.model = model
         self.optimizer = optimizer
         self.root = root
+        # The module forward and backward run through: DDP when the state is replicated
+        # over several ranks, else the model itself (FSDP2 shards it in place).
+        self.replicated = replicated
         self.completed_steps = 0
         self.adopted = False  # holds no state worth keeping until adopt() succeeds
         self._entries = self._state_entries()
@@ -171,14 +178,17 @@ class Engine:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
         model = build_model(cfg.model, cfg.seed).to(device)
-        root = None
+        root = replicated = None
         if plan.zero.sharded:
             with world.guard("sharding the model"):
                 root = apply_zero(model, plan.zero, device.type)
+        elif world.world_size > 1:
+            with world.guard("replicating the model"):
+                replicated = wrap_data_parallel(model, device)
         world.seal()  # every group of the generation exists now
         optimizer = make_optimizer(model, cfg.optimizer)
         _materialize_optimizer(model, optimizer)
-        return cls(plan, world, cfg, model, optimizer, root)
+        return cls(plan, world, cfg, model, optimizer, root, replicated)
 
     # -- state as keys -----------------------------------------------------------------
 
@@ -299,21 +309,32 @@ class Engine:
             # with the largest share; extra passes carry weight 0.
             largest = -(-gb // world.world_size)
             passes += [[]] * (-(-largest // cfg.micro_batch_size) - len(passes))
+        elif not passes:
+            passes = [[]]  # DDP reduces in the last backward: a rank with no sample joins in
+        forward = self.replicated or self.model
         aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
         device = world.device.device
-        self.model.train()
+        forward.train()
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum = aux_sum = 0.0
         with world.guard("forward/backward"):
             for i, positions in enumerate(passes):
+                last = i == len(passes) - 1
                 if sharded:
                     assert self.root is not None
-                    begin_microbatch(self.root, plan.zero, last=i == len(passes) - 1)
+                    begin_microbatch(self.root, plan.zero, last=last)
                 used = positions or [step_positions(step, gb)[0]]
                 batch = dataset.batch(used)
-                out = self.model(batch.inputs.to(device), batch.targets.to(device))
-                weight = len(positions) / gb
-                (out.total(aux_coef) * weight).backward()
+                # DDP reduces gradients during the last micro-batch's backward only.
+                accumulate = (
+                    self.replicated.no_sync()
+                    if isinstance(self.replicated, DistributedDataParallel) and not last
+                    else nullcontext()
+                )
+                with accumulate:
+                    out = forward(batch.inputs.to(device), batch.targets.to(device))
+                    weight = len(positions) / gb
+                    (out.total(aux_coef) * weight).backward()
                 assert out.lm_loss is not None
                 lm_sum += out.lm_loss.item() * len(positions)
                 aux_sum += out.aux_loss.item() * len(positions)
@@ -330,14 +351,11 @@ class Engine:
             # Replicas hold identical shards: one replica group's shards make the norm.
             contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
             norm_sq = _norm_sq(local_grads) if contributes else 0.0
-            agreed = reduce_step(
-                world, [], lm_sum, aux_sum, newer_generation, stop, norm_sq, compute_s
-            )
+            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, stop, norm_sq, compute_s)
         else:
+            # Gradients are summed already (DDP, during backward) or local (one rank).
             local_grads = [p.grad for p in params]
-            agreed = reduce_step(
-                world, local_grads, lm_sum, aux_sum, newer_generation, stop, 0.0, compute_s
-            )
+            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, stop, 0.0, compute_s)
             norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):

@@ -1,7 +1,8 @@
-"""The step-boundary reduction: gradients (data parallel) fused with the step's agreement.
+"""The step-boundary agreement: one small all-reduce that commits a step on every rank.
 
-One all-reduce per step carries, besides the data-parallel gradients when the state is
-replicated: the summed language-model and balance losses, the flags "a rank saw a newer
+Gradients are reduced before it, overlapped with the backward pass (DDP buckets for a
+replicated layout, FSDP2's reduce-scatters for a sharded one). The agreement carries the
+summed language-model and balance losses, the flags "a rank saw a newer
 generation" and "a rank was told to stop" (so all ranks switch or stop after the same
 step), each rank's share of the squared gradient norm (for clipping sharded gradients:
 only one replica group contributes, since the replicas hold identical shards), and each
@@ -31,7 +32,6 @@ class Agreement:
 
 def reduce_step(
     world: World,
-    grads: list[torch.Tensor],
     lm_sum: float,
     aux_sum: float,
     newer_generation: bool,
@@ -39,7 +39,7 @@ def reduce_step(
     grad_norm_sq: float,
     compute_s: float,
 ) -> Agreement:
-    """Sum ``grads`` in place across the world (may be empty) together with the header."""
+    """Sum the step's header and compute times across the world (polled, abandonable)."""
     device = world.device.device  # NCCL reduces device tensors, gloo host ones
     compute = torch.zeros(world.world_size, dtype=torch.float32, device=device)
     compute[world.rank] = compute_s
@@ -48,19 +48,14 @@ def reduce_step(
         dtype=torch.float32,
         device=device,
     )
-    flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [header, compute])
+    flat = torch.cat([header, compute])
     world.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
-    lm, aux, newer, stopping, norm_sq = flat[offset : offset + _HEADER].tolist()
+    lm, aux, newer, stopping, norm_sq = flat[:_HEADER].tolist()
     return Agreement(
         lm_sum=lm,
         aux_sum=aux,
         newer_generation=newer > 0,
         stop=stopping > 0,
         grad_norm_sq=norm_sq,
-        compute_s=flat[offset + _HEADER :].tolist(),
+        compute_s=flat[_HEADER:].tolist(),
     )

@@ -30,7 +30,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
-from bulkhead.trainer.engine.device import DeviceChoice
+from bulkhead.trainer.engine.device import DeviceChoice, abort_all_process_groups
 from bulkhead.trainer.engine.failfast import (
     Connections,
     generation_connections,
@@ -143,6 +143,18 @@ class World:
             self.generation,
             len(self.connections.sockets),
         )
+
+    def abort(self, why: str) -> None:
+        """End this world from any thread: operations blocked in it fail at once.
+
+        gloo: cut its connections (every peer fails too); NCCL: abort the communicators.
+        """
+        if self.device.backend == "nccl":
+            self._state = "abandoned"
+            log.warning("generation %d: aborting communicators: %s", self.generation, why)
+            abort_all_process_groups()
+        else:
+            self._fail(why, abandoned=True)
 
     def _fail(self, why: str, abandoned: bool) -> None:
         """Mark the world failed and cut its connections so every peer fails now too."""

@@ -12,6 +12,7 @@ no surviving holder, or when the manager says none survived (``restoreFromCheckp
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -27,13 +28,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
-from bulkhead.trainer.engine.device import (
-    AbortMonitor,
-    DeviceChoice,
-    abort_all_process_groups,
-    activate,
-    pick_device,
-)
+from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
 from bulkhead.trainer.engine.engine import (
     Adoption,
     Engine,
@@ -127,6 +122,7 @@ class ElasticTrainer:
         self.reporter = Reporter(connect())
         self.last_result: StepResult | None = None
         self._state_source: str | None = None  # how this generation got its state
+        self._newer_since: float | None = None  # when a newer generation was first seen
         self._adoption: Adoption | None = None
         # Fed the compute times each step's all-reduce already carries: no extra collective.
         self.stragglers = StragglerDetector(every_steps=20)
@@ -209,15 +205,12 @@ class ElasticTrainer:
             self._report_fault("collective_error", str(exc), view.generation)
             return "reconfigure"
         engine: Engine | None = None
-        # NCCL waits cannot be polled: a side thread aborts the communicators once a newer
-        # generation exists, so a collective blocked on a dead peer returns with an error.
-        monitor = (
-            AbortMonitor(lambda: self._newer_generation_seen(view), abort_all_process_groups)
-            if self.device.is_cuda
-            else None
-        )
-        if monitor is not None:
-            monitor.start()
+        # Waits inside FSDP2/DDP (and any NCCL wait) cannot be polled: once a newer
+        # generation has existed for longer than a step should take, a side thread aborts
+        # this world, so a collective blocked on a hung or cut-off peer returns an error.
+        monitor = AbortMonitor(
+            lambda: self._overdue(view), lambda: world.abort("a newer generation exists")
+        ).start()
         try:
             plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
             engine = Engine.build(plan, world, self.cfg)
@@ -234,8 +227,7 @@ class ElasticTrainer:
         finally:
             # The state of the last completed step, for the next generation's engine; an
             # engine that never adopted any state leaves the previous one in place.
-            if monitor is not None:
-                monitor.stop()
+            monitor.stop()
             if engine is not None and engine.adopted:
                 self.held = engine.held_state()
             del engine
@@ -319,6 +311,18 @@ class ElasticTrainer:
         self.held = engine.held_state()
         self._complete(view)
         return "done"
+
+    def _overdue(self, view: MembershipView) -> bool:
+        """A newer generation exists and this one has not reached a step boundary within
+        the abandon delay (at least twice the last step): a peer must be stuck."""
+        if not self._newer_generation_seen(view):
+            self._newer_since = None
+            return False
+        now = time.monotonic()
+        if self._newer_since is None:
+            self._newer_since = now
+        last = self.last_result.seconds if self.last_result is not None else 0.0
+        return now - self._newer_since > max(self.cfg.timeouts.abandon_after_s, 2 * last)
 
     def _newer_generation_seen(self, view: MembershipView) -> bool:
         newest = max(self.watcher.generation, self.reporter.directed_generation)
