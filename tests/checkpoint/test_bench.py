@@ -17,6 +17,8 @@ FIGURES = (
     "torch_save_fsync_s",
     "dcp_async_blocking_s",
     "restore_shm_s",
+    "restore_fresh_s",
+    "verify_s",
     "torch_load_s",
 )
 
@@ -35,5 +37,11 @@ def test_quick_bench_writes_all_figures(tmp_path) -> None:
     for key in FIGURES:
         assert figures[key] > 0, key
     assert figures["state_bytes"] >= 40e6
-    assert set(figures["ratios"]) >= {"blocking_vs_memcpy", "save_vs_blocking", "load_vs_restore"}
+    assert set(figures["ratios"]) >= {
+        "blocking_vs_memcpy",
+        "restore_vs_memcpy",
+        "dcp_async_vs_blocking",
+        "save_vs_blocking",
+        "load_vs_restore",
+    }
     assert "torch.save + fsync" in run.stdout

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from waiting import wait_until
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology, checksum
+from bulkhead.trainer.checkpoint.restore import ClobberedError
 from bulkhead.trainer.checkpoint.shm import all_slots
 
 
@@ -78,21 +79,32 @@ def test_copy_threads_setting() -> None:
         CheckpointSettings(job="j", copy_threads=0)
 
 
+def flip_byte(shm_dir, slot: int, offset: int) -> None:
+    with open(all_slots(shm_dir)[slot].data, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)[0]
+        file.seek(offset)
+        file.write(bytes([byte ^ 0x01]))
+
+
+def wait_sealed(engine: CheckpointEngine, shm_dir, step: int) -> None:
+    """Until the sidecar has sealed ``step`` and every other snapshot in memory."""
+    wait_until(lambda: engine.status()["sealed_step"] == step, what=f"seal of step {step}")
+
+    def all_sealed() -> bool:
+        records = [files.record() for files in all_slots(shm_dir)]
+        return all(record is None or record.crc32c is not None for record in records)
+
+    wait_until(all_sealed, what="seals")
+
+
 def test_corrupt_shared_memory_falls_back_to_older_snapshot(shm_dir, sidecar_factory) -> None:
     sidecar_factory(shm_dir)
     with CheckpointEngine(settings(shm_dir)) as engine:
         engine.snapshot(10, make_state(10))
         newest = engine.snapshot(20, make_state(20))
-        wait_until(lambda: engine.status()["sealed_step"] == 20, what="seal of step 20")
-        wait_until(
-            lambda: all(f.record().crc32c is not None for f in all_slots(shm_dir)), what="seals"
-        )
-        data = all_slots(shm_dir)[newest.slot].data
-        with open(data, "r+b") as file:  # one bit flipped in the newest snapshot
-            file.seek(100)
-            byte = file.read(1)[0]
-            file.seek(100)
-            file.write(bytes([byte ^ 0x01]))
+        wait_sealed(engine, shm_dir, 20)
+        flip_byte(shm_dir, newest.slot, 100)  # one bit flipped in the newest snapshot
         restored = engine.restore()
     assert restored is not None
     assert (restored.step, restored.tier) == (10, "shm")
@@ -164,3 +176,59 @@ def test_settings_from_the_job_spec(shm_dir) -> None:
         CheckpointConfig.model_validate({"storage": {"pvc": "ckpt"}}), job="job1"
     )
     assert str(on_pvc.storage_dir) == "/checkpoints"
+
+
+def test_corrupt_snapshot_restored_into_live_tensors_is_overwritten_by_the_older_one(
+    shm_dir, sidecar_factory, monkeypatch
+) -> None:
+    """Verified while copied: the bad bytes reach the caller's tensors, the check fails, the
+    older snapshot (same layout) fills every one of them again, and nothing is reported
+    clobbered."""
+    monkeypatch.setattr(checksum, "MIN_PIECE_BYTES", 4096)  # several ranges on two threads
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(10, make_state(10, scale=16))
+        newest = engine.snapshot(20, make_state(20, scale=16))
+        wait_sealed(engine, shm_dir, 20)
+        flip_byte(shm_dir, newest.slot, 100)  # inside the first tensor's bytes
+        live = make_state(0, scale=16)
+        restored = engine.restore(into=live)
+    assert restored is not None and (restored.step, restored.tier) == (10, "shm")
+    assert any("step 20" in s and "CRC" in s for s in restored.skipped)
+    assert restored.clobbered == []
+    assert restored.state["model"]["embed.weight"] is live["model"]["embed.weight"]
+    assert_state_is(restored.state, 10, scale=16)
+
+
+def test_tensors_a_corrupt_snapshot_wrote_and_the_older_one_does_not_fill_are_named(
+    shm_dir, sidecar_factory
+) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        engine.snapshot(10, make_state(10))  # embed and exp_avg are 64 x 32 here
+        newest = engine.snapshot(20, make_state(20, scale=2))  # ... and 128 x 32 here
+        wait_sealed(engine, shm_dir, 20)
+        flip_byte(shm_dir, newest.slot, 100)
+        live = make_state(0, scale=2)
+        restored = engine.restore(into=live)
+    assert restored is not None and restored.step == 10
+    assert restored.clobbered == ["model/embed.weight", "optimizer/state/0/exp_avg"]
+    assert_state_is(restored.state, 10)  # the state returned is whole and right
+    assert restored.state["model"]["embed.weight"] is not live["model"]["embed.weight"]
+    # The same-shaped tensors were filled again in place.
+    assert restored.state["model"]["head.bias"] is live["model"]["head.bias"]
+
+
+def test_no_good_snapshot_after_one_wrote_into_live_tensors_raises(
+    shm_dir, sidecar_factory
+) -> None:
+    sidecar_factory(shm_dir)
+    with CheckpointEngine(settings(shm_dir)) as engine:
+        only = engine.snapshot(20, make_state(20))
+        wait_sealed(engine, shm_dir, 20)
+        flip_byte(shm_dir, only.slot, 100)
+        live = make_state(0)
+        with pytest.raises(ClobberedError, match=r"model/embed\.weight"):
+            engine.restore(into=live)
+        # Into fresh tensors a corrupt snapshot leaves no trace: plainly nothing to restore.
+        assert engine.restore() is None

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import crc32c
 import pytest
 import torch
 from ckpt_helpers import assert_state_is, make_state
 
 from bulkhead.trainer.checkpoint import checksum
 from bulkhead.trainer.checkpoint.checksum import Workers, split_spans
-from bulkhead.trainer.checkpoint.layout import ALIGN, assemble, copy_into, plan_layout
+from bulkhead.trainer.checkpoint.layout import (
+    ALIGN,
+    assemble,
+    assemble_verified,
+    copy_into,
+    plan_layout,
+)
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 
 
@@ -144,3 +151,45 @@ def test_a_failing_piece_fails_the_parallel_copy(monkeypatch) -> None:
             copy_into(layout, buffer, workers)
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_verified_copy_equals_the_plain_one_and_checksums_every_byte(monkeypatch, threads) -> None:
+    """Small chunks and ranges cut through tensors: the same state as ``assemble``, filled in
+    place where ``into`` matches, and the CRC of the whole buffer, padding included."""
+    monkeypatch.setattr(checksum, "MIN_PIECE_BYTES", 256)
+    state = mixed_state()
+    layout = plan_layout(state)
+    buffer = torch.full((layout.nbytes + 64,), 0x5A, dtype=torch.uint8)  # padding not zero
+    copy_into(layout, buffer)
+    into = {key: torch.zeros_like(value) for key, value in state.items()}
+    into["bf16"] = torch.zeros(7, dtype=torch.bfloat16)  # other shape: comes back fresh
+    workers = Workers(threads)
+    try:
+        copied = assemble_verified(record_of(layout), buffer, into, workers, chunk_bytes=192)
+        fresh = assemble_verified(record_of(layout), buffer, None, workers, chunk_bytes=192)
+    finally:
+        workers.close()
+    expected = crc32c.crc32c(buffer[: layout.nbytes].numpy())
+    assert copied.crc32c == fresh.crc32c == expected
+    restored = copied.state()
+    buffer.zero_()  # nothing aliases the buffer
+    for key, value in state.items():
+        assert torch.equal(restored[key], value), key
+        assert torch.equal(fresh.state()[key], value), key
+    assert restored["big"] is into["big"] and restored["transposed"] is into["transposed"]
+    assert restored["bf16"] is not into["bf16"]
+    assert sorted(copied.in_place) == sorted((key,) for key in state if key != "bf16")
+    assert fresh.in_place == []
+
+
+def test_verified_copy_reports_a_corrupt_buffer_through_its_crc() -> None:
+    layout = plan_layout(make_state(3))
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    copy_into(layout, buffer)
+    good = crc32c.crc32c(buffer.numpy())
+    buffer[layout.nbytes // 2] ^= 0x10
+    copied = assemble_verified(record_of(layout), buffer)
+    assert copied.crc32c != good
+    with pytest.raises(ValueError, match="cannot hold"):
+        assemble_verified(record_of(layout), buffer[:10])

@@ -9,30 +9,53 @@ the caller's existing tensors in place (like torch.distributed.checkpoint's load
 Both copies can run on a few threads (``Workers``; torch's ``copy_`` releases the GIL): the
 buffer is cut into equal byte ranges and a big tensor is copied as flat slices, one per
 range it overlaps, so every thread moves the same number of bytes.
+
+``assemble_verified`` is the restore from shared memory: it checks the buffer's CRC-32C
+while copying, one small chunk at a time (the checksum reads the chunk from memory, the
+copy then takes it from the cache), so the bytes cross the memory bus once instead of
+twice (verify pass, then copy pass). It reports the CRC and which of the caller's tensors
+it wrote: the caller must compare the CRC before using anything.
 """
 
 from __future__ import annotations
 
 import base64
 import bisect
+import ctypes
+import ctypes.util
 import functools
 import io
+import logging
 import pickle
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
+import numpy as np
 import torch
 
-from bulkhead.trainer.checkpoint.checksum import PIECE_ALIGN, Workers, split_spans
+from bulkhead.trainer.checkpoint.checksum import PIECE_ALIGN, Workers, crc32c_combine, split_spans
 from bulkhead.trainer.checkpoint.records import SnapshotRecord, TensorEntry
 
 # Every tensor starts on a cache-line boundary, so any dtype can be viewed in place (and
 # parallel pieces, cut at the same alignment, never split an element).
 ALIGN = PIECE_ALIGN
-Path = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]
 # One copy: buffer offset, destination, source (same shape and dtype).
 Copy = tuple[int, torch.Tensor, torch.Tensor]
+# Verify-while-copying granularity: half a core's L2 cache, so the chunk the checksum just
+# read is still cached when the copy reads it; large enough that the per-chunk Python
+# overhead (a few microseconds) stays under 2 % of the chunk's copy time.
+VERIFY_CHUNK_BYTES = 1 << 20
+# Fresh tensors this big are backed by transparent huge pages where the kernel offers them
+# on request (THP "madvise" mode, the common default): a restore then takes one page fault
+# per 2 MiB instead of one per 4 KiB, which measured 4x faster than the 4 KiB faults.
+HUGE_PAGE_BYTES = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +68,7 @@ class Layout:
     nbytes: int
 
 
-def _walk(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def _walk(obj: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """(key path, leaf) for the dict/list/tuple structure; other objects are leaves."""
     if isinstance(obj, dict):
         for key, value in obj.items():
@@ -184,6 +207,69 @@ class _SkeletonUnpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
+def tensor_paths(obj: Any) -> dict[KeyPath, torch.Tensor]:
+    """Every tensor of the dict/list/tuple structure ``obj``, by key path."""
+    return {path: leaf for path, leaf in _walk(obj) if isinstance(leaf, torch.Tensor)}
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's madvise, or None where there is none to call (not Linux, no libc found)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def fresh_tensor(shape: list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; a big one asks for huge pages (only a hint: where the
+    kernel says no, the tensor is the same, its first touch just slower)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = _madvise() if nbytes >= 2 * HUGE_PAGE_BYTES else None
+    if madvise is not None:
+        start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        stop = (tensor.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if madvise(start, stop - start, MADV_HUGEPAGE) != 0:
+            log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+    return tensor
+
+
+def _targets(
+    record: SnapshotRecord, buffer: torch.Tensor, into: dict[str, Any] | None, copy: bool
+) -> tuple[list[torch.Tensor], list[Copy], list[KeyPath]]:
+    """Per tensor of ``record``: the tensor the state will hold, the copies that fill them,
+    and the key paths of ``into``'s tensors among the destinations."""
+    targets = tensor_paths(into) if into is not None else {}
+    tensors: list[torch.Tensor] = []
+    copies: list[Copy] = []
+    in_place: list[KeyPath] = []
+    for entry in record.tensors:
+        source = _view(buffer, entry)
+        path = tuple(entry.path) if entry.path is not None else None
+        target = targets.get(path) if path is not None else None
+        if target is None or target.dtype != source.dtype or target.shape != source.shape:
+            target = fresh_tensor(source.shape, source.dtype) if copy else None
+        elif path is not None:
+            in_place.append(path)
+        if target is None:
+            tensors.append(source)
+        else:
+            copies.append((entry.offset, target, source))
+            tensors.append(target)
+    return tensors, copies, in_place
+
+
+def _rebuild(record: SnapshotRecord, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    return _SkeletonUnpickler(base64.b64decode(record.skeleton), tensors).load()
+
+
 def assemble(
     record: SnapshotRecord,
     buffer: torch.Tensor,
@@ -198,20 +284,113 @@ def assemble(
     shared memory that will be overwritten), otherwise views of ``buffer``. The copies run
     on ``workers`` if given.
     """
-    targets: dict[Path, torch.Tensor] = {}
-    if into is not None:
-        targets = {p: leaf for p, leaf in _walk(into) if isinstance(leaf, torch.Tensor)}
-    tensors = []
-    copies: list[Copy] = []
-    for entry in record.tensors:
-        source = _view(buffer, entry)
-        target = targets.get(tuple(entry.path)) if entry.path is not None else None
-        if target is None or target.dtype != source.dtype or target.shape != source.shape:
-            target = torch.empty(source.shape, dtype=source.dtype) if copy else None
-        if target is None:
-            tensors.append(source)
-        else:
-            copies.append((entry.offset, target, source))
-            tensors.append(target)
+    tensors, copies, _ = _targets(record, buffer, into, copy)
     _run_copies(copies, record.nbytes, workers)
-    return _SkeletonUnpickler(base64.b64decode(record.skeleton), tensors).load()
+    return _rebuild(record, tensors)
+
+
+@dataclass
+class VerifiedCopy:
+    """What ``assemble_verified`` did. ``crc32c`` is the checksum of the buffer's bytes it
+    copied; ``in_place`` the key paths of the caller's tensors it wrote. Call ``state``
+    only once the CRC matches the record's."""
+
+    crc32c: int
+    in_place: list[KeyPath]
+    record: SnapshotRecord
+    tensors: list[torch.Tensor]
+
+    def state(self) -> dict[str, Any]:
+        return _rebuild(self.record, self.tensors)
+
+
+@dataclass
+class _Out:
+    """One destination of a verified copy: buffer bytes [offset, end) go to ``target``."""
+
+    offset: int
+    end: int
+    flat: np.ndarray | None  # the target's bytes, when a plain byte copy can fill it
+    target: torch.Tensor
+    source: torch.Tensor
+
+
+def _byte_array(tensor: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a contiguous CPU tensor as a flat uint8 array sharing its memory; None
+    for the rest (another device, strided, a lazy conjugate), which torch copies whole.
+
+    numpy, not torch, moves the chunks: a slice assignment costs ~1 us against ~5 us for a
+    torch slice + ``copy_``, and it releases the GIL all the same."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    if tensor.is_conj() or tensor.is_neg():
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _verify_copy_span(
+    source: np.ndarray, outs: list[_Out], ends: list[int], span: tuple[int, int], chunk: int
+) -> int:
+    """CRC-32C of ``source[start:stop]``; on the way, copies the bytes of that range into
+    the destinations, each chunk right after checksumming it (so it is read from cache).
+    A destination that cannot take a byte copy is copied whole by the range where it
+    starts."""
+    start, stop = span
+    crc = 0
+    index = bisect.bisect_right(ends, start)  # the first destination ending after start
+    for low in range(start, stop, chunk):
+        high = min(low + chunk, stop)
+        crc = crc32c.crc32c(source[low:high], crc)
+        while index < len(outs) and outs[index].offset < high:
+            out = outs[index]
+            first, last = max(low, out.offset), min(high, out.end)
+            if out.flat is not None:
+                out.flat[first - out.offset : last - out.offset] = source[first:last]
+            elif first == out.offset:
+                out.target.copy_(out.source)
+            if out.end > high:
+                break  # continues in the next chunk
+            index += 1
+    return crc
+
+
+def assemble_verified(
+    record: SnapshotRecord,
+    buffer: torch.Tensor,
+    into: dict[str, Any] | None = None,
+    workers: Workers | None = None,
+    chunk_bytes: int = VERIFY_CHUNK_BYTES,
+) -> VerifiedCopy:
+    """Copy the state of ``record`` out of the uint8 ``buffer`` (shared memory) while
+    computing the CRC-32C of all its ``record.nbytes`` bytes, padding included.
+
+    Tensors found in ``into`` (same key path, dtype and shape) are written in place; the
+    rest are fresh. The caller compares ``crc32c`` with the record before using the state;
+    on a mismatch the fresh tensors are garbage to drop and the tensors of ``into`` listed
+    in ``in_place`` hold bytes of a corrupt snapshot. Ranges run on ``workers`` if given.
+    """
+    if buffer.numel() < record.nbytes:
+        raise ValueError(f"buffer of {buffer.numel()} bytes cannot hold {record.nbytes}")
+    tensors, copies, in_place = _targets(record, buffer, into, copy=True)
+    outs = sorted(
+        (
+            _Out(offset, offset + target.numel() * target.element_size(), None, target, source)
+            for offset, target, source in copies
+            if target.numel()
+        ),
+        key=lambda out: out.offset,
+    )
+    for out in outs:
+        out.flat = _byte_array(out.target)
+    ends = [out.end for out in outs]
+    source = buffer[: record.nbytes].numpy()
+    spans = split_spans(record.nbytes, workers.threads if workers is not None else 1)
+    tasks = [
+        functools.partial(_verify_copy_span, source, outs, ends, span, chunk_bytes)
+        for span in spans
+    ]
+    crcs = workers.run(tasks) if workers is not None else [task() for task in tasks]
+    crc = 0
+    for (start, stop), piece_crc in zip(spans, crcs, strict=True):
+        crc = crc32c_combine(crc, piece_crc, stop - start)
+    return VerifiedCopy(crc, in_place, record, tensors)

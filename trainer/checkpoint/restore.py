@@ -2,9 +2,17 @@
 
 Candidates are gathered cheaply from records (slot metadata, peers' replica lists, storage
 manifests), ordered newest step first and, for one step, fastest tier first. Each is
-verified against its CRC-32C before a single byte reaches the caller's tensors; one that
-fails is logged, counted in ``bulkhead_checkpoint_corrupt_total`` and skipped, and the
-next (older or slower) candidate is tried.
+verified against its CRC-32C; one that fails is logged, counted in
+``bulkhead_checkpoint_corrupt_total`` and skipped, and the next (older or slower)
+candidate is tried.
+
+Peer and storage bytes are verified as they arrive, before any reaches the caller. Own
+shared memory is verified while it is copied out (``layout.assemble_verified``: one pass
+over memory instead of two, on a few threads), so a snapshot that fails may already have
+written into tensors the caller passed in ``into``. The caller is told: ``Restored.clobbered``
+names such tensors that the snapshot finally restored did not fill again, and when no
+snapshot can be restored at all ``ClobberedError`` is raised instead of returning None.
+Without ``into`` (fresh tensors) a failed candidate leaves no trace.
 """
 
 from __future__ import annotations
@@ -20,9 +28,14 @@ from typing import Any
 import torch
 
 from bulkhead.trainer.checkpoint import metrics
-from bulkhead.trainer.checkpoint.checksum import checksum_parallel, shared_workers
+from bulkhead.trainer.checkpoint.checksum import shared_workers
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
-from bulkhead.trainer.checkpoint.layout import assemble
+from bulkhead.trainer.checkpoint.layout import (
+    KeyPath,
+    assemble,
+    assemble_verified,
+    tensor_paths,
+)
 from bulkhead.trainer.checkpoint.records import SlotMeta, SnapshotRecord, Topology
 from bulkhead.trainer.checkpoint.replica import (
     ReplicaError,
@@ -42,9 +55,17 @@ ANY_SHARD = "*"  # restore the newest snapshot of whichever shard (to learn a la
 SlotReader = Callable[[int], AbstractContextManager[tuple[SlotMeta, torch.Tensor] | None]]
 
 
+class ClobberedError(Exception):
+    """No snapshot could be restored, and a rejected one had already written into tensors
+    the caller passed in ``into``: they hold bytes of a corrupt snapshot."""
+
+
 @dataclass
 class Restored:
-    """A restored snapshot. ``skipped`` lists newer candidates that failed verification."""
+    """A restored snapshot. ``skipped`` lists newer candidates that failed verification;
+    ``clobbered`` the key paths (``a/b/c``) of tensors of ``into`` that one of them wrote
+    and this snapshot did not fill again (a newer snapshot's tensor whose dtype or shape
+    this one does not share): they hold bytes of a corrupt snapshot, not of this one."""
 
     step: int
     generation: int
@@ -52,6 +73,7 @@ class Restored:
     state: dict[str, Any]
     plan: dict[str, Any]
     skipped: list[str] = field(default_factory=list)
+    clobbered: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +118,8 @@ class Restorer:
         self.shard = shard or topology.shard  # ANY_SHARD: whichever
         self.sidecar = sidecar
         self.read_slot = read_slot
+        # Key paths of ``into`` tensors written by candidates that failed verification.
+        self._dirty: set[KeyPath] = set()
 
     def candidates(self, max_step: int | None) -> tuple[list[Candidate], list[str]]:
         """Every snapshot of our shard that claims to be complete, best first; plus notes."""
@@ -109,14 +133,16 @@ class Restorer:
         return record.job == self.options.job and self.shard in (ANY_SHARD, record.shard)
 
     def _from_memory(self, notes: list[str]) -> list[Candidate]:
-        try:  # the sidecar seals snapshots the trainer wrote just before it died
-            reply = self.sidecar.flush("sealed", self.options.seal_timeout)
-            if not reply.get("ok"):
-                notes.append(f"sidecar did not seal in time: {reply.get('error')}")
-        except SidecarUnavailable as exc:
-            notes.append(str(exc))
+        slots = all_slots(self.options.shm_dir)
+        if any(self._unsealed(files.record()) for files in slots):
+            try:  # the sidecar seals snapshots the trainer wrote just before it died
+                reply = self.sidecar.flush("sealed", self.options.seal_timeout)
+                if not reply.get("ok"):
+                    notes.append(f"sidecar did not seal in time: {reply.get('error')}")
+            except SidecarUnavailable as exc:
+                notes.append(str(exc))
         out = []
-        for files in all_slots(self.options.shm_dir):
+        for files in slots:
             record = files.record()
             if record is None or not self._ours(record):
                 continue
@@ -129,6 +155,10 @@ class Restorer:
         replicas = ReplicaStore(self.options.shm_dir)
         out += [Candidate("shm", r, replicas) for r in replicas.records(self.options.job)]
         return [c for c in out if self._ours(c.record)]
+
+    def _unsealed(self, record: SlotMeta | None) -> bool:
+        """A snapshot of ours the sidecar has yet to seal (asking it costs a round trip)."""
+        return record is not None and self._ours(record) and record.crc32c is None
 
     def _from_peers(self, notes: list[str]) -> list[Candidate]:
         out = []
@@ -179,16 +209,28 @@ class Restorer:
             if held is None or held[0].nonce != record.nonce:
                 raise FileNotFoundError(f"shm step {record.step} was overwritten meanwhile")
             _, buffer = held
-            workers = shared_workers()
-            view = memoryview(buffer.numpy())[: record.nbytes]
-            try:  # every byte verified before the first one reaches the caller's tensors
-                if checksum_parallel(view, workers) != record.crc32c:
-                    raise ChecksumMismatch(f"shm slot {files.data} fails its CRC-32C check")
-            finally:
-                view.release()
-            return assemble(record, buffer, into, copy=True, workers=workers)
+            copied = assemble_verified(record, buffer, into, shared_workers())
+            if copied.crc32c != record.crc32c:
+                self._dirty.update(copied.in_place)
+                raise ChecksumMismatch(f"shm slot {files.data} fails its CRC-32C check")
+            return copied.state()
+
+    def _clobbered(self, into: dict[str, Any] | None, state: dict[str, Any] | None) -> list[str]:
+        """Dirty tensors of ``into`` that ``state`` (the restored one, if any) did not refill."""
+        if into is None or not self._dirty:
+            return []
+        mine = tensor_paths(into)
+        restored = tensor_paths(state) if state is not None else {}
+        return sorted(
+            "/".join(map(str, path))
+            for path in self._dirty
+            if restored.get(path) is not mine.get(path)
+        )
 
     def restore(self, into: dict[str, Any] | None, max_step: int | None) -> Restored | None:
+        """The newest verified candidate's state, or None; raises ClobberedError when none
+        verifies and a rejected one wrote into ``into`` (see the module docstring)."""
+        self._dirty.clear()
         candidates, notes = self.candidates(max_step)
         for note in notes:
             log.warning("restore: %s", note)
@@ -207,6 +249,14 @@ class Restorer:
                 log.warning("restore: %s unavailable: %s", candidate.describe(), exc)
                 continue
             seconds = time.monotonic() - started
+            clobbered = self._clobbered(into, state)
+            if clobbered:
+                log.error(
+                    "restore: %d tensor(s) of the caller's state hold bytes of a rejected "
+                    "snapshot: %s",
+                    len(clobbered),
+                    ", ".join(clobbered),
+                )
             metrics.RESTORES.labels(tier=candidate.tier).inc()
             metrics.RESTORE_SECONDS.labels(tier=candidate.tier).observe(seconds)
             record = candidate.record
@@ -220,7 +270,20 @@ class Restorer:
                 f" after skipping {len(skipped)} bad candidate(s)" if skipped else "",
             )
             return Restored(
-                record.step, record.generation, candidate.tier, state, record.plan, skipped
+                record.step,
+                record.generation,
+                candidate.tier,
+                state,
+                record.plan,
+                skipped,
+                clobbered,
+            )
+        clobbered = self._clobbered(into, None)
+        if clobbered:
+            raise ClobberedError(
+                f"no usable snapshot of {self.options.job}/{self.shard}, and a rejected one "
+                f"already wrote into {len(clobbered)} tensor(s) of the state passed to restore "
+                f"({', '.join(clobbered)}); rejected: {'; '.join(skipped)}"
             )
         log.warning(
             "restore: no usable snapshot of %s/%s (%d rejected)",
