@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from bulkhead.api.spec import TrainingJobSpec, zero_shard_group_size
 from bulkhead.trainer.config import train_config
-from bulkhead.trainer.engine.plan import make_plan, shard_id, zero_plan
+from bulkhead.trainer.engine.plan import make_plan, shard_id, state_bytes_per_rank, zero_plan
 
 
 def _cfg(stage: int, hpz: int = 1, workers: int = 4, f: int = 1, gb: int = 8):
@@ -95,3 +95,18 @@ def test_bad_memberships_are_refused() -> None:
         make_plan(1, ["a", "b"], ["n"], _cfg(0))
     with pytest.raises(ValueError, match="at least one worker"):
         make_plan(1, [], [], _cfg(0))
+
+
+def test_state_bytes_follow_the_zero_partitioning() -> None:
+    psi = 1_000_000
+    whole = 4 * psi
+    assert state_bytes_per_rank(zero_plan(0, 1, 4, 1), psi).total == 4 * whole
+    s1 = state_bytes_per_rank(zero_plan(1, 1, 4, 1), psi)  # S = 2
+    assert (s1.params, s1.grads, s1.optimizer) == (whole, whole, whole)
+    s2 = state_bytes_per_rank(zero_plan(2, 1, 4, 1), psi)
+    assert (s2.params, s2.grads, s2.optimizer) == (whole, whole // 2, whole)
+    s3 = state_bytes_per_rank(zero_plan(3, 1, 8, 1), psi)  # S = 4
+    assert (s3.params, s3.grads, s3.optimizer) == (whole // 4, whole // 4, whole // 2)
+    degraded = state_bytes_per_rank(zero_plan(3, 1, 3, 1), psi)  # data parallel
+    assert degraded.total == 4 * whole
+    assert "MiB" in s3.describe()

@@ -42,7 +42,7 @@ from bulkhead.trainer.engine.layout import (
     ranges_of,
 )
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
-from bulkhead.trainer.engine.plan import ParallelPlan
+from bulkhead.trainer.engine.plan import ParallelPlan, StateBytes, state_bytes_per_rank
 from bulkhead.trainer.engine.transfer import TransferPlan, plan_transfer
 from bulkhead.trainer.engine.world import World
 from bulkhead.trainer.engine.zero import after_optimizer_step, apply_zero, begin_microbatch
@@ -241,6 +241,26 @@ class Engine:
     def held_state(self) -> HeldState:
         """This engine's state, for the next generation's engine or a snapshot."""
         return HeldState(self.holding, self.local_tensors())
+
+    def state_bytes(self) -> tuple[StateBytes, StateBytes]:
+        """(held by this rank now, the ZeRO formula for the plan): parameters, gradients
+        and optimizer state; gradients as left by the last step."""
+
+        def size(t: torch.Tensor | None) -> int:
+            return _local(t).numel() * t.element_size() if t is not None else 0
+
+        params = [t for spec, t in self._entries if spec.name.startswith("param/")]
+        held = StateBytes(
+            params=sum(size(t) for t in params),
+            grads=sum(size(t.grad) for t in params),
+            optimizer=sum(
+                size(t)
+                for spec, t in self._entries
+                if spec.name.startswith("optim/") and spec.shardable
+            ),
+        )
+        num_params = sum(spec.numel for spec in self.specs if spec.name.startswith("param/"))
+        return held, state_bytes_per_rank(self.plan.zero, num_params)
 
     def assemble(self, pieces: list[HeldState]) -> HeldState:
         """One whole state from every shard of one layout (restored from a checkpoint)."""

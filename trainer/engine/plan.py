@@ -108,6 +108,47 @@ class ParallelPlan:
         return lines
 
 
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (
+            f"{self.total / mib:.1f} MiB (params {self.params / mib:.1f}, "
+            f"grads {self.grads / mib:.1f}, optimizer {self.optimizer / mib:.1f})"
+        )
+
+
+def state_bytes_per_rank(
+    zero: ZeroPlan, num_params: int, optimizer_slots: int = 2, element_bytes: int = 4
+) -> StateBytes:
+    """Model-state bytes a rank holds during a step, for shard groups of S ranks.
+
+    The ZeRO paper's accounting: stage 0 holds everything; stage 1 divides the optimizer
+    state by S, stage 2 also the gradients, stage 3 also the parameters (fp32 here:
+    ``element_bytes`` per value; AdamW keeps 2 slots per parameter). hpZ adds a secondary
+    copy of parameters / h from forward to backward. Between steps FSDP2 keeps every
+    stage's parameters and gradients sharded, so stages 1 and 2 hold less at rest.
+    """
+    s = zero.shard_size if zero.sharded else 1
+    whole = num_params * element_bytes
+    stage = zero.stage if zero.sharded else 0
+    return StateBytes(
+        params=whole // s if stage >= 3 else whole,
+        grads=whole // s if stage >= 2 else whole,
+        optimizer=whole * optimizer_slots // s if stage >= 1 else whole * optimizer_slots,
+    )
+
+
 def shard_id(shards: int, index: int) -> str:
     """Checkpoint shard id of shard ``index`` of a layout with ``shards`` shards."""
     return "dp" if shards <= 1 else f"zero{shards}-s{index}"

@@ -302,6 +302,14 @@ class ElasticTrainer:
             self.last_result = result
             self._after_step(result, view, engine, report=first)
             self._check_stragglers(result, view, engine.world)
+            if first:
+                held, formula = engine.state_bytes()
+                log.info(
+                    "generation %d: model state on this rank %s; ZeRO formula %s",
+                    view.generation,
+                    held.describe(),
+                    formula.describe(),
+                )
             first = False
             if result.stop:
                 raise Stopped(self.reporter.stop_reason or "told to stop")
