@@ -1,9 +1,12 @@
 """The control endpoint: the HTTP face of the job sessions (FastAPI).
 
 Routes and models are the control protocol of ``bulkhead.api.protocol``. Every job route
-needs ``Authorization: Bearer <job token>``. Bad input gets a 4xx with a JSON body
-``{"error": <one line>, "details": [<field: problem>, ...]}``; the server never answers a
-worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus) need no token.
+needs ``Authorization: Bearer <job token>``, checked before a byte of the body is read;
+an unknown job and a wrong token get the same answer (no probing of job names), and a
+body over ``MAX_BODY_BYTES`` is refused (413) before it is parsed. Bad input gets a 4xx
+with a JSON body ``{"error": <one line>, "details": [<field: problem>, ...]}``; the server
+never answers a worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus)
+need no token.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Generator
-from typing import Annotated
+from typing import Annotated, Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
@@ -39,6 +42,10 @@ from bulkhead.operator.session.job import JobSession, SessionError, SessionRegis
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 300.0
+# Protocol messages are a few KB (a membership answer of 16,384 workers is ~2 MB, but that
+# travels the other way): anything larger is refused unread.
+MAX_BODY_BYTES = 1 << 20
+_REFUSED = "unknown job or wrong token"
 
 
 def _error(status: int, message: str, details: list[str] | None = None) -> JSONResponse:
@@ -50,33 +57,101 @@ def _location(loc: tuple[object, ...]) -> str:
     return ".".join(parts) or "body"
 
 
+def _bearer(authorization: str | None) -> str | None:
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def authorized(registry: SessionRegistry, job: str, authorization: str | None) -> JobSession:
+    """The job's session if ``authorization`` carries its token; SessionError otherwise."""
+    if authorization is None:
+        raise SessionError(401, "missing Authorization header (Bearer <job token>)")
+    token = _bearer(authorization)
+    if token is None:
+        raise SessionError(401, "Authorization must be 'Bearer <job token>'")
+    session = registry.get(job)
+    # Compare even for an unknown job, so both cases cost the same and read the same.
+    expected = session.token if session is not None else "\0" * len(token)
+    if not hmac.compare_digest(token.encode(), expected.encode()) or session is None:
+        raise SessionError(401, _REFUSED)
+    return session
+
+
+class RequestGuard:
+    """ASGI middleware: the job token is checked and the body size capped before the
+    application reads the body, so an unauthenticated client cannot make it parse."""
+
+    def __init__(self, app: Any, registry: SessionRegistry, max_body_bytes: int) -> None:
+        self.app = app
+        self.registry = registry
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        prefix = API_PREFIX + "/"
+        if scope["type"] != "http" or not scope["path"].startswith(prefix):
+            await self.app(scope, receive, send)
+            return
+        job = scope["path"][len(prefix) :].split("/", 1)[0]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            authorized(self.registry, job, headers.get("authorization"))
+            declared = int(headers.get("content-length") or 0)
+        except SessionError as exc:
+            await _error(exc.status_code, exc.message)(scope, receive, send)
+            return
+        except ValueError:
+            await _error(400, "bad Content-Length")(scope, receive, send)
+            return
+        if declared > self.max_body:
+            await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
+            return
+        # Read the body here, at most the cap (a chunked body declares no length), and
+        # hand it on whole: the application never sees more than the cap.
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_body:
+                await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # disconnect, for long polls
+
+        await self.app(scope, replay, send)
+
+
 async def _session_for(
     request: Request,
     job: Annotated[str, Path(min_length=1, max_length=253)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> JobSession:
-    """The job's session, once the bearer token is checked."""
-    registry: SessionRegistry = request.app.state.registry
-    session = registry.get(job)
-    if session is None:
-        raise SessionError(404, f"no job named {job!r} is managed here")
-    if authorization is None:
-        raise SessionError(401, "missing Authorization header (Bearer <job token>)")
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise SessionError(401, "Authorization must be 'Bearer <job token>'")
-    if not hmac.compare_digest(token.strip().encode(), session.token.encode()):
-        raise SessionError(403, f"wrong token for job {job!r}")
-    return session
+    """The job's session (the token was checked by ``RequestGuard`` already)."""
+    return authorized(request.app.state.registry, job, authorization)
 
 
 Session = Annotated[JobSession, Depends(_session_for)]
 
 
-def create_control_app(registry: SessionRegistry) -> FastAPI:
+def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving every job in ``registry``."""
     app = FastAPI(title="bulkhead control", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
+    app.add_middleware(RequestGuard, registry=registry, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:

@@ -225,6 +225,7 @@ class JobSession(Generic[D]):
         self._check_known(req.worker)
         if self._state.terminal:
             raise SessionError(409, f"job {self.job_name} is {self._state.phase.lower()}")
+        self._check_claim(req)
         self._touch(req.worker)
         self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
         return RegisterResponse(worker=req.worker, generation=self._state.generation)
@@ -261,6 +262,9 @@ class JobSession(Generic[D]):
         early = self._report_directive(report.worker, report.generation)
         if early is not None:
             return early
+        total = self._state.config.total_steps
+        if report.step >= total:
+            raise SessionError(422, f"step {report.step} is beyond the job's last step {total - 1}")
         self._apply(ProgressReported(report))
         if self._state.membership.generation == report.generation:
             for listener in self._progress_listeners:
@@ -311,6 +315,35 @@ class JobSession(Generic[D]):
             ):
                 raise SessionError(409, f"worker {worker} has been replaced")
             raise SessionError(404, f"worker {worker} was not started by job {self.job_name}")
+
+    def _check_claim(self, req: RegisterRequest) -> None:
+        """A worker identity belongs to the process that registered it first, and an
+        address to one worker: a second claim is refused and logged (a retry of the same
+        registration is accepted)."""
+        slot = self._state.slot_of(req.worker)
+        if slot is not None and slot.status == "registered" and slot.address != req.address:
+            log.warning(
+                "job %s: refused registration of %s from %s: registered from %s",
+                self.job_name,
+                req.worker,
+                req.address,
+                slot.address,
+            )
+            raise SessionError(409, f"worker {req.worker} is registered from another address")
+        for other in self._state.slots:
+            if (
+                other.status == "registered"
+                and other.address == req.address
+                and self._state.ref(other).id != req.worker
+            ):
+                log.warning(
+                    "job %s: refused registration of %s: address %s belongs to %s",
+                    self.job_name,
+                    req.worker,
+                    req.address,
+                    self._state.ref(other).id,
+                )
+                raise SessionError(409, f"address {req.address} belongs to another worker")
 
     def _report_directive(self, worker: str, generation: int) -> Directive | None:
         current = self._state.generation

@@ -129,15 +129,33 @@ def test_auth_errors_are_clear(harness: Harness) -> None:
     missing = httpx.post(url, json=body)
     assert missing.status_code == 401 and "Authorization" in missing.json()["error"]
     wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"})
-    assert wrong.status_code == 403 and "wrong token" in wrong.json()["error"]
+    assert wrong.status_code == 401 and "unknown job or wrong token" in wrong.json()["error"]
     basic = httpx.post(url, json=body, headers={"Authorization": "Basic abc"})
     assert basic.status_code == 401
+    # An unknown job reads exactly like a wrong token: job names cannot be probed.
     other = httpx.post(
         f"{harness.url}/v1/jobs/other/register",
         json=body,
         headers={"Authorization": "Bearer s3cret"},
     )
-    assert other.status_code == 404 and "no job named 'other'" in other.json()["error"]
+    assert (other.status_code, other.json()) == (wrong.status_code, wrong.json())
+
+
+def test_bodies_are_refused_unread_without_the_token_or_over_the_cap(harness: Harness) -> None:
+    url = f"{harness.url}/v1/jobs/{JOB}/progress"
+    huge = b"{" + b" " * (2 << 20) + b"}"
+    anonymous = httpx.post(url, content=huge, headers={"Content-Type": "application/json"})
+    assert anonymous.status_code == 401  # the token first: nothing was parsed
+    good = {"Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+    too_big = httpx.post(url, content=huge, headers=good)
+    assert too_big.status_code == 413 and "body over" in too_big.json()["error"]
+
+    def chunks():  # no Content-Length: the cap holds while streaming
+        for _ in range(40):
+            yield b" " * 65536
+
+    streamed = httpx.post(url, content=chunks(), headers=good)
+    assert streamed.status_code == 413
 
 
 @pytest.mark.parametrize(
@@ -183,6 +201,33 @@ def test_unknown_worker_and_future_generation_are_refused(harness: Harness) -> N
     with pytest.raises(ControlRequestError) as err:
         w0.progress(ProgressReport(worker="demo-w0-0", generation=7, step=1))
     assert err.value.status_code == 409 and "never published" in err.value.message
+
+
+def test_identities_and_addresses_cannot_be_taken_over(harness: Harness) -> None:
+    w0, w1 = _client(harness, "demo-w0-0"), _client(harness, "demo-w1-0")
+    w0.register(RegisterRequest(worker="demo-w0-0", address="127.0.0.1:7000"))
+    # Another worker claiming a registered address is refused ...
+    with pytest.raises(ControlRequestError) as err:
+        w1.register(RegisterRequest(worker="demo-w1-0", address="127.0.0.1:7000"))
+    assert err.value.status_code == 409 and "belongs to another worker" in err.value.message
+    w1.register(RegisterRequest(worker="demo-w1-0", address="127.0.0.1:7001"))
+    # ... so is a second process claiming an identity; a retry of the same claim is fine.
+    w0.register(RegisterRequest(worker="demo-w0-0", address="127.0.0.1:7000"))
+    with pytest.raises(ControlRequestError) as err:
+        w0.register(RegisterRequest(worker="demo-w0-0", address="10.9.9.9:7000"))
+    assert err.value.status_code == 409 and "another address" in err.value.message
+    view = w0.membership(after=0, timeout_s=5)
+    assert {m.address for m in view.members} == {"127.0.0.1:7000", "127.0.0.1:7001"}
+
+
+def test_progress_beyond_the_last_step_is_refused(harness: Harness) -> None:
+    _register_all(harness)
+    w0 = _client(harness, "demo-w0-0")
+    view = w0.membership(after=0, timeout_s=5)
+    with pytest.raises(ControlRequestError) as err:  # the job has 5 steps: 0..4
+        w0.progress(ProgressReport(worker="demo-w0-0", generation=view.generation, step=5))
+    assert err.value.status_code == 422 and "beyond the job's last step 4" in err.value.message
+    w0.progress(ProgressReport(worker="demo-w0-0", generation=view.generation, step=4))
 
 
 def test_user_error_report_fails_the_job(harness: Harness) -> None:

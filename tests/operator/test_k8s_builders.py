@@ -84,7 +84,7 @@ def test_template_is_kept_but_cannot_override_contract_or_labels():
                 {
                     "name": "trainer",
                     "image": "my/trainer:1",
-                    "resources": {"limits": {"nvidia.com/gpu": 8}},
+                    "resources": {"limits": {"nvidia.com/gpu": 1}},
                     "env": [
                         {"name": "USER_VAR", "value": "x"},
                         {"name": protocol.WORKER_ENV, "value": "spoofed"},
@@ -98,7 +98,7 @@ def test_template_is_kept_but_cannot_override_contract_or_labels():
     pod = builders.build_worker_pod(_ctx(template=template), "llm-w0-0", 0, 0)
     trainer = pod["spec"]["containers"][0]
     assert trainer["image"] == "my/trainer:1"
-    assert trainer["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert trainer["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     env = _env(trainer)
     assert env["USER_VAR"] == "x" and env[protocol.WORKER_ENV] == "llm-w0-0"
     assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "helper"]
