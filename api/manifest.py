@@ -84,18 +84,54 @@ def parse_spec(spec: Any, source: str = "<spec>") -> TrainingJobSpec:
         raise ManifestError(source, field_errors(exc, prefix="spec")) from None
 
 
+MAX_MANIFEST_BYTES = 4 << 20  # far above any real manifest; refuses reading a disk image
+
+
+def _read_text(path: Path, source: str) -> str:
+    """The file as UTF-8 text, or a ManifestError with one line saying why not."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ManifestError(source, [FieldError("", f"cannot read file: {exc.strerror}")]) from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            source, [FieldError("", f"file larger than {MAX_MANIFEST_BYTES} bytes")]
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(
+            source,
+            [
+                FieldError(
+                    "", f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+                )
+            ],
+        ) from None
+    if "\0" in text:
+        raise ManifestError(source, [FieldError("", "binary file (contains NUL bytes)")])
+    return text
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (1-based line and column)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        problem = exc.problem or str(exc)
+        return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return "invalid YAML: " + " ".join(str(exc).split())
+
+
 def load_jobs(path: str | Path) -> list[TrainingJob]:
     """All TrainingJobs in a YAML file (multi-document files allowed)."""
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(source, [FieldError("", f"cannot read file: {exc.strerror}")]) from None
+    text = _read_text(path, source)
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
-        raise ManifestError(source, [FieldError("", f"invalid YAML: {exc}")]) from None
+        raise ManifestError(source, [FieldError("", _yaml_problem(exc))]) from None
     if not docs:
         raise ManifestError(source, [FieldError("", "no document in file")])
     jobs, errors = [], []

@@ -43,6 +43,7 @@ class Model(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
+        allow_inf_nan=False,  # an infinite timeout or a NaN rate is a typo, not a setting
     )
 
     def wire(self) -> dict[str, Any]:
@@ -56,7 +57,7 @@ class MoEConfig(Model):
     num_experts: int = Field(4, ge=2, le=1024, description="Experts per MoE layer.")
     top_k: int = Field(2, ge=1, le=8, description="Experts each token is routed to.")
     every: int = Field(
-        2, ge=1, description="Every n-th decoder block uses an MoE feed-forward (1 = all)."
+        2, ge=1, le=1024, description="Every n-th decoder block uses an MoE feed-forward (1 = all)."
     )
     load_balance_coef: float = Field(
         0.01, ge=0, le=1, description="Weight of the load-balancing auxiliary loss."
@@ -88,7 +89,9 @@ class ModelConfig(Model):
     n_layers: int = Field(4, ge=1, le=1024)
     n_heads: int = Field(4, ge=1, le=512)
     seq_len: int = Field(64, ge=4, le=1_000_000)
-    ffn_dim: int | None = Field(None, ge=8, description="Feed-forward width; default 4 x dModel.")
+    ffn_dim: int | None = Field(
+        None, ge=8, le=1_048_576, description="Feed-forward width; default 4 x dModel."
+    )
     dropout: float = Field(0.0, ge=0, lt=1)
     moe: MoEConfig | None = Field(None, description="Omit for a dense model.")
 
@@ -230,8 +233,10 @@ def zero_shard_group_size(workers: int, max_failures: int) -> int:
 
 
 class BatchConfig(Model):
-    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step.")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward.")
+    global_batch_size: int = Field(
+        16, ge=1, le=16_777_216, description="Sequences per optimizer step."
+    )
+    micro_batch_size: int = Field(4, ge=1, le=65_536, description="Sequences per forward/backward.")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> BatchConfig:
@@ -260,10 +265,10 @@ class BatchConfig(Model):
 class OptimizerConfig(Model):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(3e-3, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
     betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 = no clipping.")
-    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Max gradient norm; 0 = no clipping.")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000_000)
 
 
 class DataConfig(Model):
@@ -272,24 +277,26 @@ class DataConfig(Model):
         min_length=1,
         description="'python-stdlib' (the interpreter's own source tree), a directory or a glob.",
     )
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 class TrainerConfig(Model):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
-    steps: int = Field(200, ge=1, description="Optimizer steps to train.")
+    steps: int = Field(200, ge=1, le=1_000_000_000, description="Optimizer steps to train.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    seed: int = Field(1234, ge=0)
-    log_interval_steps: int = Field(1, ge=1, description="Progress report every n steps.")
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    log_interval_steps: int = Field(
+        1, ge=1, le=1_000_000, description="Progress report every n steps."
+    )
 
 
 class BackoffConfig(Model):
-    initial_seconds: float = Field(1.0, gt=0)
-    max_seconds: float = Field(60.0, gt=0)
-    multiplier: float = Field(2.0, ge=1)
+    initial_seconds: float = Field(1.0, gt=0, le=3600)
+    max_seconds: float = Field(60.0, gt=0, le=86_400)
+    multiplier: float = Field(2.0, ge=1, le=100)
 
     @model_validator(mode="after")
     def _ordered(self) -> BackoffConfig:
@@ -305,16 +312,26 @@ class BackoffConfig(Model):
 
 class FaultToleranceConfig(Model):
     max_failures: int = Field(
-        0, ge=0, description="f: simultaneous node failures survived without a restart."
+        0,
+        ge=0,
+        le=10_000,
+        description=(
+            "f: simultaneous worker losses survived in process, without a restart: every "
+            "piece of training state is kept on at least f + 1 workers."
+        ),
     )
-    max_restarts: int = Field(3, ge=0, description="Full restarts from checkpoint before Failed.")
+    max_restarts: int = Field(
+        3, ge=0, le=10_000, description="Full restarts from checkpoint before Failed."
+    )
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
-    hang_timeout_seconds: float = Field(120.0, gt=0, description="No progress this long = hang.")
+    hang_timeout_seconds: float = Field(
+        120.0, gt=0, le=604_800, description="No progress this long = hang."
+    )
     registration_timeout_seconds: float = Field(
-        300.0, gt=0, description="How long to wait for workers to register."
+        300.0, gt=0, le=86_400, description="How long to wait for workers to register."
     )
     collective_timeout_seconds: float = Field(
-        30.0, gt=0, description="torch.distributed collective timeout."
+        30.0, gt=0, le=86_400, description="torch.distributed collective timeout."
     )
     evict_severities: list[Severity] = Field(
         default_factory=lambda: ["critical"],
@@ -328,8 +345,8 @@ class StorageConfig(Model):
 
 
 class CheckpointConfig(Model):
-    interval_steps: int = Field(50, gt=0, description="Snapshot every n steps.")
-    keep: int = Field(3, ge=1, description="Persisted checkpoints kept (newest first).")
+    interval_steps: int = Field(50, gt=0, le=1_000_000, description="Snapshot every n steps.")
+    keep: int = Field(3, ge=1, le=10_000, description="Persisted checkpoints kept (newest first).")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
 

@@ -59,3 +59,24 @@ def test_operator_and_agent_packages_do_not_import_torch():
         [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_unreadable_inputs_get_one_clear_line_and_no_traceback(tmp_path: Path) -> None:
+    files = {
+        "binary.yaml": (bytes(range(256)), "not UTF-8 text (byte 0x80 at offset 128)"),
+        "latin1.yaml": ("workers: 2 # caf\xe9\n".encode("latin-1"), "not UTF-8 text"),
+        "nul.yaml": (b"kind: TrainingJob\n\0\0", "binary file (contains NUL bytes)"),
+        "broken.yaml": (b"spec: [\n", "invalid YAML at line 2, column 1:"),
+        "huge.yaml": (b"#" * (5 << 20), "file larger than"),
+    }
+    for name, (content, expected) in files.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        for command in ("validate", "run", "plan"):
+            out = _run(command, str(path))
+            assert out.returncode != 0, (command, name)
+            assert expected in out.stderr, (command, name, out.stderr)
+            assert "Traceback" not in out.stderr, (command, name)
+            assert len(out.stderr.strip().splitlines()) == 1, (command, name, out.stderr)
+    directory = _run("validate", str(tmp_path))
+    assert directory.returncode == 1 and "cannot read file" in directory.stderr
