@@ -3,7 +3,7 @@
 - ``GET /healthz``   liveness: 503 when the detection loop has stopped ticking
 - ``GET /readyz``    readiness: 200 once the first tick has run
 - ``GET /metrics``   Prometheus text format (``bulkhead_agent_*``)
-- ``GET /v1/anomalies``  the Node condition and active problems
+- ``GET /v1/anomalies``  the Node condition and active problems (bearer token)
 - ``POST /v1/report``    a ``WorkerReport`` from a trainer on this node (bearer token)
 """
 
@@ -66,8 +66,22 @@ def create_app(
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def refused(request: Request) -> tuple[int, str] | None:
+        """Why the request may not go on (status, detail), or None when its token is good."""
+        if token is None:
+            return 403, "the agent API is disabled: the agent has no token"
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return 401, "missing bearer token"
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return 403, "invalid token"
+        return None
+
     @app.get("/v1/anomalies")
-    def anomalies() -> JSONResponse:
+    def anomalies(request: Request) -> JSONResponse:
+        denied = refused(request)
+        if denied is not None:
+            return JSONResponse({"detail": denied[1]}, status_code=denied[0])
         condition = agent.health.view
         body = {
             "node": node,
@@ -89,13 +103,11 @@ def create_app(
             log.info("report rejected (%d): %s", status, detail)
             return JSONResponse({"detail": detail}, status_code=status)
 
-        if token is None:
-            return reject(403, "reporting is disabled: the agent has no report token")
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return reject(401, "missing bearer token")
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            return reject(403, "invalid token")
+        denied = refused(request)
+        if denied is not None:
+            return reject(*denied)
+        if int(request.headers.get("content-length") or 0) > MAX_REPORT_BYTES:
+            return reject(413, f"report larger than {MAX_REPORT_BYTES} bytes")
         body = await request.body()
         if len(body) > MAX_REPORT_BYTES:
             return reject(413, f"report larger than {MAX_REPORT_BYTES} bytes")

@@ -43,7 +43,6 @@ class Model(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
-        allow_inf_nan=False,  # an infinite timeout or a NaN rate is a typo, not a setting
     )
 
     def wire(self) -> dict[str, Any]:
@@ -51,7 +50,14 @@ class Model(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-class MoEConfig(Model):
+class SpecModel(Model):
+    """Base of the spec: no infinities or NaNs (an infinite timeout is a typo, not a
+    setting). Protocol messages may carry measured non-finite values (a NaN loss)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class MoEConfig(SpecModel):
     """Mixture-of-Experts feed-forward blocks."""
 
     num_experts: int = Field(4, ge=2, le=1024, description="Experts per MoE layer.")
@@ -80,7 +86,7 @@ class MoEConfig(Model):
     )
 
 
-class ModelConfig(Model):
+class ModelConfig(SpecModel):
     """A GPT-style decoder; a preset picks a size and explicit fields override it."""
 
     preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
@@ -104,14 +110,14 @@ class ModelConfig(Model):
         return self
 
 
-class PipelineConfig(Model):
+class PipelineConfig(SpecModel):
     """Oobleck pipelines (not yet trained by the engine: setting this block is rejected)."""
 
     stages: int = Field(1, ge=1, le=1024, description="Pipeline stages per pipeline.")
     microbatches: int = Field(4, ge=1, le=4096, description="Microbatches per pipeline per step.")
 
 
-class ExpertParallelConfig(Model):
+class ExpertParallelConfig(SpecModel):
     """Lazarus expert parallelism (not yet trained by the engine: setting it is rejected)."""
 
     min_replicas: int = Field(
@@ -122,7 +128,7 @@ class ExpertParallelConfig(Model):
     )
 
 
-class ZeroConfig(Model):
+class ZeroConfig(SpecModel):
     """ZeRO sharding of parameters, gradients and optimizer state (FSDP2).
 
     Sharding happens within shard groups of consecutive ranks; the state is replicated
@@ -162,7 +168,7 @@ class ZeroConfig(Model):
         return self
 
 
-class ParallelismConfig(Model):
+class ParallelismConfig(SpecModel):
     """How the model and its state are split over the workers."""
 
     pipeline: PipelineConfig | None = Field(
@@ -232,7 +238,7 @@ def zero_shard_group_size(workers: int, max_failures: int) -> int:
     return max(fitting, default=1)  # fewer workers than copies: every worker holds it all
 
 
-class BatchConfig(Model):
+class BatchConfig(SpecModel):
     global_batch_size: int = Field(
         16, ge=1, le=16_777_216, description="Sequences per optimizer step."
     )
@@ -262,7 +268,7 @@ class BatchConfig(Model):
     )
 
 
-class OptimizerConfig(Model):
+class OptimizerConfig(SpecModel):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(3e-3, gt=0, le=10)
     weight_decay: float = Field(0.0, ge=0, le=10)
@@ -271,7 +277,7 @@ class OptimizerConfig(Model):
     warmup_steps: int = Field(0, ge=0, le=1_000_000_000)
 
 
-class DataConfig(Model):
+class DataConfig(SpecModel):
     source: str = Field(
         "python-stdlib",
         min_length=1,
@@ -280,7 +286,7 @@ class DataConfig(Model):
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
-class TrainerConfig(Model):
+class TrainerConfig(SpecModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -293,7 +299,7 @@ class TrainerConfig(Model):
     )
 
 
-class BackoffConfig(Model):
+class BackoffConfig(SpecModel):
     initial_seconds: float = Field(1.0, gt=0, le=3600)
     max_seconds: float = Field(60.0, gt=0, le=86_400)
     multiplier: float = Field(2.0, ge=1, le=100)
@@ -310,7 +316,7 @@ class BackoffConfig(Model):
         return self
 
 
-class FaultToleranceConfig(Model):
+class FaultToleranceConfig(SpecModel):
     max_failures: int = Field(
         0,
         ge=0,
@@ -339,19 +345,19 @@ class FaultToleranceConfig(Model):
     )
 
 
-class StorageConfig(Model):
+class StorageConfig(SpecModel):
     path: str | None = Field(None, description="Directory for persisted checkpoints.")
     pvc: str | None = Field(None, description="PersistentVolumeClaim mounted for checkpoints.")
 
 
-class CheckpointConfig(Model):
+class CheckpointConfig(SpecModel):
     interval_steps: int = Field(50, gt=0, le=1_000_000, description="Snapshot every n steps.")
     keep: int = Field(3, ge=1, le=10_000, description="Persisted checkpoints kept (newest first).")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
 
 
-class TrainingJobSpec(Model):
+class TrainingJobSpec(SpecModel):
     workers: int = Field(
         ...,
         ge=1,

@@ -74,7 +74,7 @@ def test_nan_report_becomes_an_anomaly(served):
     assert reply.status_code == 202, reply.text
 
     def anomaly() -> dict | None:
-        data = http.get("/v1/anomalies").json()
+        data = http.get("/v1/anomalies", headers=AUTH).json()
         return data if data["condition"]["status"] == "True" else None
 
     wait_until(lambda: anomaly() is not None, "the NanLoss condition", timeout=30)
@@ -119,7 +119,15 @@ def test_reports_are_refused_without_a_configured_token():
     with _serve(settings) as (_, http):
         reply = http.post("/v1/report", json={"worker": "w", "step": 1}, headers=AUTH)
     assert reply.status_code == 403
-    assert "no report token" in reply.json()["detail"]
+    assert "the agent has no token" in reply.json()["detail"]
+
+
+def test_anomalies_need_the_token(served):
+    _, http = served
+    assert http.get("/v1/anomalies").status_code == 401
+    wrong = http.get("/v1/anomalies", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403
+    assert http.get("/v1/anomalies", headers=AUTH).status_code == 200
 
 
 def test_the_trainers_reporter_reaches_the_agent(served):
@@ -135,7 +143,8 @@ def test_the_trainers_reporter_reaches_the_agent(served):
     assert reporter.sent == 2
 
     def problems() -> list[tuple[str, str]]:
-        return [(p["reason"], p["subject"]) for p in http.get("/v1/anomalies").json()["problems"]]
+        answer = http.get("/v1/anomalies", headers=AUTH).json()
+        return [(p["reason"], p["subject"]) for p in answer["problems"]]
 
     wait_until(lambda: ("NanLoss", "job-w1") in problems(), "NanLoss from the reporter", 30)
 
