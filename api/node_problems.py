@@ -60,7 +60,10 @@ DEFAULT_SEVERITY: dict[Reason, Severity] = {
     Reason.ECC_UNCORRECTABLE: "critical",
     Reason.ROW_REMAP_FAILURE: "critical",
     Reason.GPU_LOST: "critical",
-    Reason.HANG: "critical",
+    # Training silence is the lifecycle manager's call: it sees the whole job (a job-wide
+    # stall is not N node problems) and replaces a hung worker itself. On the node it is a
+    # warning, which evicts nobody unless the job's evictSeverities asks for it.
+    Reason.HANG: "warning",
     Reason.THERMAL_THROTTLE: "warning",
     Reason.POWER_THROTTLE: "warning",
     Reason.INTERCONNECT_ERRORS: "warning",

@@ -158,3 +158,9 @@ class WorkerReport(Model):
         default_factory=dict, description="Worker -> score (reference median / own median)."
     )
     done: bool = Field(False, description="The worker finished: stop watching it.")
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="The job's hangTimeoutSeconds: silence is judged, and forgotten, by it.",
+    )

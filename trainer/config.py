@@ -114,6 +114,7 @@ class Timeouts:
     # (healthy collectives take milliseconds; a rank whose peer died may never see an error).
     abandon_after_s: float = 0.5
     registration_s: float = 300.0
+    hang_s: float = 120.0  # the job's hangTimeoutSeconds, told to the node agent
     membership_poll_s: float = MEMBERSHIP_POLL_SECONDS
 
 
@@ -168,6 +169,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         timeouts=Timeouts(
             collective_s=ft.collective_timeout_seconds,
             registration_s=ft.registration_timeout_seconds,
+            hang_s=ft.hang_timeout_seconds,
         ),
         parallelism=Parallelism(
             zero_stage=trainer.parallelism.zero.stage,

@@ -56,6 +56,7 @@ class WorkerState:
     last_progress: float = 0.0  # when ``step`` last advanced
     stragglers: list[str] = field(default_factory=list)  # workers this one reported as slow
     straggler_scores: dict[str, float] = field(default_factory=dict)
+    hang_timeout_s: float | None = None  # the job's, when the worker says
 
 
 # The readings of the built-in collectors, by the key each produces (a collector's

@@ -2,7 +2,9 @@
 
 The trainer pushes a ``WorkerReport`` every few steps; the collector keeps the latest state
 per worker and when its step last advanced (the hang detector's clock). A worker that says
-``done`` is forgotten, and so is one silent for ``forget_after_s`` (its pod is gone).
+``done`` is forgotten, and so is one silent for twice its job's hang timeout (or
+``forget_after_s`` when it did not say): its pod is gone or the lifecycle manager, which
+sees the whole job, has dealt with it. A dead worker must not keep its node "hung".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 class TrainingCollector:
     produces = (WORKERS,)
 
-    def __init__(self, forget_after_s: float = 3600.0) -> None:
+    def __init__(self, forget_after_s: float = 600.0) -> None:
         self._forget_after_s = forget_after_s
         self._lock = threading.Lock()
         self._workers: dict[str, WorkerState] = {}
@@ -44,21 +46,26 @@ class TrainingCollector:
             state.tokens_per_s = report.tokens_per_s
             state.stragglers = list(report.stragglers)
             state.straggler_scores = dict(report.straggler_scores)
+            state.hang_timeout_s = report.hang_timeout_s
             state.last_report = now
             if report.loss is not None and not math.isfinite(report.loss):
                 log.warning(
                     "worker %s reported loss %s at step %d", report.worker, report.loss, report.step
                 )
 
+    def _forget(self, state: WorkerState) -> float:
+        if state.hang_timeout_s is None:
+            return self._forget_after_s
+        return max(2 * state.hang_timeout_s, 60.0)
+
     def read(self, now: float) -> dict[str, tuple[WorkerState, ...]]:
         return {WORKERS: tuple(self.collect(now))}
 
     def collect(self, now: float) -> list[WorkerState]:
         with self._lock:
-            stale = [
-                w for w, s in self._workers.items() if now - s.last_report > self._forget_after_s
-            ]
+            stale = [w for w, s in self._workers.items() if now - s.last_report > self._forget(s)]
             for worker in stale:
-                log.info("forgetting worker %s: silent for %.0f s", worker, self._forget_after_s)
+                silent = now - self._workers[worker].last_report
+                log.info("forgetting worker %s: silent for %.0f s", worker, silent)
                 del self._workers[worker]
             return [WorkerState(**vars(s)) for s in self._workers.values()]

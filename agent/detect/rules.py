@@ -197,7 +197,7 @@ class WorkerRules:
                 Finding(Reason.NAN_LOSS, name, f"loss is {worker.loss} at step {worker.step}")
             )
         silent = now - worker.last_progress
-        if silent > self.thresholds.hang_timeout_s:
+        if silent > (worker.hang_timeout_s or self.thresholds.hang_timeout_s):
             out.append(
                 Finding(Reason.HANG, name, f"no progress for {silent:.0f} s at step {worker.step}")
             )

@@ -70,7 +70,9 @@ class StepResult:
     tokens: int  # tokens of the global batch
     newer_generation: bool  # some rank saw a newer generation: switch after this step
     stop: bool  # some rank was told to stop
-    compute_s: list[float]  # forward/backward seconds of every rank (index = rank)
+    # Forward/backward seconds of every rank (index = rank), without the wait for the
+    # others under data parallelism; with ZeRO they include FSDP2's in-step gathers.
+    compute_s: list[float]
 
 
 @dataclass
@@ -337,6 +339,17 @@ class Engine:
         forward.train()
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum = aux_sum = 0.0
+        # This rank's compute time, for straggler detection, must not include waiting for
+        # the others: DDP waits for its last buckets after backward, so the clock stops when
+        # the first parameter's gradient (computed last in backward) is ready.
+        computed: list[float] = []
+        probe = (
+            next(self.model.parameters()).register_hook(
+                lambda _: computed.append(time.perf_counter())
+            )
+            if self.replicated is not None
+            else None
+        )
         with world.guard("forward/backward"):
             for i, positions in enumerate(passes):
                 last = i == len(passes) - 1
@@ -358,7 +371,9 @@ class Engine:
                 assert out.lm_loss is not None
                 lm_sum += out.lm_loss.item() * len(positions)
                 aux_sum += out.aux_loss.item() * len(positions)
-        compute_s = time.perf_counter() - started
+        if probe is not None:
+            probe.remove()
+        compute_s = (computed[-1] if computed else time.perf_counter()) - started
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
         # tensors registered after backward, while gradients live on the sharded ones.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from bulkhead.api.protocol import (
     CompletionReport,
@@ -221,7 +221,7 @@ class ElasticTrainer:
             self._report_fault("collective_error", str(exc), view.generation)
             return "reconfigure"
         except NonFiniteLoss as exc:
-            self._to_node_agent(WorkerReport(worker=self.me.worker, step=exc.step, loss=exc.loss))
+            self._to_node_agent(self._node_report(step=exc.step, loss=exc.loss))
             self._report_fault("nan_loss", str(exc), view.generation)
             return "reconfigure"
         finally:
@@ -361,8 +361,7 @@ class ElasticTrainer:
             )
             own = self._own_straggler
             self._to_node_agent(
-                WorkerReport(
-                    worker=self.me.worker,
+                self._node_report(
                     step=result.step,
                     loss=result.loss,
                     step_time_s=result.seconds,
@@ -410,8 +409,14 @@ class ElasticTrainer:
             self.client.complete(report)
         except Exception as exc:  # the job is done either way; the manager sees the exit
             log.warning("completion report failed: %s", exc)
-        self._to_node_agent(WorkerReport(worker=self.me.worker, step=report.step, done=True))
+        self._to_node_agent(self._node_report(step=report.step, done=True))
         log.info("finished %d steps", self.completed_steps)
+
+    def _node_report(self, **fields: Any) -> WorkerReport:
+        """A report to this node's agent; it judges silence by the job's hang timeout."""
+        return WorkerReport(
+            worker=self.me.worker, hang_timeout_s=self.cfg.timeouts.hang_s, **fields
+        )
 
     def _to_node_agent(self, report: WorkerReport) -> None:
         if self.node_agent is not None:
