@@ -71,6 +71,9 @@ class ControlPlane:
     ca_cert: pathlib.Path
     components: list[Component]
     binaries: dict[str, pathlib.Path]
+    # How each component started here was run (not known for a plane attached from its
+    # state file): stop_component/start_component bring one down and back on its ports.
+    launched: dict[str, tuple[_Spec, list[int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def log_dir(self) -> pathlib.Path:
@@ -206,6 +209,7 @@ class ControlPlane:
         ports = [free_port() for _ in range(spec.ports)]
         component = Component.start(spec.name, spec.argv(ports), self.log_dir, detach=detach)
         self.components.append(component)
+        self.launched[spec.name] = (spec, ports)
         return component, ports
 
     def _await_healthy(
@@ -230,6 +234,22 @@ class ControlPlane:
     def _start_healthy(self, spec: _Spec, detach: bool, timeout: float) -> list[int]:
         component, ports = self._launch(spec, detach)
         return self._await_healthy(spec, component, ports, detach, timeout)
+
+    def stop_component(self, name: str, timeout: float = 20.0) -> None:
+        """Stop one component (an outage for a test); its data and ports stay."""
+        component = next(c for c in self.components if c.name == name)
+        component.terminate()
+        component.wait_stopped(timeout)
+        self.components.remove(component)
+
+    def start_component(self, name: str, timeout: float = 120.0) -> None:
+        """Start a component stopped by stop_component again, on the same ports."""
+        if name not in self.launched:
+            raise ValueError(f"{name} was not started by this process: cannot restart it")
+        spec, ports = self.launched[name]
+        component = Component.start(spec.name, spec.argv(ports), self.log_dir, detach=False)
+        self.components.append(component)
+        component.wait_healthy(lambda: spec.healthy(ports), timeout)
 
     def stop(self, timeout: float = 20.0, remove_data: bool = True) -> None:
         """Stop dependents before what they depend on; SIGKILL whatever ignores SIGTERM."""

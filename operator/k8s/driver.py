@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
 
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
@@ -26,6 +28,11 @@ from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.lifecycle.types import WorkerExited
 from bulkhead.operator.session.conditions import spec_valid, with_unschedulable
+
+T = TypeVar("T")
+# Backoff of pod creates and deletes the API server could not take (down, 5xx, 429).
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
 
 if TYPE_CHECKING:
     from bulkhead.operator.lifecycle.workers import WorkerRef
@@ -94,11 +101,36 @@ class KubernetesDriver:
             patch = {"metadata": {"annotations": {names.ANNOTATION_INCARNATIONS: value}}}
             await self._client.merge_patch(tj_path(self.ctx.namespace, self.ctx.name), patch)
 
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` until it succeeds or fails for good: an unreachable API server, a 5xx
+        or throttling (429) is retried with backoff for as long as the job's session lives
+        (closing it cancels this task), so an outage cannot lose a replacement."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                return await call()
+            except KubeError as exc:
+                if exc.status != 429 and exc.status < 500:
+                    raise
+                problem = str(exc)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            log.warning("job %s: %s failed (%s); retry in %.1fs", self.ctx.name, what,
+                        problem, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
     async def _create_pod(self, worker_id: str, slot: int, incarnation: int) -> None:
         pod = builders.build_worker_pod(self.ctx, worker_id, slot, incarnation)
         try:
-            await self._record_incarnation(slot, incarnation)
-            created = await self._client.create(core_path("pods", self.ctx.namespace), pod)
+            await self._retrying(
+                f"recording incarnation of {worker_id}",
+                lambda: self._record_incarnation(slot, incarnation),
+            )
+            created = await self._retrying(
+                f"creating pod {worker_id}",
+                lambda: self._client.create(core_path("pods", self.ctx.namespace), pod),
+            )
         except KubeError as exc:
             log.error("job %s: creating pod %s failed: %s", self.ctx.name, worker_id, exc)
             # A pod that cannot be created is a worker that exited. 4xx other than
@@ -117,7 +149,10 @@ class KubernetesDriver:
 
     async def _delete_pod(self, worker_id: str, reason: str) -> None:
         path = core_path("pods", self.ctx.namespace, worker_id)
-        if await self._client.delete(path, self._grace):
+        deleted = await self._retrying(
+            f"deleting pod {worker_id}", lambda: self._client.delete(path, self._grace)
+        )
+        if deleted:
             log.info("job %s: pod %s deleted (%s)", self.ctx.name, worker_id, reason)
 
     async def stop_worker(self, worker: WorkerRef, reason: str) -> None:

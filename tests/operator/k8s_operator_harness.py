@@ -201,6 +201,12 @@ class FakeWorker:
         response.raise_for_status()
         return response.json()
 
+    def fault(self, generation: int, kind: str, suspects: list[str]) -> dict[str, Any]:
+        body = {"worker": self.id, "generation": generation, "kind": kind, "suspects": suspects}
+        response = self.http.post(f"{self.base}/faults", json=body)
+        response.raise_for_status()
+        return response.json()
+
     def close(self) -> None:
         self.http.close()
 

@@ -192,3 +192,34 @@ def test_job_runs_survives_a_bad_node_and_a_lost_pod_then_cleans_up(
     )
     wait_until(lambda: not job.pods(), "the pods gone")
     assert operator.alive()
+
+
+def test_an_api_server_outage_does_not_lose_a_replacement(
+    k8s_cluster, k8s_namespace, zone, operator
+):
+    # A worker is dropped while the API server is down: deleting its pod and creating the
+    # replacement fail, are retried with backoff, and succeed once it is back, once each.
+    zone_name, _ = zone
+    job = Job(k8s_cluster, k8s_namespace, "outage")
+    _apply(k8s_cluster, job_manifest("outage", k8s_namespace, zone_name, workers=2))
+    workers = _form_generation(job, operator, 2)
+    accuser, accused = sorted(workers.values(), key=lambda w: w.id)
+    view = wait_until(lambda: (v := accuser.membership(0)) and v["generation"] >= 1 and v, "gen 1")
+    plane = k8s_cluster.plane
+    plane.stop_component("kube-apiserver")
+    try:
+        accuser.fault(view["generation"], "peer_suspect", [accused.id])
+        wait_until(
+            lambda: "creating pod" in operator.logs() and "retry in" in operator.logs(),
+            "the operator retrying the replacement while the API server is down",
+        )
+    finally:
+        plane.start_component("kube-apiserver")
+    replacement = wait_until(
+        lambda: [n for n in job.running_pods() if n not in workers],
+        "the replacement pod Running after the outage",
+    )
+    names = lambda: {p["metadata"]["name"] for p in job.pods()}  # noqa: E731
+    wait_until(lambda: accused.id not in names(), "the accused worker's pod deleted")
+    assert names() == {accuser.id, *replacement}  # one replacement, no duplicate
+    assert operator.alive()
