@@ -158,7 +158,7 @@ class OperatorRuntime:
                 incarnations=incarnations,
             )
 
-        session = JobSession(opening, token, make_driver)
+        session = JobSession(opening, token, make_driver, namespace=namespace)
         handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle
         self.registry.add(session)

@@ -33,16 +33,15 @@ log = logging.getLogger(__name__)
 DriverWork = StartWorker | StopWorker | EvictNode | RecordEvent
 
 
-def count(decision: Decision) -> None:
-    """The manager metrics one decision moves."""
+def count(decision: Decision, series: metrics.JobSeries) -> None:
+    """The manager metrics one decision moves (``series``: the job's own)."""
     match decision:
         case PublishMembership():
             metrics.GENERATIONS.inc()
         case RecoveryDone():
-            metrics.RECOVERIES.labels(cause=decision.cause).inc()
-            metrics.RECOVERY_SECONDS.labels(cause=decision.cause).observe(decision.seconds)
+            series.recovered(decision.cause, decision.seconds)
         case RestartAll():
-            metrics.RESTARTS.inc()
+            series.restarted()
         case StartWorker():
             metrics.WORKER_STARTS.inc()
         case EvictNode():

@@ -147,10 +147,12 @@ class JobSession(Generic[D]):
         *,
         tick_seconds: float = 0.5,
         max_poll_seconds: float | None = None,
+        namespace: str = "",
     ) -> None:
         """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
         must be the clock it was opened with). ``make_driver`` builds the driver, given the
-        session's one inbox, ``observe``.
+        session's one inbox, ``observe``. ``namespace`` labels the job's metrics (the job
+        label is the name without the ``namespace.`` prefix of the protocol's job key).
         """
         self.job_name = opening.state.job
         self.spec = opening.spec
@@ -173,6 +175,8 @@ class JobSession(Generic[D]):
         self._progress_listeners: list[ProgressListener] = []
         self._started = False
         self._phase_metric: str | None = None
+        short = self.job_name.removeprefix(f"{namespace}.") if namespace else self.job_name
+        self._series = metrics.JobSeries(namespace, short)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -204,6 +208,7 @@ class JobSession(Generic[D]):
         if self._phase_metric is not None:
             metrics.JOBS_BY_PHASE.labels(phase=self._phase_metric).dec()
             self._phase_metric = None
+        self._series.remove()
         log.info("job %s: session stopped (%s)", self.job_name, self._state.phase)
 
     async def wait_done(self, timeout: float | None = None) -> str:
@@ -267,6 +272,9 @@ class JobSession(Generic[D]):
             raise SessionError(422, f"step {report.step} is beyond the job's last step {total - 1}")
         self._apply(ProgressReported(report))
         if self._state.membership.generation == report.generation:
+            self._series.progress(
+                self._clock(), report.step, report.step_time_s, report.tokens_per_s
+            )
             for listener in self._progress_listeners:
                 try:
                     listener(report, self._state)
@@ -382,7 +390,7 @@ class JobSession(Generic[D]):
 
     def _carry_out(self, decisions: list[Decision], changed: bool) -> None:
         for decision in decisions:
-            count(decision)
+            count(decision, self._series)
             match decision:
                 case PublishMembership(view=view):
                     log.info(
@@ -400,8 +408,23 @@ class JobSession(Generic[D]):
         if self._state.phase != self._phase_metric and self._started:
             metrics.job_phase_changed(self._phase_metric, self._state.phase)
             self._phase_metric = self._state.phase
+        if self._started:
+            self._update_series()
         if changed:
             self._effects.status_changed()
+
+    def _update_series(self) -> None:
+        s = self._state
+        self._series.phase(s.phase)
+        self._series.state(
+            step=s.step if s.has_progress else None,
+            generation=s.generation,
+            live=s.live_count(),
+            desired=s.config.workers,
+            lost_steps=s.lost_steps,
+            snapshot_step=s.last_checkpoint_step,
+            loss=s.loss,
+        )
 
     async def _hang_timer(self) -> None:
         while True:
