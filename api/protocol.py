@@ -41,6 +41,9 @@ SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 # The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).
 CHECKPOINT_REPLICA_PORT = 29700
+# Where a worker pod mounts spec.checkpoint.storage.pvc when no path is given: the operator
+# mounts it here and the checkpoint engine persists here (one definition for both).
+CHECKPOINT_PVC_MOUNT = "/bulkhead/checkpoints"
 # Where a worker reports to its node's agent (``POST /v1/report``, a ``WorkerReport``);
 # unset = no agent (local mode). The agent listens on the node's IP (hostPort).
 AGENT_URL_ENV = "BULKHEAD_AGENT_URL"

@@ -6,6 +6,7 @@ admin can tell (and select) what bulkhead owns.
 
 from __future__ import annotations
 
+from bulkhead.api import protocol
 from bulkhead.api.spec import API_GROUP, API_VERSION, KIND
 
 PREFIX = API_GROUP  # annotation / label / taint prefix: bulkhead.dev
@@ -40,7 +41,7 @@ SHM_VOLUME = "bulkhead-shm"
 SHM_MOUNT = "/bulkhead/shm"
 CHECKPOINT_SOCKET = f"{SHM_MOUNT}/checkpointd.sock"
 CHECKPOINT_VOLUME = "bulkhead-checkpoints"
-CHECKPOINT_MOUNT = "/bulkhead/checkpoints"
+CHECKPOINT_MOUNT = protocol.CHECKPOINT_PVC_MOUNT
 TOKEN_KEY = "token"
 AGENT_TOKEN_KEY = "agent-token"
 

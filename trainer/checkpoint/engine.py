@@ -30,7 +30,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
+from bulkhead.api.protocol import (
+    CHECKPOINT_PVC_MOUNT,
+    CHECKPOINT_SOCKET_ENV,
+    SHM_DIR_ENV,
+    TOKEN_ENV,
+)
 from bulkhead.api.spec import CheckpointConfig
 from bulkhead.trainer.checkpoint import metrics
 from bulkhead.trainer.checkpoint.checksum import Workers, default_threads
@@ -45,7 +50,7 @@ from bulkhead.trainer.checkpoint.wire import parse_address
 log = logging.getLogger(__name__)
 
 # Where the operator mounts ``checkpoint.storage.pvc`` in the trainer and sidecar containers.
-PVC_MOUNT_PATH = "/checkpoints"
+PVC_MOUNT_PATH = CHECKPOINT_PVC_MOUNT  # where the operator mounts the claim
 
 
 class CheckpointError(Exception):
