@@ -30,6 +30,35 @@ PRINTER_COLUMNS = [
     {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Priority 1: shown by `kubectl get -o wide` only.
+    {
+        "name": "Generation",
+        "type": "integer",
+        "jsonPath": ".status.membership.generation",
+        "description": "membership generation",
+        "priority": 1,
+    },
+    {
+        "name": "Loss",
+        "type": "number",
+        "jsonPath": ".status.loss",
+        "description": "loss of the last reported step",
+        "priority": 1,
+    },
+    {
+        "name": "Checkpoint",
+        "type": "integer",
+        "jsonPath": ".status.lastCheckpointStep",
+        "description": "newest checkpointed step",
+        "priority": 1,
+    },
+    {
+        "name": "Message",
+        "type": "string",
+        "jsonPath": ".status.message",
+        "description": "why the job is in its phase",
+        "priority": 1,
+    },
 ]
 
 _DROP = {"title", "$defs", "discriminator"}
@@ -116,9 +145,15 @@ def crd() -> dict[str, Any]:
                 "description": "A fault-tolerant distributed training job.",
                 "required": ["spec"],
                 "properties": {
-                    "apiVersion": {"type": "string"},
-                    "kind": {"type": "string"},
-                    "metadata": {"type": "object"},
+                    "apiVersion": {
+                        "type": "string",
+                        "description": "Schema version of this object: bulkhead.dev/v1alpha1.",
+                    },
+                    "kind": {"type": "string", "description": "TrainingJob."},
+                    "metadata": {
+                        "type": "object",
+                        "description": "Standard object metadata (name, namespace, labels).",
+                    },
                     "spec": spec_schema,
                     "status": status_schema,
                 },

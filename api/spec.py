@@ -91,14 +91,14 @@ class ModelConfig(SpecModel):
 
     preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
     vocab_size: int = Field(256, ge=2, le=1_000_000, description="Byte-level data uses 256.")
-    d_model: int = Field(64, ge=8, le=65536)
-    n_layers: int = Field(4, ge=1, le=1024)
-    n_heads: int = Field(4, ge=1, le=512)
-    seq_len: int = Field(64, ge=4, le=1_000_000)
+    d_model: int = Field(64, ge=8, le=65536, description="Hidden (embedding) width.")
+    n_layers: int = Field(4, ge=1, le=1024, description="Transformer blocks.")
+    n_heads: int = Field(4, ge=1, le=512, description="Attention heads; must divide dModel.")
+    seq_len: int = Field(64, ge=4, le=1_000_000, description="Tokens per training sequence.")
     ffn_dim: int | None = Field(
         None, ge=8, le=1_048_576, description="Feed-forward width; default 4 x dModel."
     )
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability (0 = none).")
     moe: MoEConfig | None = Field(None, description="Omit for a dense model.")
 
     @model_validator(mode="after")
@@ -239,6 +239,8 @@ def zero_shard_group_size(workers: int, max_failures: int) -> int:
 
 
 class BatchConfig(SpecModel):
+    """Sequences per optimizer step and per forward/backward pass."""
+
     global_batch_size: int = Field(
         16, ge=1, le=16_777_216, description="Sequences per optimizer step."
     )
@@ -269,40 +271,52 @@ class BatchConfig(SpecModel):
 
 
 class OptimizerConfig(SpecModel):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-3, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0, le=10)
-    betas: tuple[float, float] = (0.9, 0.95)
+    """The optimizer and its learning-rate schedule (linear warmup, then constant)."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="AdamW beta1 and beta2 (two numbers)."
+    )
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Max gradient norm; 0 = no clipping.")
-    warmup_steps: int = Field(0, ge=0, le=1_000_000_000)
+    warmup_steps: int = Field(
+        0, ge=0, le=1_000_000_000, description="Steps of linear learning-rate warmup."
+    )
 
 
 class DataConfig(SpecModel):
+    """Where training text comes from and how it is shuffled."""
+
     source: str = Field(
         "python-stdlib",
         min_length=1,
         description="'python-stdlib' (the interpreter's own source tree), a directory or a glob.",
     )
-    seed: int = Field(0, ge=0, le=2**32 - 1)
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the data order.")
 
 
 class TrainerConfig(SpecModel):
+    """What each worker trains: model, parallelism, batch, optimizer, data, step count."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     steps: int = Field(200, ge=1, le=1_000_000_000, description="Optimizer steps to train.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed of the model initialisation.")
     log_interval_steps: int = Field(
         1, ge=1, le=1_000_000, description="Progress report every n steps."
     )
 
 
 class BackoffConfig(SpecModel):
-    initial_seconds: float = Field(1.0, gt=0, le=3600)
-    max_seconds: float = Field(60.0, gt=0, le=86_400)
-    multiplier: float = Field(2.0, ge=1, le=100)
+    """Wait between full restarts: initialSeconds, times multiplier per restart, capped."""
+
+    initial_seconds: float = Field(1.0, gt=0, le=3600, description="Wait before the first restart.")
+    max_seconds: float = Field(60.0, gt=0, le=86_400, description="Longest wait.")
+    multiplier: float = Field(2.0, ge=1, le=100, description="Growth of the wait per restart.")
 
     @model_validator(mode="after")
     def _ordered(self) -> BackoffConfig:
@@ -317,6 +331,8 @@ class BackoffConfig(SpecModel):
 
 
 class FaultToleranceConfig(SpecModel):
+    """How many faults the job survives, and how hangs, restarts and bad nodes are handled."""
+
     max_failures: int = Field(
         0,
         ge=0,
@@ -329,7 +345,9 @@ class FaultToleranceConfig(SpecModel):
     max_restarts: int = Field(
         3, ge=0, le=10_000, description="Full restarts from checkpoint before Failed."
     )
-    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
+    backoff: BackoffConfig = Field(
+        default_factory=BackoffConfig, description="Wait between full restarts."
+    )
     hang_timeout_seconds: float = Field(
         120.0, gt=0, le=604_800, description="No progress this long = hang."
     )
@@ -346,18 +364,26 @@ class FaultToleranceConfig(SpecModel):
 
 
 class StorageConfig(SpecModel):
+    """Where persisted checkpoints go: a directory, optionally on a PersistentVolumeClaim."""
+
     path: str | None = Field(None, description="Directory for persisted checkpoints.")
     pvc: str | None = Field(None, description="PersistentVolumeClaim mounted for checkpoints.")
 
 
 class CheckpointConfig(SpecModel):
+    """In-memory snapshots, peer replicas and persisted checkpoints."""
+
     interval_steps: int = Field(50, gt=0, le=1_000_000, description="Snapshot every n steps.")
     keep: int = Field(3, ge=1, le=10_000, description="Persisted checkpoints kept (newest first).")
-    storage: StorageConfig = Field(default_factory=StorageConfig)
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Where persisted checkpoints are written."
+    )
     peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
 
 
 class TrainingJobSpec(SpecModel):
+    """The desired job: how many workers, what they train, how faults are handled."""
+
     workers: int = Field(
         ...,
         ge=1,
@@ -374,9 +400,17 @@ class TrainingJobSpec(SpecModel):
         default_factory=dict,
         description="PodTemplateSpec for the trainer container (image, resources, env).",
     )
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="What each worker trains."
+    )
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="Faults survived in process, restarts, hang and node-anomaly handling.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Snapshot interval, persisted checkpoints kept and where they go.",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={

@@ -14,15 +14,19 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 class Condition(Model):
-    type: str
-    status: ConditionStatus
-    reason: str = ""
-    message: str = ""
+    """One aspect of the job's state, in the Kubernetes condition convention."""
+
+    type: str = Field(..., description="Valid, Ready, Progressing or Degraded.")
+    status: ConditionStatus = Field(..., description="True, False or Unknown.")
+    reason: str = Field("", description="CamelCase reason for the last transition.")
+    message: str = Field("", description="What happened, for people.")
     last_transition_time: str | None = Field(None, description="RFC 3339 time.")
 
 
 class Member(Model):
-    rank: int = Field(..., ge=0)
+    """One worker in the current generation."""
+
+    rank: int = Field(..., ge=0, description="torch.distributed rank in this generation.")
     worker: str = Field(..., min_length=1, description="Worker id (the pod name).")
     node: str = Field("", description="Node the worker runs on.")
     address: str = Field("", description="host:port the worker listens on, if any.")
@@ -34,9 +38,13 @@ class Member(Model):
 class Membership(Model):
     """Who is in the job. Generations only grow; the lifecycle manager is the only writer."""
 
-    generation: int = Field(0, ge=0)
+    generation: int = Field(
+        0, ge=0, description="Membership generation: grows by one at each re-formation."
+    )
     coordinator: str = Field("", description="host:port of rank 0's TCPStore.")
-    members: list[Member] = Field(default_factory=list)
+    members: list[Member] = Field(
+        default_factory=list, description="The workers of this generation, by rank."
+    )
 
     @property
     def world_size(self) -> int:
@@ -44,23 +52,45 @@ class Membership(Model):
 
 
 class Recovery(Model):
-    cause: str
+    """One recovery: a fault detected and training resumed (or still pending)."""
+
+    cause: str = Field(..., description="What was lost or went wrong (e.g. exited, hang).")
     detected: str = Field(..., description="RFC 3339 time the fault was detected.")
     resumed: str | None = Field(None, description="RFC 3339 time training resumed.")
-    seconds: float | None = Field(None, ge=0)
+    seconds: float | None = Field(
+        None, ge=0, description="Detection to the next completed step; empty while pending."
+    )
 
 
 class TrainingJobStatus(Model):
-    phase: Phase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    membership: Membership = Field(default_factory=Membership)
+    """What the operator observes and decided; written only by the operator."""
+
+    phase: Phase = Field(
+        "Pending", description="Pending, Running, Recovering, Succeeded or Failed."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Valid, Ready, Progressing and Degraded."
+    )
+    membership: Membership = Field(
+        default_factory=Membership, description="The current generation and its members."
+    )
     workers: str = Field("", description="live/desired, for the printer column.")
-    step: int = Field(0, ge=0)
-    loss: float | None = None
-    last_checkpoint_step: int | None = None
-    restarts: int = Field(0, ge=0)
-    reconfigurations: int = Field(0, ge=0)
-    evicted_nodes: list[str] = Field(default_factory=list)
-    recoveries: list[Recovery] = Field(default_factory=list)
-    observed_generation: int | None = None
-    message: str = ""
+    step: int = Field(0, ge=0, description="Last optimizer step completed (0-based).")
+    loss: float | None = Field(None, description="Training loss of the last reported step.")
+    last_checkpoint_step: int | None = Field(
+        None, description="Newest step with a checkpoint snapshot, as workers report it."
+    )
+    restarts: int = Field(0, ge=0, description="Full restarts from checkpoint so far.")
+    reconfigurations: int = Field(
+        0, ge=0, description="In-process re-formations (new generations without a restart)."
+    )
+    evicted_nodes: list[str] = Field(
+        default_factory=list, description="Nodes this job had cordoned and tainted."
+    )
+    recoveries: list[Recovery] = Field(
+        default_factory=list, description="The newest recoveries (at most 50), oldest first."
+    )
+    observed_generation: int | None = Field(
+        None, description="metadata.generation of the spec this status is about."
+    )
+    message: str = Field("", description="Why the job is in its phase, for people.")
