@@ -70,11 +70,12 @@ def find_binary(name: str, *, use_path: bool = False) -> pathlib.Path | None:
 
 
 def find_binaries() -> dict[str, pathlib.Path]:
-    """Every binary the cluster needs (servers and kubectl); raises BinariesMissing."""
+    """Every binary the cluster needs (servers and the pinned kubectl, never one on PATH);
+    raises BinariesMissing."""
     found: dict[str, pathlib.Path] = {}
     missing: list[str] = []
     for name in (*SERVER_BINARIES, "kubectl"):
-        path = find_binary(name, use_path=name == "kubectl")
+        path = find_binary(name)
         if path is None:
             missing.append(name)
         else:

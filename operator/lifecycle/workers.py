@@ -1,8 +1,10 @@
 """Worker identity: slots, incarnations and the worker id that names each (the pod name).
 
 A worker *slot* is one of ``spec.workers`` positions; each (re)start of a slot is a new
-*incarnation* with its own worker id ``<job>-w<slot>-<incarnation>``. Pure: the lifecycle
-types and the drivers both use it, and it imports nothing of the drivers.
+*incarnation* with its own worker id ``<name>-w<slot>-<incarnation>``, where ``<name>`` is
+the job's name without its namespace (a namespaced pod need not repeat it; the pod's
+labels carry job, slot and incarnation). Pure: the lifecycle types and the drivers both
+use it, and it imports nothing of the drivers.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ _ID_PATTERN = re.compile(r"^(?P<job>.+)-w(?P<slot>\d+)-(?P<incarnation>\d+)$")
 def worker_id(job: str, slot: int, incarnation: int) -> str:
     """The worker id (and pod name) of a slot incarnation: a valid DNS label.
 
-    Long job names are shortened with a hash so two jobs never share worker ids.
+    ``job`` is the protocol's job key, ``namespace.name`` on Kubernetes (namespaces have no
+    dots), or a bare name; the id starts with the name alone. Long names are shortened with
+    a hash of the whole key.
     """
     suffix = f"-w{slot}-{incarnation}"
-    base = job.replace(".", "-")
+    base = job.split(".", 1)[-1].replace(".", "-")
     if len(base) + len(suffix) > _DNS_LABEL_MAX:
         digest = hashlib.sha256(job.encode()).hexdigest()[:6]
         keep = _DNS_LABEL_MAX - len(suffix) - len(digest) - 1
