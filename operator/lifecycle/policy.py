@@ -158,7 +158,8 @@ class _Policy(PolicyActions):
             and s.step + 1 >= self.cfg.total_steps
         ):
             # Finished the last step; its completion report may still be on the way.
-            self.state = replace(s, dead=s.dead | {ev.worker})
+            self.state = replace(s, dead=s.dead | {ev.worker}, finished=s.finished | {ev.worker})
+            self.succeed_if_all_finished()
             return
         self.lose([slot], cause, warning_detail=f"{ev.worker} exited: {cause}")
 
@@ -264,14 +265,36 @@ class _Policy(PolicyActions):
         r = ev.report
         if r.worker not in self.state.members():
             return
-        step = max(self.state.step, r.step)
+        last = self.cfg.total_steps - 1
+        if r.step != last or r.generation != self.state.generation:
+            self.event(
+                "CompletionIgnored",
+                f"{r.worker} reported completion at step {r.step} of generation "
+                f"{r.generation}; the job ends at step {last} of generation "
+                f"{self.state.generation}",
+                warning=True,
+            )
+            return
         loss = r.loss if r.loss is not None else self.state.loss
-        self.state = replace(self.state, step=step, loss=loss, has_progress=True)
-        view = self.state.membership.model_copy(update={"state": "succeeded"})
+        self.state = replace(
+            self.state,
+            step=last,
+            loss=loss,
+            has_progress=True,
+            finished=self.state.finished | {r.worker},
+        )
+        self.succeed_if_all_finished()
+
+    def succeed_if_all_finished(self) -> None:
+        """Succeeded once every current member finished the last step."""
+        s = self.state
+        if s.terminal or not s.members() or not set(s.members()) <= s.finished:
+            return
+        view = s.membership.model_copy(update={"state": "succeeded"})
         message = f"completed {self.cfg.total_steps} steps"
-        self.state = replace(self.state, phase="Succeeded", membership=view, message=message)
+        self.state = replace(s, phase="Succeeded", membership=view, message=message)
         self.emit(Succeed(message))
-        self.event("Succeeded", f"{message}, final loss {loss}")
+        self.event("Succeeded", f"{message}, final loss {s.loss}")
 
     def on_tick(self, ev: Tick) -> None:
         s = self.state

@@ -272,6 +272,9 @@ class LifecycleState:
     # Members that reported a collective error in the current generation since its last
     # progress: with everyone else polling, the one member missing here is the hang suspect.
     collective_errors: frozenset[str] = frozenset()
+    # Workers that finished the last step (reported it, or exited 0 after it): the job has
+    # succeeded once every current member is here.
+    finished: frozenset[str] = frozenset()
     evicted_nodes: tuple[str, ...] = ()
     pending_recoveries: tuple[PendingRecovery, ...] = ()
     recoveries: tuple[RecoveryDone, ...] = ()

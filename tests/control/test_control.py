@@ -83,7 +83,10 @@ def test_protocol_flow_from_registration_to_success(harness: Harness) -> None:
             )
             assert directive.action == "continue"
     assert h.session.status.step == 4
-    done = w0.complete(CompletionReport(worker="demo-w0-0", generation=1, step=4, loss=2.6))
+    first = w0.complete(CompletionReport(worker="demo-w0-0", generation=1, step=4, loss=2.6))
+    assert h.session.status.phase != "Succeeded"  # one member is not the whole job
+    assert first.action == "continue"
+    done = w1.complete(CompletionReport(worker="demo-w1-0", generation=1, step=4, loss=2.6))
     assert done.action == "stop"
     assert h.session.status.phase == "Succeeded"
     after = w1.membership(after=1, timeout_s=5)

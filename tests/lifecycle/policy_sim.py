@@ -91,10 +91,13 @@ class Sim:
         )
         return self.feed(FaultReported(report))
 
-    def complete(self, step: int) -> list[Decision]:
-        worker = self.state.members()[0]
-        report = CompletionReport(worker=worker, generation=self.state.generation, step=step)
-        return self.feed(CompletionReported(report))
+    def complete(self, step: int, workers: list[str] | None = None) -> list[Decision]:
+        """Completion reports from ``workers`` (default: every member)."""
+        decisions: list[Decision] = []
+        for worker in workers if workers is not None else self.state.members():
+            report = CompletionReport(worker=worker, generation=self.state.generation, step=step)
+            decisions += self.feed(CompletionReported(report))
+        return decisions
 
     def tick(self, advance: float, last_seen: dict[str, float] | None = None) -> list[Decision]:
         return self.feed(Tick(last_seen=last_seen or {}), advance)

@@ -273,6 +273,21 @@ def test_completion_succeeds_and_late_exits_are_quiet() -> None:
     assert sim.state.phase == "Succeeded"
 
 
+def test_success_needs_every_member_at_the_last_step() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(99)
+    first, *rest = sim.state.members()
+    assert _of(Succeed, sim.complete(99, [first])) == []  # one member is not the job
+    early = sim.complete(42, rest)  # a completion that is not at the last step
+    assert _of(Succeed, early) == [] and sim.state.phase != "Succeeded"
+    assert any(getattr(d, "reason", "") == "CompletionIgnored" for d in early)
+    assert _of(Succeed, sim.complete(99, rest[:-1])) == []
+    # The last one exits 0 after the last step before its report arrives: that is done too.
+    (ok,) = _of(Succeed, sim.exit(rest[-1], code=WorkerExit.DONE))
+    assert sim.state.phase == "Succeeded" and "100 steps" in ok.message
+
+
 def test_exit_zero_after_the_last_step_is_not_a_loss() -> None:
     sim = Sim()
     sim.start_and_register_all()

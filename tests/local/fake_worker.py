@@ -38,7 +38,7 @@ def main() -> int:
     step_tokens = float(os.environ.get("FAKE_TOKENS_PER_STEP", "768"))
     me = os.environ[WORKER_ENV]
     client = ControlClient.from_env()
-    client.register(RegisterRequest(worker=me, address="127.0.0.1:1"))
+    client.register(RegisterRequest(worker=me, address=f"{me}.fake:1"))
     generation, step = 0, 0
     while True:
         view = client.membership(after=generation, timeout_s=5)
