@@ -123,7 +123,7 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
     "untaint_after_healthy_s",
     type=float,
     default=None,
-    help="Remove our taint after a node is healthy this long.",
+    help="Remove our taint after a node is healthy this long (default 600; 0 = never).",
 )
 @click.option(
     "--status-interval",

@@ -332,7 +332,7 @@ class OperatorRuntime:
         """The optional untaint policy (see ``nodes``): a healthy node sends no more events,
         so tainted nodes are re-checked on a timer."""
         after = self.settings.untaint_after_healthy_s
-        if after is None:
+        if after <= 0:
             return
         every = max(1.0, min(30.0, after / 4))
         while True:

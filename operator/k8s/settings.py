@@ -41,10 +41,14 @@ class OperatorSettings(BaseSettings):
     )
     status_min_interval_s: float = Field(2.0, ge=0, description="Min seconds between writes.")
     stop_grace_period_s: int = Field(30, ge=0, description="Grace period of a stopped worker.")
-    untaint_after_healthy_s: float | None = Field(
-        None,
-        gt=0,
-        description="Remove our taint after the node is healthy this long; default: never.",
+    untaint_after_healthy_s: float = Field(
+        600.0,
+        ge=0,
+        le=30 * 86_400,
+        description=(
+            "Remove our taint (and our cordon) once the node has been healthy this long; "
+            "0 = never (taints stay until an admin removes them)."
+        ),
     )
     evict_idle_nodes: bool = Field(
         False, description="Also taint nodes with a critical anomaly that run no worker."
