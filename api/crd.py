@@ -150,10 +150,9 @@ def crd() -> dict[str, Any]:
                         "description": "Schema version of this object: bulkhead.dev/v1alpha1.",
                     },
                     "kind": {"type": "string", "description": "TrainingJob."},
-                    "metadata": {
-                        "type": "object",
-                        "description": "Standard object metadata (name, namespace, labels).",
-                    },
+                    # The API server refuses anything but a type here (kubectl explain
+                    # shows ObjectMeta's own description).
+                    "metadata": {"type": "object"},
                     "spec": spec_schema,
                     "status": status_schema,
                 },

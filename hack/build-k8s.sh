@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes test control plane (etcd, kube-apiserver, kube-scheduler,
-# kube-controller-manager, kwok, helm) from Go modules into a per-machine cache outside git.
+# kube-controller-manager, kwok) and the pinned clients the tests drive (kubectl, helm,
+# promtool, kubeconform) from Go modules into a per-machine cache outside git.
 #
 # Run by `make k8s` (and so by `make test`). A second run finds the binaries and builds nothing.
 # Binaries already present in $BULKHEAD_K8S_BIN or $KUBEBUILDER_ASSETS (envtest) are used as they
-# are and not built; kubectl is taken from PATH when there is one.
+# are and not built. A kubectl on PATH is never used: tests check what the pinned one prints.
 #
 # Environment:
 #   BULKHEAD_K8S_CACHE   cache root (default ~/.cache/bulkhead); binaries go to
@@ -20,6 +21,9 @@ K8S_VERSION=v1.33.13
 ETCD_VERSION=v3.6.16
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v3.22.0
+# promtool ships in the prometheus module, whose Go versions are v0.<3xx> for Prometheus 3.x.
+PROMETHEUS_VERSION=v0.316.0
+KUBECONFORM_VERSION=v0.8.0
 
 CACHE_ROOT="${BULKHEAD_K8S_CACHE:-$HOME/.cache/bulkhead}"
 BIN_DIR="$CACHE_ROOT/k8s-$K8S_VERSION/bin"
@@ -100,9 +104,7 @@ build_kubernetes() {
   for name in kube-apiserver kube-scheduler kube-controller-manager; do
     needs_build "$name" "$K8S_VERSION" && cmds+=("$name")
   done
-  if ! command -v kubectl >/dev/null 2>&1 && needs_build kubectl "$K8S_VERSION"; then
-    cmds+=(kubectl)
-  fi
+  needs_build kubectl "$K8S_VERSION" && cmds+=(kubectl)
   [[ ${#cmds[@]} -eq 0 ]] && return 0
   # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
   # ./staging paths; the wrapper replaces each with its published v0.<minor>.<patch> tag.
@@ -155,6 +157,10 @@ main() {
     "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
   go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
     "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  go_install promtool "$PROMETHEUS_VERSION" github.com/prometheus/prometheus/cmd/promtool \
+    "-s -w -X github.com/prometheus/common/version.Version=$PROMETHEUS_VERSION"
+  go_install kubeconform "$KUBECONFORM_VERSION" github.com/yannh/kubeconform/cmd/kubeconform \
+    "-s -w -X main.version=$KUBECONFORM_VERSION"
   log "control-plane binaries ready ($((SECONDS - start)) s; cache $BIN_DIR)"
 }
 

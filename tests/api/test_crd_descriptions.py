@@ -12,6 +12,8 @@ from bulkhead.api.crd import PRINTER_COLUMNS, crd
 def _undescribed(node: dict[str, Any], path: str) -> list[str]:
     found = [] if node.get("description") else [path or "<root>"]
     for name, child in node.get("properties", {}).items():
+        if not path and name == "metadata":  # the API server allows only a type there
+            continue
         found += _undescribed(child, f"{path}.{name}")
     items = node.get("items")
     if isinstance(items, dict) and items.get("type") == "object":
