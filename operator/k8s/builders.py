@@ -210,13 +210,46 @@ def _anti_affinity(ctx: JobContext) -> dict[str, Any]:
     }
 
 
+# Least privilege for worker pods: non-root, no privilege escalation, no capabilities, the
+# runtime's default seccomp profile, a read-only root filesystem with writable emptyDirs
+# where something is written, and no API token (workers never talk to Kubernetes). A
+# template may set any of these keys itself; what it leaves out is filled in.
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": names.RUN_AS_USER,
+    "runAsGroup": names.RUN_AS_USER,
+    "fsGroup": names.RUN_AS_USER,  # the checkpoint PVC is writable by that group
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _secure(container: dict[str, Any]) -> dict[str, Any]:
+    context = container.setdefault("securityContext", {})
+    for key, value in CONTAINER_SECURITY.items():
+        context.setdefault(key, copy.deepcopy(value))
+    mounts = container.setdefault("volumeMounts", [])
+    if not any(m.get("mountPath") == names.TMP_MOUNT for m in mounts):
+        mounts.append({"name": names.TMP_VOLUME, "mountPath": names.TMP_MOUNT})
+    env = container.setdefault("env", [])
+    for name in ("HOME", "TMPDIR"):  # caches (torch, pip) need a writable home
+        if not any(e.get("name") == name for e in env):
+            env.append({"name": name, "value": names.TMP_MOUNT})
+    return container
+
+
 def _volumes(ctx: JobContext, user: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    ours_names = {names.SHM_VOLUME, names.CHECKPOINT_VOLUME}
+    ours_names = {names.SHM_VOLUME, names.CHECKPOINT_VOLUME, names.TMP_VOLUME}
     shm: dict[str, Any] = {"medium": "Memory"}
     if ctx.shm_size_limit:
         shm["sizeLimit"] = ctx.shm_size_limit
     volumes = [v for v in user if v.get("name") not in ours_names]
     volumes.append({"name": names.SHM_VOLUME, "emptyDir": shm})
+    volumes.append({"name": names.TMP_VOLUME, "emptyDir": {}})
     if ctx.spec.checkpoint.storage.pvc:
         volumes.append(
             {
@@ -242,8 +275,13 @@ def build_worker_pod(
         ctx, pod_spec.get("containers") or [], worker_id, incarnation
     )
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != "checkpoint"]
-    pod_spec["containers"] = [trainer, *others]
-    pod_spec["initContainers"] = [*init, _checkpoint_sidecar(ctx, worker_id, incarnation)]
+    pod_spec["containers"] = [_secure(trainer), *others]
+    sidecar = _secure(_checkpoint_sidecar(ctx, worker_id, incarnation))
+    pod_spec["initContainers"] = [*init, sidecar]
+    security = pod_spec.setdefault("securityContext", {})
+    for key, value in POD_SECURITY.items():
+        security.setdefault(key, copy.deepcopy(value))
+    pod_spec.setdefault("automountServiceAccountToken", False)
     pod_spec["volumes"] = _volumes(ctx, pod_spec.get("volumes") or [])
     # A dead worker is replaced by a new incarnation (a new pod), never restarted in place.
     pod_spec["restartPolicy"] = "Never"

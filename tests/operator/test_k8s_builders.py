@@ -144,3 +144,28 @@ def test_service_and_secret():
     assert _env(pod["spec"]["containers"][0])[protocol.AGENT_URL_ENV].endswith(":9500")
     for obj in (service, secret):
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm"
+
+
+def test_worker_pods_run_with_least_privilege():
+    pod = builders.build_worker_pod(_ctx(), "llm-w0-0", slot=0, incarnation=0)
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    tmp = next(v for v in spec["volumes"] if v["name"] == names.TMP_VOLUME)
+    assert tmp == {"name": names.TMP_VOLUME, "emptyDir": {}}
+    for container in [*spec["containers"], *spec["initContainers"]]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert {"name": names.TMP_VOLUME, "mountPath": "/tmp"} in container["volumeMounts"]
+        assert _env(container)["HOME"] == "/tmp"
+    # A template's own choices are kept; what it leaves out is filled in.
+    own = {"containers": [{"name": "trainer", "securityContext": {"runAsUser": 2000}}],
+           "securityContext": {"runAsUser": 2000}}  # fmt: skip
+    custom = builders.build_worker_pod(_ctx(template={"spec": own}), "llm-w0-0", 0, 0)
+    trainer = custom["spec"]["containers"][0]
+    assert trainer["securityContext"]["runAsUser"] == 2000
+    assert trainer["securityContext"]["readOnlyRootFilesystem"] is True
+    assert custom["spec"]["securityContext"]["runAsUser"] == 2000
