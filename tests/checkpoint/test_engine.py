@@ -175,7 +175,7 @@ def test_settings_from_the_job_spec(shm_dir) -> None:
     on_pvc = CheckpointSettings.from_spec(
         CheckpointConfig.model_validate({"storage": {"pvc": "ckpt"}}), job="job1"
     )
-    assert str(on_pvc.storage_dir) == "/checkpoints"
+    assert str(on_pvc.storage_dir) == "/bulkhead/checkpoints"  # where the operator mounts the claim
 
 
 def test_corrupt_snapshot_restored_into_live_tensors_is_overwritten_by_the_older_one(

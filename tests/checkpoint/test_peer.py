@@ -27,13 +27,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_a_replica_port_never_serves_without_a_token(shm_factory) -> None:
+    from bulkhead.trainer.checkpoint.replica import ReplicaError, ReplicaServer, ReplicaStore
+
+    with pytest.raises(ReplicaError, match="needs the job's token"):
+        ReplicaServer("127.0.0.1:0", ReplicaStore(shm_factory()), token=None)
+
+
 def test_restore_prefers_peer_replica_then_falls_back_to_storage(shm_factory, tmp_path) -> None:
     env = {TOKEN_ENV: TOKEN}
     node_a, node_b = shm_factory(), shm_factory()
-    peer = spawn_sidecar(node_b, env=env, args=["--poll-interval", "0.1"])
+    peer = spawn_sidecar(node_b, listen="127.0.0.1:0", env=env, args=["--poll-interval", "0.1"])
     metrics_port = free_port()
     own_args = ["--poll-interval", "0.1", "--metrics-port", str(metrics_port)]
-    own = spawn_sidecar(node_a, env=env, args=[*own_args, "--metrics-host", "127.0.0.1"])
+    own = spawn_sidecar(
+        node_a, listen="127.0.0.1:0", env=env, args=[*own_args, "--metrics-host", "127.0.0.1"]
+    )
     settings = CheckpointSettings(job="job1", shm_dir=node_a, storage_dir=tmp_path, token=TOKEN)
     try:
         with CheckpointEngine(settings) as engine:
@@ -53,7 +62,7 @@ def test_restore_prefers_peer_replica_then_falls_back_to_storage(shm_factory, tm
 
         own.kill()  # the node is lost: its sidecar and its memory
         fresh = shm_factory()
-        own = spawn_sidecar(fresh, env=env, args=["--poll-interval", "0.1"])
+        own = spawn_sidecar(fresh, listen="127.0.0.1:0", env=env, args=["--poll-interval", "0.1"])
         settings = settings.model_copy(update={"shm_dir": fresh})
         topology = Topology(peers=(peer.replica_address,))
         with CheckpointEngine(settings, topology) as engine:

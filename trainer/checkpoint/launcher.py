@@ -71,7 +71,7 @@ class SidecarProcess:
 def spawn_sidecar(
     shm_dir: Path,
     socket_path: Path | None = None,
-    listen: str = "127.0.0.1:0",
+    listen: str = "off",
     args: list[str] | None = None,
     env: dict[str, str] | None = None,
     log_file: IO[Any] | None = None,

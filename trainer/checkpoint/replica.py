@@ -5,7 +5,7 @@ trainer whose own memory is gone asks peers what they hold (``list``) and pulls 
 (``get``). Replicas are files in the receiver's memory-backed directory
 (``<shm_dir>/replicas``), so they survive a restart of the receiving sidecar. Every
 transfer is checked against the record's CRC-32C on arrival; a bad one is dropped.
-When the job has a control token, requests must carry it.
+Every request must carry the job's token: a replica port never serves without one.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ class ReplicaStore:
         return os.open(self._data(record), os.O_RDONLY)
 
 
-def _authorized(message: dict[str, Any], token: str | None) -> bool:
-    return token is None or hmac.compare_digest(str(message.get("token", "")), token)
+def _authorized(message: dict[str, Any], token: str) -> bool:
+    return hmac.compare_digest(str(message.get("token", "")).encode(), token.encode())
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -185,6 +185,11 @@ class ReplicaServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, listen: str, store: ReplicaStore, token: str | None) -> None:
+        if not token:
+            raise ReplicaError(
+                "the peer-replica port needs the job's token (BULKHEAD_CONTROL_TOKEN): "
+                "refusing to serve replicas to anyone who connects"
+            )
         self.store = store
         self.token = token
         super().__init__(parse_address(listen), _Handler)

@@ -47,7 +47,7 @@ class Sidecar:
         self,
         shm_dir: Path,
         socket_path: Path,
-        listen: str | None = "127.0.0.1:0",
+        listen: str | None = None,
         token: str | None = None,
         storage_factory: Callable[[Path], FileStorage] = FileStorage,
         poll_interval: float = 1.0,
