@@ -1,25 +1,39 @@
 # One image for every bulkhead process: bulkhead-operator, bulkhead-agent, bulkhead-worker
 # (the trainer) and bulkhead-checkpointd (the checkpoint sidecar). The Deployment,
-# DaemonSet and worker pods pick the process with `command:`.
+# DaemonSet and worker pods pick the process with `command:`. Every package version comes
+# from constraints.txt, the same pins CI tests with.
 #
-#   docker build -t ghcr.io/bulkhead-dev/bulkhead:0.1.0 .
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t bulkhead:cpu .
+#   docker build -t ghcr.io/bulkhead-dev/bulkhead:0.1.0 .                  # CUDA torch
+#   docker build --build-arg VARIANT=cpu -t ghcr.io/bulkhead-dev/bulkhead:0.1.0-cpu .
+#
+# VARIANT=cpu installs torch's CPU-only build (same version, no CUDA libraries: a far
+# smaller image) for CPU nodes, CI and the operator and agent, which never use a GPU.
+# tests/packaging/test_dockerfile.py checks this file against pyproject.toml.
 
-FROM python:3.11-slim AS build
-# torch from PyPI is the CUDA build on x86_64; point this at the CPU index for small images.
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ARG VARIANT=cuda
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY constraints.txt pyproject.toml setup.py README.md LICENSE ./
 COPY api/ api/
 COPY operator/ operator/
 COPY agent/ agent/
 COPY trainer/ trainer/
 COPY cli/ cli/
 RUN python -m venv /opt/bulkhead \
- && /opt/bulkhead/bin/pip install --extra-index-url "${TORCH_INDEX_URL}" ".[all]"
+ && if [ "${VARIANT}" = "cpu" ]; then \
+      torch="$(grep -E '^torch==' constraints.txt)" \
+      && /opt/bulkhead/bin/pip install --index-url "${TORCH_CPU_INDEX_URL}" "${torch}"; \
+    elif [ "${VARIANT}" != "cuda" ]; then \
+      echo "VARIANT must be cuda or cpu, got ${VARIANT}" >&2; exit 1; \
+    fi \
+ && /opt/bulkhead/bin/pip install -c constraints.txt ".[all]" \
+ && /opt/bulkhead/bin/pip check
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/bulkhead/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
