@@ -47,50 +47,43 @@ import torch.distributed as dist
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
 from bulkhead.trainer.data import open_dataset
-from bulkhead.trainer.model import build_model
-from bulkhead.trainer.runtime.group import GenerationGroup
-from bulkhead.trainer.runtime.state import TrainState, make_optimizer
-from bulkhead.trainer.runtime.step import train_step
+from bulkhead.trainer.engine.device import pick_device
+from bulkhead.trainer.engine.engine import Engine, HeldState
+from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.world import open_world
 
 torch.set_num_threads(1)
 spec_json, out_dir, kill_steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 out = os.path.join(out_dir, "progress.jsonl")
 ckpt = os.path.join(out_dir, "state.pt")
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-# The agent's store, with a per-attempt prefix: gloo otherwise may read the dead attempt's
-# addresses and fail to connect.
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False)
-dist.init_process_group(
-    "gloo", store=dist.PrefixStore(f"attempt{restart}", store), rank=rank, world_size=world
-)
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 cfg = train_config(TrainingJobSpec.model_validate_json(spec_json))
+# The agent's store; the engine's world prefixes it per generation (= attempt), so gloo
+# never reads the dead attempt's addresses.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False)
+workers = [f"w{r}" for r in range(world_size)]
+world = open_world(
+    restart, rank, workers, workers, store, pick_device(), cfg.timeouts.collective_s
+)
 dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
-model = build_model(cfg.model, cfg.seed)
-state = TrainState(model, make_optimizer(model, cfg.optimizer))
-if os.path.exists(ckpt):
-    saved = torch.load(ckpt)
-    model.load_state_dict(saved["model"])
-    state.optimizer.load_state_dict(saved["optimizer"])
-    state.completed_steps = saved["completed_steps"]
-group = GenerationGroup(restart, rank, world, [], dist.group.WORLD)
-while state.completed_steps < cfg.steps:
-    step = state.completed_steps
+engine = Engine.build(make_plan(restart, workers, workers, cfg), world, cfg)
+# Every rank loads the whole saved state (data parallel: each holds all of it).
+held = HeldState.from_snapshot(torch.load(ckpt)) if os.path.exists(ckpt) else None
+engine.adopt(held)
+while engine.completed_steps < cfg.steps:
+    step = engine.completed_steps
     if rank == 1 and restart < len(kill_steps) and step == kill_steps[restart]:
         with open(os.path.join(out_dir, "kills.jsonl"), "a") as f:
             f.write(json.dumps({"t": time.time(), "step": step, "restart": restart}) + "\n")
         os.kill(os.getpid(), signal.SIGKILL)
-    train_step(state, dataset, cfg, group)
+    engine.step(dataset)
     if rank == 0:
-        torch.save(
-            {"model": model.state_dict(), "optimizer": state.optimizer.state_dict(),
-             "completed_steps": state.completed_steps},
-            ckpt + ".tmp",
-        )
+        torch.save(engine.held_state().to_snapshot(), ckpt + ".tmp")
         os.replace(ckpt + ".tmp", ckpt)
         with open(out, "a") as f:
             f.write(json.dumps({"t": time.time(), "step": step, "restart": restart}) + "\n")
-dist.destroy_process_group()
+world.close()
 """
 
 

@@ -1,0 +1,83 @@
+"""bench/zero.py and bench/gpu_smoke.py in their --quick form write what they promise.
+
+Not timed: the checks are the byte accounting (which is exact, not a speed), the lost
+steps, and the keys of the JSON. bench/gpu_smoke.py runs its CUDA checks where CUDA
+exists and says it skipped them elsewhere; its --cpu form exercises the same scenarios on
+gloo here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MAPS = ("bytes_per_rank", "formula_bytes_per_rank", "step_s", "recovery_s")
+
+
+def run_bench(name: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-P", str(REPO / "bench" / f"{name}.py"), "--quick", "--out", str(out),
+         *args],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), f"{name} printed nothing"
+    return proc
+
+
+def test_zero_bench_quick(tmp_path: Path) -> None:
+    # Three modes keep it short: data parallel, a stage that keeps whole parameters
+    # gathered, and hpZ with a real secondary copy (no kill: maxFailures 0).
+    modes = ["stage0", "stage2", "stage3+hpz2-s4"]
+    out = tmp_path / "zero.json"
+    run_bench("zero", out, "--modes", ",".join(modes))
+    figures = json.loads(out.read_text())
+    for key in MAPS:
+        assert isinstance(figures[key], dict), key
+    for key in ("bytes_per_rank", "formula_bytes_per_rank", "step_s"):
+        assert set(figures[key]) == set(modes), key
+    killed = {"stage0", "stage2"}  # maxFailures 1: a replica survives the kill
+    assert set(figures["recovery_s"]) == killed
+    assert figures["lost_steps"] == dict.fromkeys(sorted(killed), 0)
+    # Local shards are exactly the formula where FSDP2 and ZeRO agree (data parallel,
+    # stage 3); stage 2 keeps its parameters sharded at rest, below the formula.
+    ratio = figures["bytes_ratio"]
+    assert ratio["stage0"] == pytest.approx(1, abs=0.02)
+    assert ratio["stage3+hpz2-s4"] == pytest.approx(1, abs=0.02)
+    assert ratio["stage2"] < 1
+    # hpZ's secondary copy measured after forward: 1/h of the block parameters.
+    secondary = figures["hpz_secondary_bytes"]["stage3+hpz2-s4"]
+    assert secondary == pytest.approx(
+        figures["hpz_secondary_bytes_formula"]["stage3+hpz2-s4"], rel=0.02
+    )
+    assert secondary > 0
+
+
+def test_gpu_smoke_skips_without_cuda_and_runs_with_it(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = run_bench("gpu_smoke", out)
+    figures = json.loads(out.read_text())
+    if torch.cuda.device_count() < 2:
+        assert "skipped" in proc.stdout
+        assert figures == {"skipped": "no CUDA" if not torch.cuda.is_available() else
+                           "only 1 CUDA device"}  # fmt: skip
+    else:
+        assert figures["passed"], figures
+
+
+def test_gpu_smoke_scenarios_on_gloo(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-cpu.json"
+    run_bench("gpu_smoke", out, "--cpu")
+    figures = json.loads(out.read_text())
+    kill = figures["checks"]["zero3-kill"]
+    assert kill["passed"], kill
+    assert kill["lost_steps"] == 0
+    assert kill["adoption"] == ["peers"]
