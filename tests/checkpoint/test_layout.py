@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import crc32c
 import pytest
 import torch
@@ -11,6 +13,7 @@ from bulkhead.trainer.checkpoint import checksum
 from bulkhead.trainer.checkpoint.checksum import Workers, split_spans
 from bulkhead.trainer.checkpoint.layout import (
     ALIGN,
+    SkeletonError,
     assemble,
     assemble_verified,
     copy_into,
@@ -20,7 +23,7 @@ from bulkhead.trainer.checkpoint.records import SnapshotRecord
 
 
 class Position:
-    """A user object holding a tensor (found through pickling, not the dict walk)."""
+    """A user object: a state holds data only, so it is refused (nothing is pickled)."""
 
     def __init__(self, offsets: torch.Tensor) -> None:
         self.offsets = offsets
@@ -58,8 +61,8 @@ def test_odd_tensors_survive() -> None:
         "transposed": base.t(),  # non-contiguous
         "half": torch.tensor([1.5, -2.0], dtype=torch.float16),
         "complex": torch.tensor([1 + 2j]),
-        "inside_object": Position(torch.tensor([9, 8, 7], dtype=torch.int32)),
         "tuple": (torch.ones(2), "text", 3),
+        "numbers": {0: float("nan"), 1: float("-inf"), "ok": True, "none": None},
     }
     layout, restored = roundtrip(state)
     assert all(entry.offset % ALIGN == 0 for entry in layout.entries)
@@ -68,8 +71,40 @@ def test_odd_tensors_survive() -> None:
     assert torch.equal(restored["transposed"], base.t())
     assert torch.equal(restored["half"], state["half"])
     assert torch.equal(restored["complex"], state["complex"])
-    assert torch.equal(restored["inside_object"].offsets, state["inside_object"].offsets)
     assert restored["tuple"][1:] == ("text", 3)
+    numbers = restored["numbers"]
+    assert math.isnan(numbers[0]) and numbers[1] == float("-inf")
+    assert (numbers["ok"], numbers["none"]) == (True, None)
+
+
+def test_a_state_is_data_only() -> None:
+    with pytest.raises(TypeError, match="cannot snapshot a Position"):
+        plan_layout({"position": Position(torch.tensor([9, 8, 7]))})
+    with pytest.raises(TypeError, match="keys must be str or int"):
+        plan_layout({"bad": {(1, 2): torch.ones(1)}})
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [
+        "gASVIAAAAAAAAACMCGJ1aWx0aW5zlIwFcHJpbnSUk5SMBWhlbGxvlIWUUpQu",  # a pickle payload
+        '{"$d": [["w", {"$t": 99}]]}',  # a tensor reference out of range
+        '{"$x": 1}',  # an unknown tag
+        "[1, 2]",  # not a state dict
+        '{"$d": [[["k"], 1]]}',  # a key that is not str or int
+    ],
+)
+def test_a_tampered_skeleton_is_refused_before_any_byte_is_copied(skeleton: str) -> None:
+    layout = plan_layout({"w": torch.ones(4)})
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    copy_into(layout, buffer)
+    record = record_of(layout).model_copy(update={"skeleton": skeleton})
+    target = {"w": torch.zeros(4)}
+    with pytest.raises(SkeletonError):
+        assemble(record, buffer, into=target)
+    with pytest.raises(SkeletonError):
+        assemble_verified(record, buffer, into=target)
+    assert torch.equal(target["w"], torch.zeros(4))  # untouched
 
 
 def test_restore_into_fills_matching_tensors_in_place() -> None:

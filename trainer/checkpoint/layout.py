@@ -1,8 +1,10 @@
 """Flattening a training state into one byte buffer and back, without pickling tensor data.
 
 ``plan_layout`` finds every tensor in a nested state (model and optimizer state dicts, RNG
-states, data position...), assigns it an aligned offset in a flat buffer and pickles the
-rest of the state as a small skeleton in which tensors are references. ``copy_into``
+states, data position...), assigns it an aligned offset in a flat buffer and writes the
+rest of the state as a small JSON skeleton in which tensors are references (data only:
+nothing in a checkpoint is ever unpickled, so a checkpoint volume or a peer cannot run
+code in the trainer). ``copy_into``
 fills a buffer; ``assemble`` rebuilds the state from a buffer, optionally copying into
 the caller's existing tensors in place (like torch.distributed.checkpoint's load).
 
@@ -19,14 +21,13 @@ it wrote: the caller must compare the CRC before using anything.
 
 from __future__ import annotations
 
-import base64
 import bisect
 import ctypes
 import ctypes.util
 import functools
-import io
+import json
 import logging
-import pickle
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Layout:
-    """The tensors of a state, where each goes in the buffer, and the pickled remainder."""
+    """The tensors of a state, where each goes in the buffer, and the JSON remainder."""
 
     entries: list[TensorEntry]
     tensors: list[torch.Tensor]
@@ -91,21 +92,73 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError(f"cannot snapshot a {tensor.layout} / quantized tensor; densify it first")
 
 
-class _SkeletonPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+class SkeletonError(ValueError):
+    """A skeleton that is not data this module wrote (corrupt or hostile): never loaded."""
+
+
+_TENSOR, _DICT, _TUPLE, _FLOAT = "$t", "$d", "$tuple", "$f"
+
+
+class _SkeletonWriter:
+    """The state as JSON data with tensors replaced by references: only dicts (str or int
+    keys), lists, tuples, str, int, float, bool, None and tensors; anything else is refused.
+    Reading it back can build nothing else (no pickle: a checkpoint is data, not code)."""
+
+    def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        key = id(obj)
-        if key not in self._index:
-            _check_tensor(obj)
-            self._index[key] = len(self.tensors)
-            self.tensors.append(obj)
-        return self._index[key]
+    def encode(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = id(obj)
+            if key not in self._index:
+                _check_tensor(obj)
+                self._index[key] = len(self.tensors)
+                self.tensors.append(obj)
+            return {_TENSOR: self._index[key]}
+        if obj is None or isinstance(obj, bool | int | str):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}
+        if isinstance(obj, dict):
+            items = []
+            for key, value in obj.items():
+                if not isinstance(key, str | int) or isinstance(key, bool):
+                    raise TypeError(f"state dict keys must be str or int, got {key!r}")
+                items.append([key, self.encode(value)])
+            return {_DICT: items}
+        if isinstance(obj, tuple):
+            return {_TUPLE: [self.encode(v) for v in obj]}
+        if isinstance(obj, list):
+            return [self.encode(v) for v in obj]
+        raise TypeError(
+            f"cannot snapshot a {type(obj).__name__}: a state holds only dicts, lists, "
+            "tuples, numbers, strings, None and tensors"
+        )
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict) and len(obj) == 1:
+        ((tag, value),) = obj.items()
+        if tag == _TENSOR and isinstance(value, int) and 0 <= value < len(tensors):
+            return tensors[value]
+        if tag == _DICT and isinstance(value, list):
+            out = {}
+            for item in value:
+                pair = isinstance(item, list) and len(item) == 2
+                if not pair or not isinstance(item[0], str | int):
+                    raise SkeletonError(f"bad dict item {item!r:.80}")
+                out[item[0]] = _decode(item[1], tensors)
+            return out
+        if tag == _TUPLE and isinstance(value, list):
+            return tuple(_decode(v, tensors) for v in value)
+        if tag == _FLOAT and value in ("nan", "inf", "-inf"):
+            return float(value)
+    raise SkeletonError(f"not a skeleton node: {obj!r:.80}")
 
 
 def plan_layout(state: dict[str, Any]) -> Layout:
@@ -113,15 +166,11 @@ def plan_layout(state: dict[str, Any]) -> Layout:
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     paths = {id(leaf): list(path) for path, leaf in _walk(state) if isinstance(leaf, torch.Tensor)}
-    buffer = io.BytesIO()
-    pickler = _SkeletonPickler(buffer)
-    try:
-        pickler.dump(state)
-    except (pickle.PicklingError, AttributeError) as exc:
-        raise TypeError(f"state is not picklable apart from its tensors: {exc}") from exc
+    writer = _SkeletonWriter()
+    skeleton = json.dumps(writer.encode(state), separators=(",", ":"), allow_nan=False)
     entries = []
     offset = 0
-    for tensor in pickler.tensors:
+    for tensor in writer.tensors:
         nbytes = tensor.numel() * tensor.element_size()
         entries.append(
             TensorEntry(
@@ -133,7 +182,7 @@ def plan_layout(state: dict[str, Any]) -> Layout:
             )
         )
         offset += -(-nbytes // ALIGN) * ALIGN
-    return Layout(entries, pickler.tensors, base64.b64encode(buffer.getvalue()).decode(), offset)
+    return Layout(entries, writer.tensors, skeleton, offset)
 
 
 def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -198,15 +247,6 @@ def copy_into(layout: Layout, buffer: torch.Tensor, workers: Workers | None = No
     _run_copies(copies, layout.nbytes, workers)
 
 
-class _SkeletonUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._tensors = tensors
-
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        return self._tensors[pid]
-
-
 def tensor_paths(obj: Any) -> dict[KeyPath, torch.Tensor]:
     """Every tensor of the dict/list/tuple structure ``obj``, by key path."""
     return {path: leaf for path, leaf in _walk(obj) if isinstance(leaf, torch.Tensor)}
@@ -266,8 +306,23 @@ def _targets(
     return tensors, copies, in_place
 
 
-def _rebuild(record: SnapshotRecord, tensors: list[torch.Tensor]) -> dict[str, Any]:
-    return _SkeletonUnpickler(base64.b64decode(record.skeleton), tensors).load()
+def parse_skeleton(record: SnapshotRecord) -> Any:
+    """The record's skeleton, checked to be one this module wrote (before any byte of the
+    snapshot reaches a caller's tensor); SkeletonError otherwise."""
+    try:
+        tree = json.loads(record.skeleton)
+        state = _decode(tree, [torch.empty(0)] * len(record.tensors))
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, SkeletonError):
+            raise
+        raise SkeletonError(f"skeleton is not valid: {exc}") from None
+    if not isinstance(state, dict):
+        raise SkeletonError("skeleton is not a state dict")
+    return tree
+
+
+def _rebuild(tree: Any, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    return _decode(tree, tensors)
 
 
 def assemble(
@@ -284,9 +339,10 @@ def assemble(
     shared memory that will be overwritten), otherwise views of ``buffer``. The copies run
     on ``workers`` if given.
     """
+    tree = parse_skeleton(record)
     tensors, copies, _ = _targets(record, buffer, into, copy)
     _run_copies(copies, record.nbytes, workers)
-    return _rebuild(record, tensors)
+    return _rebuild(tree, tensors)
 
 
 @dataclass
@@ -297,11 +353,11 @@ class VerifiedCopy:
 
     crc32c: int
     in_place: list[KeyPath]
-    record: SnapshotRecord
+    skeleton: Any  # parsed and checked before the copy began
     tensors: list[torch.Tensor]
 
     def state(self) -> dict[str, Any]:
-        return _rebuild(self.record, self.tensors)
+        return _rebuild(self.skeleton, self.tensors)
 
 
 @dataclass
@@ -371,6 +427,7 @@ def assemble_verified(
     """
     if buffer.numel() < record.nbytes:
         raise ValueError(f"buffer of {buffer.numel()} bytes cannot hold {record.nbytes}")
+    skeleton = parse_skeleton(record)
     tensors, copies, in_place = _targets(record, buffer, into, copy=True)
     outs = sorted(
         (
@@ -393,4 +450,4 @@ def assemble_verified(
     crc = 0
     for (start, stop), piece_crc in zip(spans, crcs, strict=True):
         crc = crc32c_combine(crc, piece_crc, stop - start)
-    return VerifiedCopy(crc, in_place, record, tensors)
+    return VerifiedCopy(crc, in_place, skeleton, tensors)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: JSON skeleton (1 pickled it and is no longer read)
 R = TypeVar("R", bound="SnapshotRecord")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -66,7 +66,7 @@ class SnapshotRecord(BaseModel):
     plan: dict[str, Any] = Field(default_factory=dict, description="Opaque runtime plan info.")
     nbytes: int = Field(..., ge=0)
     tensors: list[TensorEntry]
-    skeleton: str = Field(..., description="Base64 pickle of the state with tensors elided.")
+    skeleton: str = Field(..., description="JSON of the state with tensors as references.")
     nonce: str = Field(default_factory=lambda: uuid.uuid4().hex)
     created: float = 0.0
     crc32c: int | None = Field(None, description="CRC-32C of the buffer; None until sealed.")
@@ -80,7 +80,9 @@ class SnapshotRecord(BaseModel):
     @classmethod
     def _known_format(cls, value: int) -> int:
         if value != FORMAT_VERSION:
-            raise ValueError(f"unsupported snapshot format {value} (this build reads v1)")
+            raise ValueError(
+                f"unsupported snapshot format {value} (this build reads v{FORMAT_VERSION})"
+            )
         return value
 
 

@@ -32,6 +32,7 @@ from bulkhead.trainer.checkpoint.checksum import shared_workers
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
 from bulkhead.trainer.checkpoint.layout import (
     KeyPath,
+    SkeletonError,
     assemble,
     assemble_verified,
     tensor_paths,
@@ -239,7 +240,7 @@ class Restorer:
             started = time.monotonic()
             try:
                 state = self.load(candidate, into)
-            except ChecksumMismatch as exc:
+            except (ChecksumMismatch, SkeletonError) as exc:  # corrupt: the next one is used
                 metrics.CORRUPT.labels(tier=candidate.tier).inc()
                 skipped.append(f"{candidate.describe()}: {exc}")
                 log.error("restore: skipping corrupt %s: %s", candidate.describe(), exc)
