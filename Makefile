@@ -13,7 +13,7 @@ RUN_DIR ?= runs/local-moe
 CHAOS ?= kill:worker=1@step=40,kill:worker=0@step=200
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint bench k8s cluster cluster-down crd clean
+.PHONY: venv run test lint bench k8s cluster cluster-down crd clean e2e
 
 # `python -P`: the repository root must never be on sys.path, or the folder operator/
 # would shadow Python's standard operator module (installed, it is bulkhead.operator).
@@ -35,6 +35,11 @@ k8s:
 
 test: venv k8s
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The user's path on the test cluster: helm install, kubectl apply, faults; pods run as real
+# processes through the test-only pod runner (hack/podrunner; needs root, ip, unshare).
+e2e: venv k8s
+	$(VENV)/bin/pytest tests/e2e -v $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -13,9 +13,11 @@ container's).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -24,6 +26,36 @@ def _mount(*args: str) -> None:
     result = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"pod runner: mount {' '.join(args)}: {result.stderr.strip()}")
+
+
+_MS_BIND, _MS_REC = 4096, 16384
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _bind(source_fd: int, target: str) -> None:
+    """Bind-mount an opened source: by descriptor, so an earlier mount (say, an emptyDir on
+    /tmp) cannot hide a source path below it."""
+    if _libc.mount(
+        f"/proc/self/fd/{source_fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None
+    ):
+        error = ctypes.get_errno()
+        raise SystemExit(f"pod runner: bind onto {target}: {os.strerror(error)}")
+
+
+def _user_files(uid: int, gid: int, directory: str) -> list[tuple[str, str]]:
+    """/etc/passwd and /etc/group naming the container's user, as its image would."""
+    files = []
+    for name, line in (
+        ("passwd", f"bulkhead:x:{uid}:{gid}::/tmp:/bin/sh"),
+        ("group", f"bulkhead:x:{gid}:"),
+    ):
+        with open(f"/etc/{name}") as handle:
+            text = handle.read()
+        path = os.path.join(directory, name)
+        with open(path, "w") as handle:
+            handle.write(text.rstrip("\n") + "\n" + line + "\n")
+        files.append((path, f"/etc/{name}"))
+    return files
 
 
 def _mount_point(source: str, target: str) -> None:
@@ -53,12 +85,19 @@ def _reveal(hidden: str, paths: list[str], stage_dir: str) -> None:
 def main(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
+    socket.sethostname(spec["hostname"])  # own UTS namespace: gloo binds what this resolves to
     for hidden, paths in (spec.get("reveal") or {}).items():
         _reveal(hidden, paths, os.path.dirname(spec_path))
-    for mount in spec["mounts"]:
-        _mount_point(mount["source"], mount["target"])
-        _mount("--bind", mount["source"], mount["target"])
-    _mount("--bind", spec["hosts"], "/etc/hosts")
+    binds = [(m["source"], m["target"]) for m in spec["mounts"]] + [(spec["hosts"], "/etc/hosts")]
+    if spec.get("uid"):
+        binds += _user_files(
+            spec["uid"], spec.get("gid") or spec["uid"], os.path.dirname(spec_path)
+        )
+    opened = [(os.open(source, os.O_PATH), source, target) for source, target in binds]
+    for fd, source, target in opened:
+        _mount_point(f"/proc/self/fd/{fd}", target)  # the source even if hidden by now
+        _bind(fd, target)
+        os.close(fd)
     if spec["readOnlyRoot"]:
         _mount("-o", "remount,bind,ro", "/")
         for mount in spec["mounts"]:  # remounting / must not take these with it

@@ -326,6 +326,17 @@ def hosts_file(services: list[dict[str, Any]], pods: list[dict[str, Any]]) -> st
     return "\n".join(lines) + "\n"
 
 
+def pod_hostname(pod: dict[str, Any]) -> str:
+    return pod["spec"].get("hostname") or pod["metadata"]["name"]
+
+
+def own_hosts_line(pod: dict[str, Any], ip: str) -> str:
+    """The pod's own /etc/hosts line, as the kubelet writes it: its IP and its names."""
+    host, sub = pod_hostname(pod), pod["spec"].get("subdomain")
+    names = [f"{host}.{sub}.{pod['metadata']['namespace']}.svc.cluster.local"] if sub else []
+    return f"{ip} {' '.join([*names, host])}\n"
+
+
 def selector_matches(selector: dict[str, str] | None, labels: dict[str, str] | None) -> bool:
     if not selector:
         return False

@@ -34,7 +34,15 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+NETNS_PREFIX = "bhp-"
+
+
 def setup_bridge() -> None:
+    """The bridge, after removing pod namespaces a killed runner left behind."""
+    for line in ip("netns", "list").stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith(NETNS_PREFIX):
+            delete_pod_netns(name)
     if ip("link", "show", BRIDGE, check=False).returncode != 0:
         ip("link", "add", BRIDGE, "type", "bridge")
     ip("addr", "replace", f"{GATEWAY}/{POD_NET.prefixlen}", "dev", BRIDGE)
@@ -110,8 +118,17 @@ class Forwarders:
             self._loop.call_soon_threadsafe(server.close)
 
     def stop(self) -> None:
-        for key in list(self._servers):
-            self.close(*key)
+        async def close_all() -> None:
+            for server in self._servers.values():
+                server.close()
+            self._servers.clear()
+            # Relayed connections end here, while the loop can still close their sockets.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

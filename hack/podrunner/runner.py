@@ -92,6 +92,7 @@ class PodRunner:
         self.interval = interval
         self.nodes: dict[str, str] = {}  # name -> node IP
         self.down: set[str] = set()
+        self.lost: set[str] = set()  # uids of pods whose node went down: never started again
         self.pods: dict[str, RunningPod] = {}  # uid -> pod
         self.addresses = network.AddressPool()
         self.forwarders = network.Forwarders()
@@ -105,6 +106,10 @@ class PodRunner:
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.state_dir / "podrunner.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logging.getLogger("podrunner").addHandler(handler)
+        logging.getLogger("podrunner").setLevel(logging.INFO)
         network.setup_bridge()
         network.add_host_address(model.API_SERVICE_HOST)
         self.forwarders.listen(
@@ -167,9 +172,18 @@ class PodRunner:
             for pod in list(self.pods.values()):
                 if pod.node == name:
                     self._kill(pod, grace=0)
+                    self._cleanup(pod)
+                    self.lost.add(pod.uid)
         condition = self._ready_condition(None)
         self.core.patch_node_status(name, {"status": {"conditions": [condition]}})
         log.info("node %s is down", name)
+
+    def set_node_up(self, name: str) -> None:
+        """The node is back (rebooted): Ready again; the pods it lost are not restarted."""
+        self.core.patch_node_status(name, {"status": {"conditions": [self._ready_condition(True)]}})
+        with self._lock:
+            self.down.discard(name)
+        log.info("node %s is up", name)
 
     @staticmethod
     def _ready_condition(ready: bool | None) -> dict[str, str]:
@@ -214,11 +228,15 @@ class PodRunner:
                 seen.add(uid)
                 running = self.pods.get(uid)
                 if pod["metadata"].get("deletionTimestamp"):
-                    if running is None or node in self.down:
+                    if node in self.down:
                         continue  # a lost node confirms nothing: the pod stays Terminating
-                    self._kill(running, grace=_grace(pod))
-                    self._cleanup(running)
+                    if running is not None:
+                        self._kill(running, grace=_grace(pod))
+                        self._cleanup(running)
                     self._delete(pod)
+                elif uid in self.lost:
+                    if node not in self.down:
+                        self._mark_lost(pod)
                 elif running is None:
                     if node not in self.down and (pod.get("status") or {}).get("phase") not in (
                         "Succeeded", "Failed"):  # fmt: skip
@@ -230,10 +248,14 @@ class PodRunner:
                 self._cleanup(self.pods[uid])
             self._sync_services(services, pods)
             hosts = model.hosts_file(services, pods)
+            by_uid = {p["metadata"]["uid"]: p for p in pods}
             for pod in self.pods.values():
+                if pod.uid not in by_uid:
+                    continue
+                own = model.own_hosts_line(by_uid[pod.uid], pod.ip)
                 path = pod.directory / "hosts"
-                if path.read_text() != hosts:
-                    path.write_text(hosts)  # in place: the bind mount follows the inode
+                if path.read_text() != own + hosts:
+                    path.write_text(own + hosts)  # in place: the bind mount follows the inode
 
     # -- pods -------------------------------------------------------------------------
 
@@ -244,7 +266,7 @@ class PodRunner:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "hosts").write_text("127.0.0.1 localhost\n")
         address = self.addresses.take()
-        netns = f"bhp-{uid[:8]}"
+        netns = f"{network.NETNS_PREFIX}{uid[:8]}"
         network.create_pod_netns(netns, address)
         node_ip = self.nodes[spec["nodeName"]]
         running = RunningPod(
@@ -359,13 +381,14 @@ class PodRunner:
             "readOnlyRoot": bool(security.get("readOnlyRootFilesystem")),
             "env": env, "argv": argv, "workingDir": c.get("workingDir"),
             "uid": uid, "gid": gid, "groups": groups,
+            "hostname": model.pod_hostname(pod),
             "reveal": _hidden_prefixes([sys.base_prefix]) if uid else {},
         }  # fmt: skip
         spec_path = running.directory / f"{c['name']}.launch.json"
         spec_path.write_text(json.dumps(launch, indent=1))
         log_file = (running.directory / f"{c['name']}.log").open("ab")
         container.process = subprocess.Popen(
-            ["ip", "netns", "exec", running.netns, "unshare", "--mount", "--propagation", "private",
+            ["ip", "netns", "exec", running.netns, "unshare", "--mount", "--uts", "--propagation", "private",
              sys.executable, "-P", str(LAUNCH), str(spec_path)],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -396,7 +419,11 @@ class PodRunner:
                 if not running.finished and model.should_restart(policy, state.exit_code):
                     state.restart_count += 1
                     self._launch(pod, running, container)
-            elif container.state.running_since and now >= container.next_probe:
+            elif (
+                container.state.running_since
+                and now >= container.next_probe
+                and (container.spec.get("readinessProbe") or container.spec.get("livenessProbe"))
+            ):
                 self._probe(running, container)
         if not running.finished and all(c.state.exit_code is not None and not c.state.running_since
                                         for c in running.main) and running.main:  # fmt: skip
@@ -446,6 +473,15 @@ class PodRunner:
             running.last_status = encoded
         except Exception as error:
             log.warning("status of %s/%s not written: %s", running.namespace, running.name, error)
+
+    def _mark_lost(self, pod: dict[str, Any]) -> None:
+        """A pod whose node went down and came back: Failed, as a rebooted kubelet says."""
+        if (pod.get("status") or {}).get("phase") != "Failed":
+            status = {"phase": "Failed", "reason": "NodeLost",
+                      "message": "pod runner: the node was lost with this pod's processes"}  # fmt: skip
+            self.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status}
+            )
 
     def _kill(self, running: RunningPod, grace: float) -> None:
         for container in running.containers:

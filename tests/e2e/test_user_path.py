@@ -1,0 +1,257 @@
+"""The user's path, end to end: helm install, kubectl apply a TrainingJob, a node fails.
+
+Everything runs for real: the chart's operator Deployment and agent DaemonSet and the
+operator's worker pods (trainer + checkpoint sidecar) are started by the pod runner
+(hack/podrunner) as processes in their own network and mount namespaces on a real control
+plane. Faults are injected the way they happen: an NVIDIA XID in a node's kernel log (the
+agent's kernel-log source reads the node's /dev/kmsg, a file of the simulated node), a
+SIGKILLed trainer process, a node whose kubelet stops (its processes die with it).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import textwrap
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import GPU_NODES, ROOT
+from k8s_cluster import Cluster
+from podrunner import PodRunner
+
+pytestmark = [pytest.mark.slow, pytest.mark.k8s]
+
+RELEASE_NAMESPACE = "bulkhead-system"
+TIMEOUT = float(os.environ.get("BULKHEAD_E2E_TIMEOUT", "300"))
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
+
+
+@pytest.fixture(scope="module")
+def installed(e2e_cluster: Cluster, pod_runner: PodRunner) -> Iterator[Cluster]:
+    """`helm install` the chart; returns once the operator and the four agents are Ready."""
+    cluster = e2e_cluster
+    cluster.helm(
+        "install", "bulkhead", str(ROOT / "charts" / "bulkhead"),
+        "--namespace", RELEASE_NAMESPACE, "--create-namespace",
+        # The operator runs on the system node; the agents on the GPU nodes (the default).
+        "--set", f"operator.nodeSelector.bulkhead\\.dev/role={'system'}",
+        # No NVML here: GPU faults come through the kernel log (XIDs) alone.
+        "--set", "agent.config.gpu=none",
+        "--set", "operator.logFormat=text",
+    )  # fmt: skip
+    cluster.wait_for(
+        lambda: _ready_pods(cluster, RELEASE_NAMESPACE) >= 1 + len(GPU_NODES),
+        "the operator and one agent per GPU node Ready", timeout=TIMEOUT,
+    )  # fmt: skip
+    yield cluster
+
+
+def _ready_pods(cluster: Cluster, namespace: str) -> int:
+    pods = cluster.get_json("pods", "-n", namespace)["items"]
+    return sum(
+        any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+        for p in pods
+    )
+
+
+def _job_manifest(name: str, namespace: str, steps: int) -> str:
+    return textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: PersistentVolume
+        metadata: {{name: {name}-ckpt-{namespace[-6:]}}}
+        spec:
+          capacity: {{storage: 1Gi}}
+          accessModes: [ReadWriteMany]
+          storageClassName: ""
+          hostPath: {{path: /unused}}
+          claimRef: {{name: {name}-ckpt, namespace: {namespace}}}
+        ---
+        apiVersion: v1
+        kind: PersistentVolumeClaim
+        metadata: {{name: {name}-ckpt, namespace: {namespace}}}
+        spec:
+          accessModes: [ReadWriteMany]
+          storageClassName: ""
+          volumeName: {name}-ckpt-{namespace[-6:]}
+          resources: {{requests: {{storage: 1Gi}}}}
+        ---
+        apiVersion: bulkhead.dev/v1alpha1
+        kind: TrainingJob
+        metadata: {{name: {name}, namespace: {namespace}}}
+        spec:
+          workers: 3
+          minWorkers: 2
+          template:
+            spec:
+              containers:
+                - name: trainer
+                  image: ghcr.io/bulkhead-dev/bulkhead:0.1.0
+                  resources: {{limits: {{nvidia.com/gpu: 1}}}}
+          trainer:
+            model: {{preset: tiny}}
+            batch: {{globalBatchSize: 12, microBatchSize: 4}}
+            steps: {steps}
+            data: {{source: python-stdlib}}
+          faultTolerance:
+            maxFailures: 1
+            maxRestarts: 3
+            hangTimeoutSeconds: 60
+            collectiveTimeoutSeconds: 20
+          checkpoint:
+            intervalSteps: 10
+            keep: 2
+            storage: {{pvc: {name}-ckpt}}
+        """)  # fmt: skip
+
+
+class Job:
+    """One TrainingJob in its own namespace, seen through kubectl as a user would."""
+
+    def __init__(self, cluster: Cluster, runner: PodRunner, steps: int = 120) -> None:
+        self.cluster, self.runner = cluster, runner
+        self.name = "tiny"
+        self.namespace = f"train-{uuid.uuid4().hex[:6]}"
+        cluster.kubectl("create", "namespace", self.namespace)
+        cluster.wait_for_service_account(self.namespace, "default")
+        cluster.kubectl("apply", "-f", "-", input=_job_manifest(self.name, self.namespace, steps))
+
+    def get(self) -> dict[str, Any]:
+        return self.cluster.get_json("tj", self.name, "-n", self.namespace)
+
+    def status(self) -> dict[str, Any]:
+        return self.get().get("status") or {}
+
+    def workers(self) -> list[dict[str, Any]]:
+        selector = f"bulkhead.dev/job={self.name},app.kubernetes.io/component=worker"
+        return self.cluster.get_json("pods", "-n", self.namespace, "-l", selector)["items"]
+
+    def wait(self, condition: Any, what: str) -> None:
+        self.cluster.wait_for(condition, f"{what} (job {self.namespace}/{self.name})", TIMEOUT, 1.0)
+
+    def wait_step(self, step: int) -> None:
+        self.wait(lambda: self.status().get("step", 0) >= step, f"step {step}")
+
+    def running_worker(self) -> dict[str, Any]:
+        self.wait(lambda: sum(p["status"].get("phase") == "Running" for p in self.workers()) >= 3,
+                  "3 workers Running")  # fmt: skip
+        return next(p for p in self.workers() if p["status"].get("phase") == "Running")
+
+    def pod_dir(self, pod: dict[str, Any]) -> pathlib.Path:
+        meta = pod["metadata"]
+        return (
+            self.runner.state_dir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        )
+
+    def checkpoint_dir(self) -> pathlib.Path:
+        return self.runner.state_dir / "claims" / self.namespace / f"{self.name}-ckpt"
+
+    def check_recovered_in_process(self, lost: dict[str, Any]) -> None:
+        """A replacement of the lost worker on another node; training went on, no restart."""
+        lost_node = lost["spec"]["nodeName"]
+        slot = lost["metadata"]["labels"]["bulkhead.dev/slot"]
+
+        def replaced() -> bool:
+            return any(
+                p["metadata"]["labels"]["bulkhead.dev/slot"] == slot
+                and p["metadata"]["name"] != lost["metadata"]["name"]
+                and p["spec"].get("nodeName") not in (None, lost_node)
+                for p in self.workers()
+            )
+
+        self.wait(replaced, f"a replacement for slot {slot} scheduled off {lost_node}")
+        self.wait(lambda: self.status().get("phase") == "Succeeded", "phase Succeeded")
+        status = self.status()
+        assert status["restarts"] == 0, status  # recovered in process, no restart from checkpoint
+        assert status["recoveries"], status
+
+    def check_checkpoints_and_events(self) -> None:
+        # What the checkpoint sidecar persisted must be on the claim's volume. If it wrote to
+        # another path inside the container (a mount path mismatch between the operator's
+        # pod and the checkpoint engine), the claim's host directory stays empty.
+        persisted = [p for p in self.checkpoint_dir().rglob("*") if p.is_file()]
+        assert persisted, f"nothing persisted on the checkpoint PVC ({self.checkpoint_dir()})"
+        described = self.cluster.kubectl("describe", "tj", self.name, "-n", self.namespace).stdout
+        assert "Events:" in described and "<none>" not in described.split("Events:")[1][:40]
+
+    def delete_and_check_gone(self) -> None:
+        self.cluster.kubectl("delete", "tj", self.name, "-n", self.namespace, "--wait=true",
+                             timeout=TIMEOUT)  # fmt: skip
+        selector = f"bulkhead.dev/job={self.name}"
+
+        def gone() -> bool:
+            left = self.cluster.kubectl("get", "pods,services,secrets", "-n", self.namespace,
+                                        "-l", selector, "-o", "name").stdout  # fmt: skip
+            return not left.strip()
+
+        self.wait(gone, "pods, Service and Secret deleted")
+
+
+@pytest.fixture
+def job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
+    created = Job(installed, pod_runner)
+    yield created
+    installed.kubectl("delete", "namespace", created.namespace, "--wait=false", check=False)
+
+
+def test_gpu_fault_evicts_the_node_and_training_goes_on(job: Job) -> None:
+    victim = job.running_worker()
+    node = victim["spec"]["nodeName"]
+    job.wait_step(15)
+    progress = job.cluster.kubectl("get", "tj", "-n", job.namespace).stdout
+    assert job.name in progress and "Running" in progress, progress
+
+    # The agent on that node follows its /dev/kmsg (a file of the simulated node).
+    kmsg = job.runner.node_root(node) / "dev" / "kmsg"
+    with kmsg.open("a") as handle:
+        handle.write(f"3,1001,{10**9},-;{XID_79}\n")
+
+    def anomaly() -> bool:
+        conditions = job.cluster.get_json("node", node)["status"].get("conditions", [])
+        return any(c["type"] == "BulkheadAnomaly" and c["status"] == "True" for c in conditions)
+
+    job.wait(anomaly, f"BulkheadAnomaly=True on {node}")
+    job.wait(
+        lambda: any(t["key"] == "bulkhead.dev/unhealthy"
+                    for t in job.cluster.get_json("node", node)["spec"].get("taints", [])),
+        f"{node} tainted bulkhead.dev/unhealthy",
+    )  # fmt: skip
+    job.wait(lambda: victim["metadata"]["name"] not in {p["metadata"]["name"] for p in job.workers()},
+             f"worker {victim['metadata']['name']} evicted")  # fmt: skip
+    job.check_recovered_in_process(victim)
+    job.check_checkpoints_and_events()
+    job.delete_and_check_gone()
+
+
+def test_sigkilled_worker_is_replaced_in_process(job: Job) -> None:
+    victim = job.running_worker()
+    job.wait_step(15)
+    pid = int((job.pod_dir(victim) / "trainer.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    job.wait(
+        lambda: any(p["metadata"]["name"] == victim["metadata"]["name"]
+                    and p["status"].get("phase") == "Failed" for p in job.workers())
+        or victim["metadata"]["name"] not in {p["metadata"]["name"] for p in job.workers()},
+        "the killed worker's pod Failed (or removed)",
+    )  # fmt: skip
+    job.check_recovered_in_process(victim)
+    job.check_checkpoints_and_events()
+    job.delete_and_check_gone()
+
+
+def test_node_not_ready_replaces_its_worker(job: Job, pod_runner: PodRunner) -> None:
+    victim = job.running_worker()
+    job.wait_step(15)
+    pod_runner.set_node_down(victim["spec"]["nodeName"])
+    try:
+        job.check_recovered_in_process(victim)
+        job.check_checkpoints_and_events()
+        job.delete_and_check_gone()
+    finally:
+        pod_runner.set_node_up(victim["spec"]["nodeName"])
