@@ -465,11 +465,12 @@ class TrainingJobSpec(SpecModel):
                     w=self.workers,
                     r=f + 1,
                 )
-            if size % zero.hpz_partition_size:
+            h = zero.hpz_partition_size
+            if h > 1 and (size % h or h >= size):
                 raise _rule(
                     "trainer.parallelism.zero.hpzPartitionSize",
-                    "must divide the shard group size {s} ({w} workers, maxFailures + 1 = {r} "
-                    "replicas), got {h}",
+                    "must divide and be smaller than the shard group size {s} ({w} workers, "
+                    "maxFailures + 1 = {r} replicas; equal would be plain ZeRO-3), got {h}",
                     s=size,
                     w=self.workers,
                     r=f + 1,

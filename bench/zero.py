@@ -2,7 +2,9 @@
 
 A GPT of about 50M parameters (``--quick``: under 1M) trains on 4 gloo worker processes
 with ``maxFailures`` 1, so ZeRO shards within groups of S = 2 ranks and keeps 2 replica
-groups (HSDP 2 x 2). For each mode (stage0, stage1, stage2, stage3, stage3+hpz2) one
+groups (HSDP 2 x 2). For each mode (stage0, stage1, stage2, stage3; and stage3+hpz2-s4,
+where maxFailures 0 leaves one group of 4 shards so hpZ blocks of 2 exist: h must be
+smaller than S, and with S = 2 there is no hpZ to measure) one
 fresh set of processes runs the engine the way the trainer does (``open_world`` ->
 ``make_plan`` -> ``Engine.build`` -> ``adopt`` -> ``step``) and measures:
 
@@ -76,9 +78,6 @@ MODES: dict[str, tuple[int, int, int]] = {  # mode -> (ZeRO stage, hpZ size h, m
     "stage1": (1, 1, MAX_FAILURES),
     "stage2": (2, 1, MAX_FAILURES),
     "stage3": (3, 1, MAX_FAILURES),
-    # S = 2 and h = 2: FSDP2 treats reshard_after_forward == S as True, so this is stage 3
-    # exactly (the plan asks for it; the bench shows it).
-    "stage3+hpz2": (3, 2, MAX_FAILURES),
     # maxFailures 0: one group of S = 4 shards, so h = 2 keeps a real secondary copy.
     # No replica survives a kill (the engine would restore the checkpoint): no recovery.
     "stage3+hpz2-s4": (3, 2, 0),

@@ -33,6 +33,7 @@ T = TypeVar("T")
 # Backoff of pod creates and deletes the API server could not take (down, 5xx, 429).
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
+AUTH_GRACE_S = 30.0  # how long a 401/403 is taken for a restarting API server
 
 if TYPE_CHECKING:
     from bulkhead.operator.lifecycle.workers import WorkerRef
@@ -104,13 +105,22 @@ class KubernetesDriver:
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` until it succeeds or fails for good: an unreachable API server, a 5xx
         or throttling (429) is retried with backoff for as long as the job's session lives
-        (closing it cancels this task), so an outage cannot lose a replacement."""
+        (closing it cancels this task), so an outage cannot lose a replacement; 401/403 for
+        ``AUTH_GRACE_S`` (a restarted server's authorizer syncs first)."""
         delay = RETRY_FIRST_S
+        refused_since: float | None = None
         while True:
             try:
                 return await call()
             except KubeError as exc:
-                if exc.status != 429 and exc.status < 500:
+                # A restarted API server refuses everyone (401/403) until its authorizer has
+                # caught up: retried for a while; a refusal that lasts is real.
+                if exc.status in (401, 403):
+                    now = asyncio.get_running_loop().time()
+                    refused_since = refused_since if refused_since is not None else now
+                    if now - refused_since > AUTH_GRACE_S:
+                        raise
+                elif exc.status != 429 and exc.status < 500:
                     raise
                 problem = str(exc)
             except httpx.TransportError as exc:

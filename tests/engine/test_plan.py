@@ -45,8 +45,9 @@ def test_zero_plan_meshes() -> None:
     assert zero_plan(0, 1, 4, 1) == zero_plan(0, 1, 4, 1)
     plain = zero_plan(0, 1, 4, 1)
     assert not plain.sharded and plain.replicas == 4
-    z3 = zero_plan(3, 2, 4, 1)
-    assert (z3.shard_size, z3.replicas, z3.hpz) == (2, 2, 2) and z3.sharded
+    z3 = zero_plan(3, 2, 4, 1)  # S = 2: h = 2 would be plain ZeRO-3, so no hpZ
+    assert (z3.shard_size, z3.replicas, z3.hpz) == (2, 2, 1) and z3.sharded
+    assert zero_plan(3, 2, 4, 0).hpz == 2  # one group of 4 shards: blocks of 2
     assert [z3.shard_index(r) for r in range(4)] == [0, 1, 0, 1]
     assert [z3.replica_index(r) for r in range(4)] == [0, 0, 1, 1]
     assert z3.holders_of_shard(1) == [1, 3]
@@ -61,7 +62,7 @@ def test_zero_plan_meshes() -> None:
 
 def test_plan_shares_ids_and_persisting_holders() -> None:
     workers = [f"w{i}" for i in range(4)]
-    plan = make_plan(7, workers, ["a", "a", "b", "b"], _cfg(3, 2))
+    plan = make_plan(7, workers, ["a", "a", "b", "b"], _cfg(3, 1))
     assert plan.world_size == 4 and plan.generation == 7
     assert [plan.checkpoint_shard(r) for r in range(4)] == [
         "zero2-s0", "zero2-s1", "zero2-s0", "zero2-s1",
@@ -70,7 +71,10 @@ def test_plan_shares_ids_and_persisting_holders() -> None:
     assert [plan.persists(r) for r in range(4)] == [True, True, False, False]
     assert plan.state_copies() == 2
     text = "\n".join(plan.describe())
-    assert "ZeRO-3: 2 replica group(s) x 2 shard(s), hpZ blocks of 2" in text
+    assert "ZeRO-3: 2 replica group(s) x 2 shard(s); every shard on 2" in text
+    eight = [f"w{i}" for i in range(8)]
+    hpz = make_plan(1, eight, eight, _cfg(3, 2, workers=8))
+    assert "ZeRO-3: 2 replica group(s) x 4 shard(s), hpZ blocks of 2" in hpz.describe()[1]
     dp = make_plan(1, workers, workers, _cfg(0))
     assert {dp.checkpoint_shard(r) for r in range(4)} == {"dp"} == set(dp.checkpoint_shards())
     assert [dp.persists(r) for r in range(4)] == [True, False, False, False]

@@ -102,7 +102,7 @@ def test_user_error_in_the_worker_fails_the_job_at_once(tmp_path: Path) -> None:
 
 
 def test_zero_3_with_hpz_survives_a_kill_in_process(tmp_path: Path) -> None:
-    # The shipped example, shortened: ZeRO-3 + hpZ on 4 workers (2 replicas x 2 shards);
+    # The shipped example, shortened: ZeRO-3 + hpZ on 8 workers (2 replicas x 4 shards);
     # the survivors of a SIGKILL take the state from the dead worker's replica.
     example = Path(__file__).resolve().parents[2] / "examples" / "local-zero.yaml"
     run_dir = tmp_path / "run"
@@ -118,5 +118,5 @@ def test_zero_3_with_hpz_survives_a_kill_in_process(tmp_path: Path) -> None:
     assert "state moved between surviving holders" in recovered[0]["message"]
     assert_samples_exact(run_dir, steps, global_batch=16)
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert "ZeRO-3: 2 replica group(s) x 2 shard(s), hpZ blocks of 2" in logs
+    assert "ZeRO-3: 2 replica group(s) x 4 shard(s), hpZ blocks of 2" in logs
     assert wait_no_processes("local-zero") == []

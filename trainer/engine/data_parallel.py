@@ -26,7 +26,7 @@ def wrap_data_parallel(model: nn.Module, device: torch.device) -> DistributedDat
         model,
         device_ids=[device] if device.type == "cuda" else None,
         init_sync=False,  # adopt() brings the state; nothing to broadcast yet
-        broadcast_buffers=False,  # buffers are state too, moved by adopt()
+        forward_sync_buffers=False,  # buffers are state too, moved by adopt()
         gradient_as_bucket_view=True,
     )
     ddp.register_comm_hook(None, _sum_gradients)

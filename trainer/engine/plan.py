@@ -164,11 +164,12 @@ def zero_plan(stage: int, hpz: int, workers: int, max_failures: int) -> ZeroPlan
         return ZeroPlan(stage=0, shard_size=1, replicas=workers, hpz=1)
     size = zero_shard_group_size(workers, max_failures)
     effective_hpz = math.gcd(hpz, size) if hpz > 1 else 1
+    # h = S is plain ZeRO-3 (FSDP2 keeps no secondary copy then): only 1 < h < S is hpZ.
     return ZeroPlan(
         stage=stage,
         shard_size=size,
         replicas=workers // size,
-        hpz=effective_hpz if effective_hpz > 1 and size > 1 else 1,
+        hpz=effective_hpz if 1 < effective_hpz < size else 1,
     )
 
 

@@ -275,8 +275,8 @@ _COMM_MARKERS = (
 def _looks_like_comm_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
-    text = str(exc)
-    return any(marker in text for marker in _COMM_MARKERS)
+    text = str(exc).lower()
+    return any(marker.lower() in text for marker in _COMM_MARKERS)
 
 
 def park_default_world() -> None:
