@@ -97,6 +97,9 @@ def _setup_logging(worker: str) -> None:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{worker}] %(name)s: %(message)s",
     )
+    # One line per control request would cost more than the step it reports on.
+    if level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run(env: Mapping[str, str]) -> int:

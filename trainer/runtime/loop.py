@@ -370,7 +370,9 @@ class ElasticTrainer:
                     straggler_scores=own.straggler_scores if own else {},
                 )
             )
-            log.info(
+            # Every step at DEBUG; at INFO the first of a generation and every 10th.
+            log.log(
+                logging.INFO if report or completed % 10 == 0 else logging.DEBUG,
                 "step %d loss %.4f (%.3fs, gen %d, world %d)",
                 result.step,
                 result.loss,
