@@ -93,8 +93,8 @@ def main(spec_path: str) -> None:
         binds += _user_files(
             spec["uid"], spec.get("gid") or spec["uid"], os.path.dirname(spec_path)
         )
-    opened = [(os.open(source, os.O_PATH), source, target) for source, target in binds]
-    for fd, source, target in opened:
+    opened = [(os.open(source, os.O_PATH), target) for source, target in binds]
+    for fd, target in opened:
         _mount_point(f"/proc/self/fd/{fd}", target)  # the source even if hidden by now
         _bind(fd, target)
         os.close(fd)

@@ -140,22 +140,38 @@ class PodRunner:
         address = str(network.NODE_NET.network_address + 2 + len(self.nodes))
         network.add_host_address(address)
         capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
-        node_labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                       NODE_LABEL: "true", **(labels or {})}  # fmt: skip
+        node_labels = {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            NODE_LABEL: "true",
+            **(labels or {}),
+        }
         if gpus:
             node_labels.update(
                 {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(gpus)}
             )
-        self.core.create_node({"apiVersion": "v1", "kind": "Node",
-                               "metadata": {"name": name, "labels": node_labels}})  # fmt: skip
-        self.core.patch_node_status(name, {"status": {
-            "capacity": capacity, "allocatable": capacity,
-            "addresses": [{"type": "InternalIP", "address": address},
-                          {"type": "Hostname", "address": name}],
-            "conditions": [self._ready_condition(True)],
-            "nodeInfo": {"kubeletVersion": "bulkhead-podrunner", "architecture": "amd64",
-                         "operatingSystem": "linux"},
-        }})  # fmt: skip
+        self.core.create_node(
+            {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}}
+        )
+        self.core.patch_node_status(
+            name,
+            {
+                "status": {
+                    "capacity": capacity,
+                    "allocatable": capacity,
+                    "addresses": [
+                        {"type": "InternalIP", "address": address},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "conditions": [self._ready_condition(True)],
+                    "nodeInfo": {
+                        "kubeletVersion": "bulkhead-podrunner",
+                        "architecture": "amd64",
+                        "operatingSystem": "linux",
+                    },
+                }
+            },
+        )
         with self._lock:
             self.nodes[name] = address
         (self.state_dir / "nodes" / name).mkdir(parents=True, exist_ok=True)
@@ -188,10 +204,14 @@ class PodRunner:
     @staticmethod
     def _ready_condition(ready: bool | None) -> dict[str, str]:
         status = {True: "True", False: "False", None: "Unknown"}[ready]
-        return {"type": "Ready", "status": status, "lastHeartbeatTime": _now(),
-                "lastTransitionTime": _now(),
-                "reason": "KubeletReady" if ready else "NodeStatusUnknown",
-                "message": "bulkhead pod runner" if ready else "pod runner: node lost"}  # fmt: skip
+        return {
+            "type": "Ready",
+            "status": status,
+            "lastHeartbeatTime": _now(),
+            "lastTransitionTime": _now(),
+            "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+            "message": "bulkhead pod runner" if ready else "pod runner: node lost",
+        }
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(10):
@@ -239,7 +259,9 @@ class PodRunner:
                         self._mark_lost(pod)
                 elif running is None:
                     if node not in self.down and (pod.get("status") or {}).get("phase") not in (
-                        "Succeeded", "Failed"):  # fmt: skip
+                        "Succeeded",
+                        "Failed",
+                    ):
                         self._start_pod(pod)
                 elif node not in self.down:
                     self._tend(running, pod)
@@ -270,9 +292,16 @@ class PodRunner:
         network.create_pod_netns(netns, address)
         node_ip = self.nodes[spec["nodeName"]]
         running = RunningPod(
-            meta["namespace"], meta["name"], uid, spec["nodeName"], address, netns, directory,
-            spec.get("restartPolicy", "Always"), started_at=_now(),
-        )  # fmt: skip
+            meta["namespace"],
+            meta["name"],
+            uid,
+            spec["nodeName"],
+            address,
+            netns,
+            directory,
+            spec.get("restartPolicy", "Always"),
+            started_at=_now(),
+        )
         self.pods[uid] = running
         pod.setdefault("status", {}).update({"podIP": address, "hostIP": node_ip})
         for c in spec.get("initContainers") or []:
@@ -280,8 +309,12 @@ class PodRunner:
             if c.get("restartPolicy") == "Always":
                 running.sidecars.append(Container(c, state, sidecar=True))
             else:
-                log.warning("init container %s of %s/%s skipped: only sidecars are run",
-                            c["name"], meta["namespace"], meta["name"])  # fmt: skip
+                log.warning(
+                    "init container %s of %s/%s skipped: only sidecars are run",
+                    c["name"],
+                    meta["namespace"],
+                    meta["name"],
+                )
         for c in spec.get("containers") or []:
             running.main.append(Container(c, model.ContainerState(c["name"], c.get("image", ""))))
         try:
@@ -297,8 +330,13 @@ class PodRunner:
                 target = (address, int(port["containerPort"]))
                 self.forwarders.close(node_ip, int(port["hostPort"]))
                 self.forwarders.listen(node_ip, int(port["hostPort"]), lambda t=target: t)
-        log.info("started pod %s/%s on %s at %s", meta["namespace"], meta["name"],
-                 spec["nodeName"], address)  # fmt: skip
+        log.info(
+            "started pod %s/%s on %s at %s",
+            meta["namespace"],
+            meta["name"],
+            spec["nodeName"],
+            address,
+        )
         self._write_status(running, pod)
 
     def _prepare_volumes(self, pod: dict[str, Any], running: RunningPod) -> None:
@@ -308,15 +346,27 @@ class PodRunner:
         token = None
         if any("projected" in v for v in spec.get("volumes") or []):
             token = self.core.create_namespaced_service_account_token(
-                spec.get("serviceAccountName", "default"), namespace,
-                {"spec": {"audiences": [], "expirationSeconds": 86400, "boundObjectRef": {
-                    "kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"],
-                    "uid": pod["metadata"]["uid"]}}},
-            ).status.token  # fmt: skip
+                spec.get("serviceAccountName", "default"),
+                namespace,
+                {
+                    "spec": {
+                        "audiences": [],
+                        "expirationSeconds": 86400,
+                        "boundObjectRef": {
+                            "kind": "Pod",
+                            "apiVersion": "v1",
+                            "name": pod["metadata"]["name"],
+                            "uid": pod["metadata"]["uid"],
+                        },
+                    }
+                },
+            ).status.token
         sources = model.volume_sources(
-            pod, str(running.directory), str(self.node_root(running.node)),
+            pod,
+            str(running.directory),
+            str(self.node_root(running.node)),
             str(self.state_dir / "claims"),
-        )  # fmt: skip
+        )
         fs_group = (spec.get("securityContext") or {}).get("fsGroup")
         files = model.volume_files(pod, secrets, config_maps, token, self.ca_cert)
         for volume in spec.get("volumes") or []:
@@ -373,26 +423,48 @@ class PodRunner:
         security = c.get("securityContext") or {}
         uid = security.get("runAsUser", pod_security.get("runAsUser"))
         gid = security.get("runAsGroup", pod_security.get("runAsGroup", uid))
-        groups = [g for g in [pod_security.get("fsGroup"), *pod_security.get("supplementalGroups", [])]
-                  if g is not None]  # fmt: skip
+        groups = [
+            g
+            for g in [pod_security.get("fsGroup"), *pod_security.get("supplementalGroups", [])]
+            if g is not None
+        ]
         launch = {
             "mounts": [m.__dict__ for m in model.container_mounts(c, sources)],
             "hosts": str(running.directory / "hosts"),
             "readOnlyRoot": bool(security.get("readOnlyRootFilesystem")),
-            "env": env, "argv": argv, "workingDir": c.get("workingDir"),
-            "uid": uid, "gid": gid, "groups": groups,
+            "env": env,
+            "argv": argv,
+            "workingDir": c.get("workingDir"),
+            "uid": uid,
+            "gid": gid,
+            "groups": groups,
             "hostname": model.pod_hostname(pod),
             "reveal": _hidden_prefixes([sys.base_prefix]) if uid else {},
-        }  # fmt: skip
+        }
         spec_path = running.directory / f"{c['name']}.launch.json"
         spec_path.write_text(json.dumps(launch, indent=1))
         log_file = (running.directory / f"{c['name']}.log").open("ab")
         container.process = subprocess.Popen(
-            ["ip", "netns", "exec", running.netns, "unshare", "--mount", "--uts", "--propagation", "private",
-             sys.executable, "-P", str(LAUNCH), str(spec_path)],
-            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                "ip",
+                "netns",
+                "exec",
+                running.netns,
+                "unshare",
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                sys.executable,
+                "-P",
+                str(LAUNCH),
+                str(spec_path),
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
-        )  # fmt: skip
+        )
         log_file.close()
         (running.directory / f"{c['name']}.pid").write_text(str(container.process.pid))
         state = container.state
@@ -413,8 +485,13 @@ class PodRunner:
                 state = container.state
                 state.exit_code = 128 - code if code < 0 else code  # -9 -> 137, as runtimes report
                 state.running_since, state.finished_at, state.ready = None, _now(), False
-                log.info("%s/%s container %s exited %d", running.namespace, running.name,
-                         container.spec["name"], state.exit_code)  # fmt: skip
+                log.info(
+                    "%s/%s container %s exited %d",
+                    running.namespace,
+                    running.name,
+                    container.spec["name"],
+                    state.exit_code,
+                )
                 policy = "Always" if container.sidecar else running.restart_policy
                 if not running.finished and model.should_restart(policy, state.exit_code):
                     state.restart_count += 1
@@ -425,12 +502,13 @@ class PodRunner:
                 and (container.spec.get("readinessProbe") or container.spec.get("livenessProbe"))
             ):
                 self._probe(running, container)
-        if not running.finished and all(c.state.exit_code is not None and not c.state.running_since
-                                        for c in running.main) and running.main:  # fmt: skip
-            if running.restart_policy != "Always":
-                running.finished = True  # sidecars stop once the main containers are done
-                for sidecar in running.sidecars:
-                    _signal(sidecar, signal.SIGTERM)
+        main_done = running.main and all(
+            c.state.exit_code is not None and not c.state.running_since for c in running.main
+        )
+        if main_done and not running.finished and running.restart_policy != "Always":
+            running.finished = True  # sidecars stop once the main containers are done
+            for sidecar in running.sidecars:
+                _signal(sidecar, signal.SIGTERM)
         self._write_status(running, pod)
 
     def _probe(self, running: RunningPod, container: Container) -> None:
@@ -445,24 +523,34 @@ class PodRunner:
             else:
                 container.liveness_failures = 0 if ok else container.liveness_failures + 1
                 if container.liveness_failures >= probe.get("failureThreshold", 3):
-                    log.warning("%s/%s container %s failed liveness: killed", running.namespace,
-                                running.name, c["name"])  # fmt: skip
+                    log.warning(
+                        "%s/%s container %s failed liveness: killed",
+                        running.namespace,
+                        running.name,
+                        c["name"],
+                    )
                     container.liveness_failures = 0
                     _signal(container, signal.SIGKILL)
-        period = min((c.get(k) or {}).get("periodSeconds", 10) for k in ("readinessProbe", "livenessProbe")
-                     if c.get(k))  # fmt: skip
+        period = min(
+            (c.get(k) or {}).get("periodSeconds", 10)
+            for k in ("readinessProbe", "livenessProbe")
+            if c.get(k)
+        )
         container.next_probe = time.monotonic() + min(period, 2)  # probe often: tests wait on it
 
     def _write_status(self, running: RunningPod, pod: dict[str, Any]) -> None:
         phase = model.pod_phase(running.restart_policy, [c.state for c in running.main])
         ready = all(c.state.ready for c in running.main)
         status = {
-            "phase": phase, "podIP": running.ip, "podIPs": [{"ip": running.ip}],
-            "hostIP": self.nodes[running.node], "startTime": running.started_at,
+            "phase": phase,
+            "podIP": running.ip,
+            "podIPs": [{"ip": running.ip}],
+            "hostIP": self.nodes[running.node],
+            "startTime": running.started_at,
             "conditions": model.pod_conditions(phase, ready, running.started_at),
             "containerStatuses": [c.state.status() for c in running.main],
             "initContainerStatuses": [c.state.status() for c in running.sidecars],
-        }  # fmt: skip
+        }
         encoded = json.dumps(status, sort_keys=True)
         if encoded == running.last_status:
             return
@@ -477,8 +565,11 @@ class PodRunner:
     def _mark_lost(self, pod: dict[str, Any]) -> None:
         """A pod whose node went down and came back: Failed, as a rebooted kubelet says."""
         if (pod.get("status") or {}).get("phase") != "Failed":
-            status = {"phase": "Failed", "reason": "NodeLost",
-                      "message": "pod runner: the node was lost with this pod's processes"}  # fmt: skip
+            status = {
+                "phase": "Failed",
+                "reason": "NodeLost",
+                "message": "pod runner: the node was lost with this pod's processes",
+            }
             self.core.patch_namespaced_pod_status(
                 pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status}
             )
@@ -505,8 +596,12 @@ class PodRunner:
         log.info("removed pod %s/%s", running.namespace, running.name)
 
     def _host_ports(self, running: RunningPod) -> list[int]:
-        return [int(p["hostPort"]) for c in running.containers for p in c.spec.get("ports") or []
-                if p.get("hostPort")]  # fmt: skip
+        return [
+            int(p["hostPort"])
+            for c in running.containers
+            for p in c.spec.get("ports") or []
+            if p.get("hostPort")
+        ]
 
     def _delete(self, pod: dict[str, Any]) -> None:
         """The kubelet's last word on a terminated pod: delete it now, if still the same."""
@@ -515,10 +610,13 @@ class PodRunner:
 
         try:
             self.core.delete_namespaced_pod(
-                pod["metadata"]["name"], pod["metadata"]["namespace"],
-                body=V1DeleteOptions(grace_period_seconds=0,
-                                     preconditions=V1Preconditions(uid=pod["metadata"]["uid"])),
-            )  # fmt: skip
+                pod["metadata"]["name"],
+                pod["metadata"]["namespace"],
+                body=V1DeleteOptions(
+                    grace_period_seconds=0,
+                    preconditions=V1Preconditions(uid=pod["metadata"]["uid"]),
+                ),
+            )
         except ApiException as error:
             if error.status not in (404, 409):
                 raise
@@ -538,8 +636,11 @@ class PodRunner:
                 selector = svc["spec"].get("selector")
                 namespace = svc["metadata"]["namespace"]
                 target_port = port.get("targetPort", port["port"])
-                self.forwarders.listen(ip, key[1], lambda s=selector, n=namespace, t=target_port:
-                                       self._endpoint(n, s, t))  # fmt: skip
+                self.forwarders.listen(
+                    ip,
+                    key[1],
+                    lambda s=selector, n=namespace, t=target_port: self._endpoint(n, s, t),
+                )
                 self._service_ports.add(key)
 
     def _endpoint(
@@ -549,9 +650,12 @@ class PodRunner:
         with self._lock:
             for running in self.pods.values():
                 pod = next((p for p in self._all_pods if p["metadata"]["uid"] == running.uid), None)
-                if (pod is None or running.namespace != namespace
-                        or not model.selector_matches(selector, pod["metadata"].get("labels"))
-                        or not all(c.state.ready for c in running.main)):  # fmt: skip
+                if (
+                    pod is None
+                    or running.namespace != namespace
+                    or not model.selector_matches(selector, pod["metadata"].get("labels"))
+                    or not all(c.state.ready for c in running.main)
+                ):
                     continue
                 try:
                     return running.ip, model.resolve_port(model.pod_ports(pod), port)

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "hack"))
 
-from podrunner import model  # noqa: E402
+from podrunner import model
 
 POD = {
     "metadata": {"name": "w-0", "namespace": "ns", "uid": "u1", "labels": {"app": "x"}},
@@ -24,7 +24,8 @@ POD = {
             {"name": "cfg", "configMap": {"name": "cm", "items": [{"key": "a", "path": "a.yaml"}]}},
             {"name": "sa", "projected": {"sources": [
                 {"serviceAccountToken": {"path": "token"}},
-                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"configMap": {"name": "kube-root-ca.crt",
+                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                 {"downwardAPI": {"items": [{"path": "namespace",
                                             "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
             ]}},
@@ -40,7 +41,8 @@ def test_env_resolves_values_references_secrets_fields_and_gpus() -> None:
             {"name": "HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
             {"name": "URL", "value": "http://$(HOST):9402/$(NOPE)$$"},
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}},
-            {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "s", "key": "x", "optional": True}}},
+            {"name": "OPT",
+             "valueFrom": {"secretKeyRef": {"name": "s", "key": "x", "optional": True}}},
             {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
         ],
         "resources": {"limits": {"nvidia.com/gpu": "2"}},
@@ -54,13 +56,13 @@ def test_env_resolves_values_references_secrets_fields_and_gpus() -> None:
 
 def test_env_missing_secret_key_is_an_error_naming_it() -> None:
     container = {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]}
-    with pytest.raises(model.PodSpecError, match="s/t"):
+    with pytest.raises(model.PodSpecError, match=r"s/t"):
         model.container_env(POD, container, {}, {})
 
 
 def test_field_without_value_yet_is_an_error() -> None:
     pod = {**POD, "status": {}}
-    with pytest.raises(model.PodSpecError, match="status.podIP"):
+    with pytest.raises(model.PodSpecError, match=r"status\.podIP"):
         model.field_value(pod, "status.podIP")
 
 
