@@ -31,7 +31,12 @@ log = logging.getLogger(__name__)
 NODE_LABEL = "bulkhead.dev/pod-runner"
 LAUNCH = pathlib.Path(__file__).resolve().parent / "launch.py"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-MAX_GRACE_S = 10.0  # the runner never waits longer than this for a SIGTERMed pod
+MAX_GRACE_S = 10.0
+# One runner per machine: the bridge, 10.96.0.1:443 and the pod namespaces are the
+# machine's. A second runner (another test session) waits for the first to stop.
+LOCK_PATH = pathlib.Path(
+    "/run/bulkhead-podrunner.lock"
+)  # the runner never waits longer than this for a SIGTERMed pod
 
 
 def _now() -> str:
@@ -46,6 +51,7 @@ class Container:
     process: subprocess.Popen[bytes] | None = None
     next_probe: float = 0.0
     liveness_failures: int = 0
+    next_liveness: float = 0.0
 
 
 @dataclass
@@ -104,8 +110,10 @@ class PodRunner:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, lock_timeout: float = 900.0) -> None:
+        """Take the machine's pod network (waiting for another runner to finish), start."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _exclusive(LOCK_PATH, lock_timeout)
         handler = logging.FileHandler(self.state_dir / "podrunner.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logging.getLogger("podrunner").addHandler(handler)
@@ -132,6 +140,7 @@ class PodRunner:
                 self._cleanup(pod)
         self.forwarders.stop()
         network.teardown_bridge()
+        self._lock_file.close()  # releases the lock
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -471,9 +480,13 @@ class PodRunner:
         state.running_since = state.started_at = _now()
         state.exit_code = None
         state.ready = not c.get("readinessProbe")
-        container.next_probe = time.monotonic() + (
-            c.get("readinessProbe") or c.get("livenessProbe") or {}
-        ).get("initialDelaySeconds", 0)
+        started = time.monotonic()
+        container.next_probe = started + (c.get("readinessProbe") or {}).get(
+            "initialDelaySeconds", 0
+        )
+        container.next_liveness = started + (c.get("livenessProbe") or {}).get(
+            "initialDelaySeconds", 0
+        )
 
     def _tend(self, running: RunningPod, pod: dict[str, Any]) -> None:
         """Record exits, restart, probe, and write the status if it changed."""
@@ -512,31 +525,25 @@ class PodRunner:
         self._write_status(running, pod)
 
     def _probe(self, running: RunningPod, container: Container) -> None:
-        c = container.spec
-        for kind in ("readinessProbe", "livenessProbe"):
-            probe = c.get(kind)
-            if not probe:
-                continue
-            ok = _run_probe(probe, running.ip, model.pod_ports({"spec": {"containers": [c]}}))
-            if kind == "readinessProbe":
-                container.state.ready = ok
-            else:
-                container.liveness_failures = 0 if ok else container.liveness_failures + 1
-                if container.liveness_failures >= probe.get("failureThreshold", 3):
-                    log.warning(
-                        "%s/%s container %s failed liveness: killed",
-                        running.namespace,
-                        running.name,
-                        c["name"],
-                    )
-                    container.liveness_failures = 0
-                    _signal(container, signal.SIGKILL)
-        period = min(
-            (c.get(k) or {}).get("periodSeconds", 10)
-            for k in ("readinessProbe", "livenessProbe")
-            if c.get(k)
-        )
-        container.next_probe = time.monotonic() + min(period, 2)  # probe often: tests wait on it
+        """Readiness every second (it only gates traffic and tests wait on it); liveness at
+        its own periodSeconds, so failureThreshold x periodSeconds is what a kubelet gives."""
+        c, now = container.spec, time.monotonic()
+        ports = model.pod_ports({"spec": {"containers": [c]}})
+        if c.get("readinessProbe"):
+            container.state.ready = _run_probe(c["readinessProbe"], running.ip, ports)
+        probe = c.get("livenessProbe")
+        if probe and now >= container.next_liveness:
+            container.next_liveness = now + probe.get("periodSeconds", 10)
+            ok = _run_probe(probe, running.ip, ports)
+            container.liveness_failures = 0 if ok else container.liveness_failures + 1
+            if container.liveness_failures >= probe.get("failureThreshold", 3):
+                log.warning(
+                    "%s/%s container %s failed liveness: killed",
+                    running.namespace, running.name, c["name"],
+                )  # fmt: skip
+                container.liveness_failures = 0
+                _signal(container, signal.SIGKILL)
+        container.next_probe = now + 1.0
 
     def _write_status(self, running: RunningPod, pod: dict[str, Any]) -> None:
         phase = model.pod_phase(running.restart_policy, [c.state for c in running.main])
@@ -674,6 +681,30 @@ def _hidden_prefixes(paths: list[str]) -> dict[str, list[str]]:
                 hidden.setdefault(str(parent), []).append(path)
                 break
     return hidden
+
+
+def _exclusive(path: pathlib.Path, timeout: float) -> Any:
+    """An exclusive flock on path, waited for up to timeout seconds; the open file holds it."""
+    import fcntl
+
+    handle = path.open("a+")
+    deadline = time.monotonic() + timeout
+    waiting_logged = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.close()
+                raise RuntimeError(
+                    f"another pod runner holds {path} (a test session using the pod network); "
+                    f"waited {timeout:.0f} s"
+                ) from None
+            if not waiting_logged:
+                log.warning("waiting for another pod runner to stop (lock %s)", path)
+                waiting_logged = True
+            time.sleep(1.0)
 
 
 def _grace(pod: dict[str, Any]) -> float:
