@@ -38,9 +38,9 @@ test: venv k8s
 
 # The user's path on the test cluster: helm install, kubectl apply, faults; pods run as real
 # processes through the test-only pod runner (hack/podrunner; needs root, ip, unshare).
-# Not part of `make test` (4-5 minutes more); see README "The user path, verified".
+# `make test` runs it too (about 2 minutes); see README "The user path, verified".
 e2e: venv k8s
-	BULKHEAD_E2E=1 $(VENV)/bin/pytest tests/e2e -v $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/e2e -v $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -8,7 +8,6 @@ chart and the operator create really runs on this machine.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -20,11 +19,6 @@ sys.path.insert(0, str(ROOT / "hack"))
 
 from k8s_cluster import Cluster  # noqa: E402
 from podrunner import PodRunner  # noqa: E402
-
-# The user-path tests take 4-5 minutes on 2 shared cores and the machine's pod network
-# (one session at a time): `make e2e` runs them (BULKHEAD_E2E=1); the suite alone does not
-# collect them. The pod runner's unit tests are always collected.
-collect_ignore = [] if os.environ.get("BULKHEAD_E2E") == "1" else ["test_user_path.py"]
 
 GPU_NODES = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
 SYSTEM_NODE = "system-0"
