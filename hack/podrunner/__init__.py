@@ -22,7 +22,8 @@ really runs their pods on this machine:
 
 Module map: `model` (pure: env, volumes, status), `network` (bridge, namespaces, forwarders),
 `launch` (runs inside the pod's namespaces, then execs the command), `runner` (the loop).
-Needs root (namespaces, mounts) and `ip`/`unshare` from iproute2/util-linux.
+Needs root (namespaces, mounts) and `ip`/`unshare` from iproute2/util-linux. One runner per
+machine (the bridge and 10.96.0.1 are the machine's): a second one waits on a lock file.
 """
 
 from podrunner.runner import NODE_LABEL, PodRunner
