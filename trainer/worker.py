@@ -168,7 +168,7 @@ def run(env: Mapping[str, str]) -> int:
         return user_error(exc, generation, trace=True)
     except Stopped as exc:
         log.info("stopping: %s", exc)
-        return WorkerExit.STOPPED
+        return WorkerExit.DONE if exc.job_succeeded else WorkerExit.STOPPED
     except (NoGeneration, ControlError) as exc:
         log.error("giving up: %s", exc)
         return EXIT_INFRASTRUCTURE

@@ -135,6 +135,9 @@ def test_interrupted_copy_leaves_the_previous_snapshot(shm_dir, sidecar_factory)
     with CheckpointEngine(settings(shm_dir)) as engine:
         engine.snapshot(10, make_state(10))
         engine.snapshot(20, make_state(20))
+        # The sidecar done with both (sealed): the next snapshot takes the older slot.
+        # (While it still holds the older one, the newest is the one overwritten.)
+        engine.flush(timeout=60)
         broken = make_state(30)
         broken["zz_unreadable"] = torch.empty(1024, device="meta")  # copied last, raises
         with pytest.raises(NotImplementedError):

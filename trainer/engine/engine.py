@@ -68,8 +68,7 @@ class StepResult:
     aux_loss: float  # mean MoE balance loss over the global batch's microbatches
     seconds: float
     tokens: int  # tokens of the global batch
-    newer_generation: bool  # some rank saw a newer generation: switch after this step
-    stop: bool  # some rank was told to stop
+    newer_generation: bool  # some rank saw a newer generation (or leaves): switch after it
     # Forward/backward seconds of every rank (index = rank), without the wait for the
     # others under data parallelism; with ZeRO they include FSDP2's in-step gathers.
     compute_s: list[float]
@@ -315,9 +314,7 @@ class Engine:
 
     # -- training ----------------------------------------------------------------------
 
-    def step(
-        self, dataset: ByteDataset, newer_generation: bool = False, stop: bool = False
-    ) -> StepResult:
+    def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
         """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
         started = time.perf_counter()
         cfg, plan, world = self.cfg, self.plan, self.world
@@ -386,11 +383,11 @@ class Engine:
             # Replicas hold identical shards: one replica group's shards make the norm.
             contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
             norm_sq = _norm_sq(local_grads) if contributes else 0.0
-            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, stop, norm_sq, compute_s)
+            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, norm_sq, compute_s)
         else:
             # Gradients are summed already (DDP, during backward) or local (one rank).
             local_grads = [p.grad for p in params]
-            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, stop, 0.0, compute_s)
+            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, 0.0, compute_s)
             norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):
@@ -414,7 +411,6 @@ class Engine:
             seconds=time.perf_counter() - started,
             tokens=gb * cfg.model.seq_len,
             newer_generation=agreed.newer_generation,
-            stop=agreed.stop,
             compute_s=agreed.compute_s,
         )
 

@@ -2,11 +2,12 @@
 
 Gradients are reduced before it, overlapped with the backward pass (DDP buckets for a
 replicated layout, FSDP2's reduce-scatters for a sharded one). The agreement carries the
-summed language-model and balance losses, the flags "a rank saw a newer
-generation" and "a rank was told to stop" (so all ranks switch or stop after the same
-step), each rank's share of the squared gradient norm (for clipping sharded gradients:
-only one replica group contributes, since the replicas hold identical shards), and each
-rank's compute time in its own slot (straggler detection without another collective).
+summed language-model and balance losses, the flag "a rank saw a newer generation or is
+leaving" (so all ranks switch after the same step; a rank told to stop leaves on its own
+and the others go on to the next generation), each rank's share of the squared gradient
+norm (for clipping sharded gradients: only one replica group contributes, since the
+replicas hold identical shards), and each rank's compute time in its own slot (straggler
+detection without another collective).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from bulkhead.trainer.engine.world import World
 
-_HEADER = 5  # lm_sum, aux_sum, newer, stop, grad_norm_sq
+_HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,6 @@ class Agreement:
     lm_sum: float
     aux_sum: float
     newer_generation: bool
-    stop: bool
     grad_norm_sq: float
     compute_s: list[float]
 
@@ -35,7 +35,6 @@ def reduce_step(
     lm_sum: float,
     aux_sum: float,
     newer_generation: bool,
-    stop: bool,
     grad_norm_sq: float,
     compute_s: float,
 ) -> Agreement:
@@ -44,18 +43,17 @@ def reduce_step(
     compute = torch.zeros(world.world_size, dtype=torch.float32, device=device)
     compute[world.rank] = compute_s
     header = torch.tensor(
-        [lm_sum, aux_sum, float(newer_generation), float(stop), grad_norm_sq],
+        [lm_sum, aux_sum, float(newer_generation), grad_norm_sq],
         dtype=torch.float32,
         device=device,
     )
     flat = torch.cat([header, compute])
     world.all_reduce(flat)
-    lm, aux, newer, stopping, norm_sq = flat[:_HEADER].tolist()
+    lm, aux, newer, norm_sq = flat[:_HEADER].tolist()
     return Agreement(
         lm_sum=lm,
         aux_sum=aux,
         newer_generation=newer > 0,
-        stop=stopping > 0,
         grad_norm_sq=norm_sq,
         compute_s=flat[_HEADER:].tolist(),
     )

@@ -56,7 +56,12 @@ Outcome = Literal["done", "reconfigure"]
 
 
 class Stopped(Exception):
-    """The manager told this worker to stop (or dropped it); exit code 3."""
+    """The manager told this worker to stop (or dropped it); exit code 3, or 0 when the
+    job had already succeeded (a replacement that arrived too late has nothing to do)."""
+
+    def __init__(self, message: str, job_succeeded: bool = False) -> None:
+        super().__init__(message)
+        self.job_succeeded = job_succeeded
 
 
 class NoGeneration(TimeoutError):
@@ -134,15 +139,26 @@ class ElasticTrainer:
 
     def run(self) -> None:
         """Train to the last step; raises Stopped, NoGeneration or a user error."""
-        self.client.register(
-            RegisterRequest(
-                worker=self.me.worker,
-                node=self.me.node,
-                address=self.store_host.address,
-                checkpoint_address=self._checkpoint_address(),
-                incarnation=self.me.incarnation,
+        try:
+            self.client.register(
+                RegisterRequest(
+                    worker=self.me.worker,
+                    node=self.me.node,
+                    address=self.store_host.address,
+                    checkpoint_address=self._checkpoint_address(),
+                    incarnation=self.me.incarnation,
+                )
             )
-        )
+        except Exception as exc:
+            if not is_gone(exc):
+                raise
+            # Refused (the job ended, or this worker was replaced): the membership says which.
+            self.watcher.start()
+            try:
+                self._next_view(after=0)
+            finally:
+                self.watcher.stop()
+            raise Stopped(f"not admitted: {exc}") from exc
         log.info("registered as %s, store at %s", self.me.worker, self.store_host.address)
         self.watcher.start()
         self.reporter.start()
@@ -181,7 +197,7 @@ class ElasticTrainer:
         if view.state == "failed":
             raise Stopped(f"the job failed: generation {view.generation}")
         if view.state == "succeeded":
-            raise Stopped("the job already succeeded")
+            raise Stopped("the job already succeeded", job_succeeded=True)
         return view
 
     # ------------------------------------------------------------ one generation
@@ -294,10 +310,11 @@ class ElasticTrainer:
         self.stragglers.reset()
         self._own_straggler = None
         while engine.completed_steps < total:
+            # A rank told to stop (evicted, or the job is over) does not stop the others:
+            # it asks everyone to switch generations after this step, and leaves alone.
+            leaving = self.reporter.stop_requested.is_set()
             result = engine.step(
-                self.dataset,
-                newer_generation=self._newer_generation_seen(view),
-                stop=self.reporter.stop_requested.is_set(),
+                self.dataset, newer_generation=self._newer_generation_seen(view) or leaving
             )
             self.last_result = result
             self._after_step(result, view, engine, report=first)
@@ -311,7 +328,7 @@ class ElasticTrainer:
                     formula.describe(),
                 )
             first = False
-            if result.stop:
+            if leaving or self.reporter.stop_requested.is_set():
                 raise Stopped(self.reporter.stop_reason or "told to stop")
             if result.newer_generation:
                 log.info("generation %d: switching after step %d", view.generation, result.step)
