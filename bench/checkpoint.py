@@ -45,8 +45,10 @@ bench/checkpoint.py [--quick] [--out FILE]``; the JSON also holds every round's 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -60,7 +62,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, spawn_sidecar
+from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local.sidecars import CheckpointSidecars, default_sidecar_command
+from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.checkpoint.checksum import checksum_parallel
 
 # Upper bounds ("at most") and lower bounds ("at least"); see _target_line.
@@ -203,9 +207,17 @@ def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
         del loaded
         return elapsed
 
-    shm_dir = Path("/dev/shm") / f"bulkhead-bench-{os.getpid()}"
+    # The sidecar is started the way local mode starts it (one spawner in the product).
+    sidecars = CheckpointSidecars(
+        run_dir=workdir,
+        shm_root=Path("/dev/shm") / f"bulkhead-bench-{os.getpid()}",
+        token=secrets.token_hex(16),  # its replica port (unused here) never serves without one
+        command=[*default_sidecar_command(), "--poll-interval", "0.05"],
+    )
+    shm_dir = sidecars.shm_dir(0)
     storage = workdir / "tce"
-    sidecar = spawn_sidecar(shm_dir, listen="off", args=["--poll-interval", "0.05"])
+    sidecar_loop = asyncio.new_event_loop()  # the child process belongs to this loop
+    sidecar_loop.run_until_complete(sidecars.start(WorkerRef(job="bench", slot=0, incarnation=0)))
     engine = CheckpointEngine(
         CheckpointSettings(job="bench", shm_dir=shm_dir, storage_dir=storage, keep=2)
     )
@@ -255,8 +267,8 @@ def measure(size_bytes: int, repeats: int, workdir: Path) -> dict[str, Any]:
             dist.destroy_process_group()
         copiers.shutdown()
         engine.close()
-        sidecar.stop()
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        sidecar_loop.run_until_complete(sidecars.stop_all())
+        sidecar_loop.close()
         shutil.rmtree(storage, ignore_errors=True)
         path.unlink(missing_ok=True)
     medians = rounds.medians()

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from ckpt_helpers import assert_state_is
+from sidecar_process import spawn_sidecar
 from tests_paths import HERE
 from waiting import wait_until
 
-from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, spawn_sidecar
+from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.checkpoint.storage import MANIFEST_SUFFIX, FileStorage
 
 pytestmark = pytest.mark.slow

@@ -7,13 +7,13 @@ import socket
 import httpx
 import pytest
 from ckpt_helpers import assert_state_is, make_state
+from sidecar_process import spawn_sidecar
 
 from bulkhead.api.protocol import TOKEN_ENV
 from bulkhead.trainer.checkpoint import (
     CheckpointEngine,
     CheckpointSettings,
     Topology,
-    spawn_sidecar,
 )
 from bulkhead.trainer.checkpoint.replica import ReplicaError, list_replicas
 

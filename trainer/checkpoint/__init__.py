@@ -20,8 +20,6 @@ _EXPORTS = {
     "Restored": "bulkhead.trainer.checkpoint.restore",
     "SnapshotResult": "bulkhead.trainer.checkpoint.engine",
     "Topology": "bulkhead.trainer.checkpoint.records",
-    "SidecarProcess": "bulkhead.trainer.checkpoint.launcher",
-    "spawn_sidecar": "bulkhead.trainer.checkpoint.launcher",
 }
 
 __all__ = sorted(_EXPORTS)

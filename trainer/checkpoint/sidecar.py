@@ -1,9 +1,10 @@
 """``bulkhead-checkpointd``: the sidecar process that seals, replicates and persists snapshots.
 
 It runs next to one trainer (a second container in the worker pod sharing an
-``emptyDir{medium: Memory}``, or a process in local mode, see ``launcher``) and never
-imports torch. The work itself is in ``service.Sidecar``; this module is its command line.
-Every flag has an environment variable so the operator can configure the container.
+``emptyDir{medium: Memory}``, or in local mode a process started by
+``bulkhead.operator.local.sidecars``) and never imports torch. The work itself is in
+``service.Sidecar``; this module is its command line. Every flag has an environment
+variable so the operator can configure the container.
 """
 
 from __future__ import annotations

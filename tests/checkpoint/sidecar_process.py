@@ -1,7 +1,8 @@
-"""Starting and stopping a sidecar as a local process (local mode and tests).
+"""A checkpoint sidecar as a child process, for the checkpoint tests (synchronous).
 
-In Kubernetes the sidecar is a container; on one machine the local driver calls
-``spawn_sidecar`` once per worker and ``SidecarProcess.stop`` when the worker goes away.
+The product's only spawner is local mode's ``bulkhead.operator.local.sidecars`` (in
+Kubernetes the sidecar is a container); this one exists so tests can start a sidecar with
+any flags, kill it mid-persist and restart it, without a supervisor.
 """
 
 from __future__ import annotations
