@@ -41,6 +41,9 @@ SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 # The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).
 CHECKPOINT_REPLICA_PORT = 29700
+# The checkpoint sidecar's Prometheus port in a worker pod (off in local mode).
+CHECKPOINT_METRICS_PORT = 29701
+CHECKPOINT_METRICS_PORT_ENV = "BULKHEAD_CHECKPOINT_METRICS_PORT"
 # Where a worker pod mounts spec.checkpoint.storage.pvc when no path is given: the operator
 # mounts it here and the checkpoint engine persists here (one definition for both).
 CHECKPOINT_PVC_MOUNT = "/bulkhead/checkpoints"

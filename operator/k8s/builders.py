@@ -190,9 +190,17 @@ def _checkpoint_sidecar(ctx: JobContext, worker_id: str, incarnation: int) -> di
         # restartPolicy Always on an init container = a sidecar: started before the trainer,
         # stopped after it, and the pod phase follows the trainer alone.
         "restartPolicy": "Always",
-        "env": _contract_env(ctx, worker_id, incarnation),
-        # Peers' sidecars push and fetch replicas here (the pod IP is in the membership).
-        "ports": [{"name": "ckpt-replica", "containerPort": protocol.CHECKPOINT_REPLICA_PORT}],
+        "env": [
+            *_contract_env(ctx, worker_id, incarnation),
+            _env_var(protocol.CHECKPOINT_METRICS_PORT_ENV, str(protocol.CHECKPOINT_METRICS_PORT)),
+        ],
+        "ports": [
+            # Peers' sidecars push and fetch replicas here (the pod IP is in the membership).
+            {"name": "ckpt-replica", "containerPort": protocol.CHECKPOINT_REPLICA_PORT},
+            # Snapshot, persist and restore timings, storage errors, newest step per tier:
+            # scraped by the chart's worker PodMonitor.
+            {"name": "ckpt-metrics", "containerPort": protocol.CHECKPOINT_METRICS_PORT},
+        ],
         "volumeMounts": _checkpoint_mounts(ctx),
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 
+import pytest
 from ckpt_helpers import assert_state_is, make_state
 from waiting import wait_until
 
@@ -73,6 +74,41 @@ def test_flipped_byte_in_a_shard_is_detected_and_skipped(
         restored = engine.restore()
     assert restored is not None and (restored.step, restored.tier) == (10, "storage")
     assert any("step 20" in note and "CRC-32C" in note for note in restored.skipped)
+    assert_state_is(restored.state, 10)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(
+            lambda m: m["tensors"][0].update(offset=m["tensors"][0]["offset"] + 4), id="offset"
+        ),
+        pytest.param(
+            lambda m: m.update(skeleton=m["skeleton"].replace("0", "1", 1)), id="skeleton"
+        ),
+        pytest.param(lambda m: m.update(step=m["step"] + 1), id="step"),
+    ],
+)
+def test_an_altered_manifest_is_corrupt_and_the_previous_checkpoint_restores(
+    tamper, shm_factory, sidecar_factory, tmp_path
+) -> None:
+    """The shard bytes are intact, only the manifest changed: a wrong offset would restore
+    wrong weights and a changed skeleton wrong hyper-parameters, silently, without the
+    record's own checksum."""
+    first = shm_factory()
+    sidecar_factory(first)
+    with engine_for(first, tmp_path) as engine:
+        snapshot_persisted(engine, 10)
+        snapshot_persisted(engine, 20)
+    path = FileStorage(tmp_path).manifest_path("job1", 20, "rank0")
+    manifest = json.loads(path.read_text())
+    tamper(manifest)
+    path.write_text(json.dumps(manifest))
+    fresh = shm_factory()
+    sidecar_factory(fresh)
+    with engine_for(fresh, tmp_path) as engine:
+        restored = engine.restore()
+    assert restored is not None and (restored.step, restored.tier) == (10, "storage")
     assert_state_is(restored.state, 10)
 
 

@@ -1,10 +1,12 @@
 """The on-disk and on-wire records of the checkpoint engine (no torch).
 
 A snapshot of one shard is a flat byte buffer plus a ``SnapshotRecord`` describing it:
-which job/shard/step/generation, the tensor layout inside the buffer, a pickled skeleton
-of the non-tensor state, and (once sealed) a CRC-32C of the bytes. The same record is the
-shared-memory slot metadata, the replica header sent to a peer, and the storage manifest,
-so one validator guards every tier.
+which job/shard/step/generation, the tensor layout inside the buffer, a JSON skeleton of
+the non-tensor state, and (once sealed) a CRC-32C of the bytes and one of the record
+itself, so a flipped bit in an offset or a hyper-parameter is caught like one in a weight.
+The same record is the shared-memory slot metadata, the replica header sent to a peer, and
+the storage manifest, so one validator guards every tier: a sealed record that does not
+match its checksum does not load (it is treated as corrupt, never as user error).
 
 Files are published atomically (temp file + rename, + fsync where durability matters), so a
 reader sees either the previous record or the new one, never a torn one.
@@ -20,11 +22,13 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import crc32c
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: JSON skeleton (1 pickled it and is no longer read)
+# 3: the record carries its own checksum; 2: JSON skeleton; 1 pickled it. Only 3 is read.
+FORMAT_VERSION = 3
 R = TypeVar("R", bound="SnapshotRecord")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -70,6 +74,35 @@ class SnapshotRecord(BaseModel):
     nonce: str = Field(default_factory=lambda: uuid.uuid4().hex)
     created: float = 0.0
     crc32c: int | None = Field(None, description="CRC-32C of the buffer; None until sealed.")
+    record_crc32c: int | None = Field(
+        None, description="CRC-32C of this record's other fields; set when sealed."
+    )
+
+    def content_crc32c(self) -> int:
+        """CRC-32C of the portable fields (not this checksum) as canonical JSON."""
+        fields = set(SnapshotRecord.model_fields) - {"record_crc32c"}
+        canonical = json.dumps(
+            self.model_dump(mode="json", include=fields), sort_keys=True, separators=(",", ":")
+        )
+        return crc32c.crc32c(canonical.encode())
+
+    def seal(self, data_crc32c: int) -> None:
+        """Mark the snapshot complete: checksums of its bytes and of this record."""
+        self.crc32c = data_crc32c
+        self.record_crc32c = self.content_crc32c()
+
+    @model_validator(mode="after")
+    def _record_verified(self) -> SnapshotRecord:
+        if self.crc32c is None:
+            return self  # not sealed yet: the bytes may still be written
+        if self.record_crc32c is None:
+            raise ValueError("sealed record without its own checksum")
+        if self.record_crc32c != self.content_crc32c():
+            raise ValueError(
+                "record checksum mismatch: the manifest was altered or corrupted "
+                f"(job {self.job}, shard {self.shard}, step {self.step})"
+            )
+        return self
 
     @field_validator("job", "shard")
     @classmethod

@@ -194,7 +194,7 @@ class Sidecar:
                 meta, mapping = held
                 view = memoryview(mapping)
                 try:
-                    meta.crc32c = checksum_parallel(view[: meta.nbytes])
+                    meta.seal(checksum_parallel(view[: meta.nbytes]))
                 finally:
                     view.release()
                 # Still under the shared lock: the trainer cannot be rewriting this slot.
