@@ -5,8 +5,10 @@ the workers with the same ``ControlServer``.
 
 One asyncio loop runs the Kopf operator (TrainingJob, pod and node watches) and the
 control endpoint (uvicorn serving the FastAPI app the workers talk to, which also serves
-``/metrics`` and ``/healthz``). SIGTERM stops both; sessions stop without touching pods, so the next
-operator instance adopts the running workers.
+``/metrics`` and ``/healthz``). SIGTERM stops both; sessions stop without touching pods, so
+the next operator instance adopts the running workers. With ``--leader-elect`` several
+replicas run and only the holder of the Lease does any of this (see ``leader``); a leader
+that loses the Lease exits with code 1 so its pod restarts as a standby.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
 import click
+import httpx
 import kopf
 
 from bulkhead.operator.control import ControlServer, create_control_app
 from bulkhead.operator.k8s.handlers import build_registry, kopf_settings
-from bulkhead.operator.k8s.kube import KubeClient, load_credentials
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, load_credentials
+from bulkhead.operator.k8s.leader import ElectionSettings, LeaderElector, route_to
 from bulkhead.operator.k8s.runtime import OperatorRuntime
 from bulkhead.operator.k8s.settings import OperatorSettings
 from bulkhead.operator.session.job import SessionRegistry
@@ -67,27 +73,104 @@ def configure_logging(settings: OperatorSettings) -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
+class LeadershipLost(RuntimeError):
+    """Another replica holds the Lease now, or it could not be renewed in time."""
+
+
+def elector_for(settings: OperatorSettings, client: KubeClient) -> LeaderElector:
+    identity = (
+        settings.leader_election_identity
+        or settings.pod_name
+        or f"{socket.gethostname()}-{os.getpid()}"
+    )
+    return LeaderElector(
+        client,
+        ElectionSettings(
+            namespace=settings.leader_election_namespace or settings.operator_namespace,
+            name=settings.leader_election_lease,
+            identity=identity,
+            lease_duration_s=settings.lease_duration_s,
+            renew_deadline_s=settings.renew_deadline_s,
+            retry_period_s=settings.retry_period_s,
+        ),
+    )
+
+
+async def serve_liveness(host: str, port: int) -> asyncio.Server:
+    """``GET /livez`` -> 200 while the event loop runs: the liveness probe of leader and
+    standbys alike (a standby has no control endpoint to probe)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n")
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(answer, host=host, port=port)
+
+
 async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -> None:
-    """Run the operator until ``stop`` is set (or SIGTERM/SIGINT in the main thread)."""
+    """Run the operator until ``stop`` is set (or SIGTERM/SIGINT in the main thread).
+
+    Raises ``LeadershipLost`` when, elected, it loses the Lease.
+    """
     stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     credentials = load_credentials(settings.kubeconfig)
     client = KubeClient(credentials, concurrency=settings.kube_concurrency)
+    liveness = (
+        await serve_liveness(settings.listen_host, settings.health_port)
+        if settings.health_port
+        else None
+    )
+    elector = elector_for(settings, client) if settings.leader_elect else None
+    try:
+        if elector is not None and not await elector.acquire(stop):
+            return  # stopped while a standby
+        await _lead(settings, client, credentials, elector, stop)
+    finally:
+        if liveness is not None:
+            liveness.close()
+        await client.close()
+
+
+async def _lead(
+    settings: OperatorSettings,
+    client: KubeClient,
+    credentials: Any,
+    elector: LeaderElector | None,
+    stop: asyncio.Event,
+) -> None:
+    """Everything the (elected) operator does, until ``stop`` or lost leadership."""
+    lost = False
+
+    async def keep_lease() -> None:
+        nonlocal lost
+        assert elector is not None
+        await elector.keep(stop)
+        if not stop.is_set():
+            lost = True
+            stop.set()
+
     registry = SessionRegistry()
     # The same control endpoint as local mode; binding raises at once if the port is taken.
     server = ControlServer(
         create_control_app(registry), host=settings.listen_host, port=settings.listen_port
     )
     await server.start()
+    keeper = asyncio.create_task(keep_lease(), name="lease") if elector else None
+    if elector is not None and settings.pod_name:
+        await route_to(client, settings.operator_namespace, settings.pod_name)
     port = server.port
     control_url = settings.worker_control_url(port)
     log.info("control endpoint on %s:%d; workers use %s", settings.listen_host, port, control_url)
 
     runtime = OperatorRuntime(client, settings, registry, control_url)
     untaint = asyncio.create_task(runtime.untaint_loop(), name="untaint")
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
     try:
         await kopf.operator(
             registry=build_registry(runtime, credentials),
@@ -98,10 +181,19 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
             stop_flag=stop,
         )
     finally:
-        log.info("operator stopping")
+        log.info("operator stopping%s", " (leadership lost)" if lost else "")
         untaint.cancel()
         await runtime.shutdown()
         await server.stop()
+        if keeper is not None:
+            keeper.cancel()
+        if elector is not None and not lost:
+            if settings.pod_name:
+                with contextlib.suppress(KubeError, httpx.HTTPError, OSError):
+                    await route_to(client, settings.operator_namespace, None)
+            await elector.release()
+    if lost:
+        raise LeadershipLost("the operator lost its Lease; exiting so the pod restarts")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,6 +224,19 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
     default=None,
     help="Minimum seconds between progress-only status writes.",
 )
+@click.option(
+    "--leader-elect/--no-leader-elect",
+    default=None,
+    help="Elect one active replica through a Lease (the others wait as standbys).",
+)
+@click.option("--leader-election-namespace", default=None, help="Namespace of the Lease.")
+@click.option(
+    "--leader-election-identity", default=None, help="This replica's name (default: the pod's)."
+)
+@click.option("--lease-duration", "lease_duration_s", type=float, default=None)
+@click.option("--renew-deadline", "renew_deadline_s", type=float, default=None)
+@click.option("--retry-period", "retry_period_s", type=float, default=None)
+@click.option("--health-port", type=int, default=None, help="Port of /livez (liveness).")
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None)
 @click.option("--log-level", default=None)
 def main(namespaces: tuple[str, ...], **options: Any) -> None:
@@ -141,8 +246,12 @@ def main(namespaces: tuple[str, ...], **options: Any) -> None:
         overrides["namespaces"] = list(namespaces)
     settings = OperatorSettings(**overrides)
     configure_logging(settings)
-    log.info("starting: %s", settings.model_dump(exclude={"kubeconfig"}))
-    asyncio.run(serve(settings))
+    log.info("starting: %s", settings.model_dump(exclude={"kubeconfig", "agent_report_token"}))
+    try:
+        asyncio.run(serve(settings))
+    except LeadershipLost as exc:
+        log.error("%s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,6 @@ class OperatorRuntime:
             await handle.session.stop()
             await handle.driver.close(flush=True)
         self.jobs.clear()
-        await self.client.close()
 
     # ------------------------------------------------------------------ pods
 

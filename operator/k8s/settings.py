@@ -55,6 +55,35 @@ class OperatorSettings(BaseSettings):
     )
     node_event_namespace: str = Field("default", description="Namespace of Node Events.")
     kube_concurrency: int = Field(64, ge=1, description="Parallel API requests at most.")
+    leader_elect: bool = Field(
+        False,
+        description="Run as one of several replicas: only the holder of the Lease acts and "
+        "serves the control endpoint; the others wait as standbys (the chart turns it on).",
+    )
+    leader_election_namespace: str | None = Field(
+        None, description="Namespace of the Lease; default: the operator's namespace."
+    )
+    leader_election_lease: str = Field("bulkhead-operator", description="Name of the Lease.")
+    leader_election_identity: str | None = Field(
+        None, description="This replica's name in the Lease; default: the pod's name."
+    )
+    pod_name: str | None = Field(
+        None,
+        description="This replica's pod (downward API): the leader labels it so the control "
+        "Service routes workers to it alone.",
+    )
+    lease_duration_s: float = Field(15.0, gt=0, le=600, description="Lease duration.")
+    renew_deadline_s: float = Field(
+        10.0, gt=0, le=600, description="The leader steps down if it cannot renew this long."
+    )
+    retry_period_s: float = Field(2.0, gt=0, le=600, description="Lease renew/retry period.")
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of /livez, answered by leader and standbys alike (liveness); "
+        "readiness is the control endpoint's /healthz, served by the leader only.",
+    )
     log_format: str = Field("json", pattern="^(json|text)$")
     log_level: str = Field("INFO")
 

@@ -45,13 +45,24 @@ def ensure_crd(cluster: Any) -> None:
 class OperatorProcess:
     """``bulkhead-operator`` in a subprocess on 127.0.0.1, restartable and killable."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log_path: Path,
+        *extra: str,
+        port: int | None = None,
+        health_port: int | None = None,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log_path = log_path
         self.extra = extra
-        self.port = free_port()
+        # Replicas of one operator share the control port, as pods share their Service:
+        # whichever leads binds it.
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.health_port = health_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> OperatorProcess:
@@ -64,6 +75,7 @@ class OperatorProcess:
             f"--control-url={self.url}",
             "--status-interval=0.5",
             "--log-format=text",
+            *([f"--health-port={self.health_port}"] if self.health_port else []),
             *self.extra,
         ]
         log = self.log_path.open("ab")
@@ -71,11 +83,19 @@ class OperatorProcess:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
+        # With a health port, /livez says the process is up (a standby serves nothing else);
+        # otherwise the control endpoint's /healthz says it is up and acting.
+        probe = (
+            f"http://127.0.0.1:{self.health_port}/livez"
+            if self.health_port
+            else f"{self.url}/healthz"
+        )
+
         def healthy() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.logs()
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+            return httpx.get(probe, timeout=2).status_code == 200
 
-        wait_until(healthy, "the operator's /healthz", timeout=60)
+        wait_until(healthy, f"the operator's {probe}", timeout=60)
         return self
 
     def kill(self) -> None:
@@ -241,8 +261,10 @@ class OperatorRbac:
         for doc in self.docs:
             doc = json.loads(json.dumps(doc))
             kind = doc["kind"]
-            if kind == "ServiceAccount":
+            if kind in ("ServiceAccount", "Role", "RoleBinding"):
                 doc["metadata"]["namespace"] = self.namespace
+                for subject in doc.get("subjects", []):
+                    subject["namespace"] = self.namespace
             else:
                 doc["metadata"]["name"] += f"-{self.suffix}"
                 self.cluster_objects.append((kind.lower(), doc["metadata"]["name"]))

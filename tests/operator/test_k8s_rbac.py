@@ -19,6 +19,11 @@ NEEDED_IN_NAMESPACE = [
     ("patch", "trainingjobs.bulkhead.dev"),
     ("patch", "trainingjobs.bulkhead.dev/status"),
     ("update", "trainingjobs.bulkhead.dev/finalizers"),
+    # Leader election, in the operator's own namespace (here the same as the job's).
+    ("get", "leases.coordination.k8s.io"),
+    ("create", "leases.coordination.k8s.io"),
+    ("update", "leases.coordination.k8s.io"),
+    ("patch", "pods"),  # the leader's label, which the control Service selects
 ]
 NEEDED_CLUSTER = [("watch", "nodes"), ("patch", "nodes")]
 DENIED_IN_NAMESPACE = [
@@ -41,6 +46,9 @@ DENIED_CLUSTER = [
     ("delete", "namespaces"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
     ("patch", "customresourcedefinitions.apiextensions.k8s.io"),
+    # Outside its own namespace the operator neither elects nor relabels pods.
+    ("update", "leases.coordination.k8s.io"),
+    ("patch", "pods"),
 ]
 
 
