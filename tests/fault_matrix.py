@@ -74,8 +74,11 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "active operator replica killed",
-        "not covered yet: the operator runs as one replica",
-        (),
+        "the standby takes the Lease, serves the workers at the same Service and converges",
+        (
+            "tests/operator/test_k8s_leader.py::"
+            "test_the_standby_takes_over_mid_recovery_and_the_job_converges",
+        ),
     ),
     Fault(
         "checkpoint sidecar killed mid-persist",
