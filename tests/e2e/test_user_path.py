@@ -42,6 +42,8 @@ def installed(e2e_cluster: Cluster, pod_runner: PodRunner) -> Iterator[Cluster]:
         # No NVML here: GPU faults come through the kernel log (XIDs) alone.
         "--set", "agent.config.gpu=none",
         "--set", "operator.logFormat=text",
+        # Each job gets a namespace of its own, made on the fly: watch them all.
+        "--set", "operator.clusterWide=true",
     )  # fmt: skip
     cluster.wait_for(
         lambda: _ready_pods(cluster, RELEASE_NAMESPACE) >= 1 + len(GPU_NODES),

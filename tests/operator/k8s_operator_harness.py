@@ -265,6 +265,8 @@ class OperatorRbac:
                 doc["metadata"]["namespace"] = self.namespace
                 for subject in doc.get("subjects", []):
                     subject["namespace"] = self.namespace
+                if doc.get("roleRef", {}).get("kind") == "ClusterRole":
+                    doc["roleRef"]["name"] += f"-{self.suffix}"
             else:
                 doc["metadata"]["name"] += f"-{self.suffix}"
                 self.cluster_objects.append((kind.lower(), doc["metadata"]["name"]))

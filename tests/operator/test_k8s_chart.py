@@ -59,3 +59,29 @@ def test_chart_binds_job_rights_per_watched_namespace(k8s_cluster):
         "containers"
     ][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_the_default_install_is_namespace_scoped_and_cluster_wide_is_explicit(k8s_cluster):
+    def jobs_bindings(docs: list[dict]) -> set[tuple[str, str | None]]:
+        return {
+            (d["kind"], d["metadata"].get("namespace"))
+            for d in docs
+            if "Binding" in d["kind"] and d["metadata"]["name"].endswith("-jobs")
+        }
+
+    def namespaces(docs: list[dict]) -> list[str]:
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        return [a.removeprefix("--namespace=") for a in args if a.startswith("--namespace=")]
+
+    default = _render(k8s_cluster)
+    assert jobs_bindings(default) == {("RoleBinding", "bulkhead-system")}
+    assert namespaces(default) == ["bulkhead-system"]
+    wide = _render(k8s_cluster, "operator.clusterWide=true")
+    assert jobs_bindings(wide) == {("ClusterRoleBinding", None)}
+    assert namespaces(wide) == []  # no flag: every namespace
+    both = k8s_cluster.helm(
+        "template", "t", str(CHART), "--set", "operator.clusterWide=true",
+        "--set", "operator.watchNamespaces={team-a}", check=False,
+    )  # fmt: skip
+    assert both.returncode != 0 and "leave operator.watchNamespaces empty" in both.stderr

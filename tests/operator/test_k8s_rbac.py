@@ -46,9 +46,13 @@ DENIED_CLUSTER = [
     ("delete", "namespaces"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
     ("patch", "customresourcedefinitions.apiextensions.k8s.io"),
-    # Outside its own namespace the operator neither elects nor relabels pods.
+    # Outside the namespaces it watches the operator neither elects, relabels nor runs pods,
+    # and reads no Secret.
     ("update", "leases.coordination.k8s.io"),
     ("patch", "pods"),
+    ("create", "pods"),
+    ("get", "secrets"),
+    ("watch", "trainingjobs.bulkhead.dev"),
 ]
 
 
