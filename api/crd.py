@@ -53,6 +53,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {
+        "name": "Persisted",
+        "type": "integer",
+        "jsonPath": ".status.lastPersistedStep",
+        "description": "newest step on storage",
+        "priority": 1,
+    },
+    {
         "name": "Message",
         "type": "string",
         "jsonPath": ".status.message",

@@ -112,6 +112,10 @@ class ProgressReport(Model):
     step_time_s: float | None = Field(None, ge=0)
     tokens_per_s: float | None = Field(None, ge=0)
     checkpoint_step: int | None = Field(None, ge=0)
+    # From ranks that persist a checkpoint shard (the others send neither): the newest step
+    # their sidecar wrote to storage, and its last persist error (None once one succeeds).
+    persisted_step: int | None = Field(None, ge=0)
+    persist_error: str | None = Field(None, max_length=1024)
     state_source: Literal["fresh", "kept", "peers", "checkpoint"] | None = Field(
         None,
         description=(
@@ -136,6 +140,9 @@ class CompletionReport(Model):
     generation: int = Field(..., ge=0)
     step: int = Field(..., ge=0)
     loss: float | None = None
+    # As in ProgressReport, after the newest snapshot settled on storage.
+    persisted_step: int | None = Field(None, ge=0)
+    persist_error: str | None = Field(None, max_length=1024)
 
 
 class Directive(Model):

@@ -80,6 +80,11 @@ class TrainingJobStatus(Model):
     last_checkpoint_step: int | None = Field(
         None, description="Newest step with a checkpoint snapshot, as workers report it."
     )
+    last_persisted_step: int | None = Field(
+        None,
+        description="Newest step a worker persisted to storage: what a restart from storage "
+        "resumes from (the CheckpointsPersisted condition says when persisting fails).",
+    )
     restarts: int = Field(0, ge=0, description="Full restarts from checkpoint so far.")
     reconfigurations: int = Field(
         0, ge=0, description="In-process re-formations (new generations without a restart)."

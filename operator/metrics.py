@@ -128,6 +128,18 @@ JOB_SNAPSHOT_STEP = Gauge(
     JOB_LABELS,
     registry=REGISTRY,
 )
+JOB_PERSISTED_STEP = Gauge(
+    "bulkhead_job_last_persisted_step",
+    "Newest step a worker persisted to storage (what a restart from storage resumes from).",
+    JOB_LABELS,
+    registry=REGISTRY,
+)
+JOB_PERSIST_FAILING = Gauge(
+    "bulkhead_job_checkpoint_persist_failing",
+    "1 while a worker reports that its checkpoints fail to persist, else 0.",
+    JOB_LABELS,
+    registry=REGISTRY,
+)
 JOB_RECOVERIES = Counter(
     "bulkhead_job_recoveries_total",
     "Recoveries completed (training resumed after a fault), by cause.",
@@ -158,6 +170,8 @@ _PER_JOB = (
     JOB_GENERATION,
     JOB_LOST_STEPS,
     JOB_SNAPSHOT_STEP,
+    JOB_PERSISTED_STEP,
+    JOB_PERSIST_FAILING,
     JOB_RESTARTS,
 )
 PHASES: tuple[str, ...] = get_args(Phase)
@@ -200,6 +214,8 @@ class JobSeries:
         lost_steps: int,
         snapshot_step: int | None,
         loss: float | None,
+        persisted_step: int | None = None,
+        persist_failing: bool = False,
     ) -> None:
         """What the policy state says about the job (called after every change)."""
         if self._closed:
@@ -213,6 +229,9 @@ class JobSeries:
         JOB_WORKERS_DESIRED.labels(**self.labels).set(desired)
         if snapshot_step is not None:
             JOB_SNAPSHOT_STEP.labels(**self.labels).set(snapshot_step)
+        if persisted_step is not None:
+            JOB_PERSISTED_STEP.labels(**self.labels).set(persisted_step)
+        JOB_PERSIST_FAILING.labels(**self.labels).set(1 if persist_failing else 0)
         # The policy keeps a running total; the counter moves by what is new (a manager
         # restart starts the counter from the rebuilt total, which Prometheus sees as a reset).
         if lost_steps > self._lost_steps:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
-from bulkhead.api.protocol import WorkerExit
+from bulkhead.api.protocol import CompletionReport, ProgressReport, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle.actions import PolicyActions
 from bulkhead.operator.lifecycle.types import (
@@ -208,11 +208,37 @@ class _Policy(PolicyActions):
         if on_node:
             self.lose(on_node, f"node_{ev.reason}")
 
+    def on_persist_report(self, r: ProgressReport | CompletionReport) -> None:
+        """Storage progress from a rank that persists: any member's report counts (each
+        persists its own shard), whether or not its step is news."""
+        if r.persisted_step is None and r.persist_error is None:
+            return  # not a persisting rank
+        s = self.state
+        persisted = s.last_persisted_step
+        if r.persisted_step is not None:
+            persisted = max(persisted or 0, r.persisted_step)
+        error = r.persist_error
+        if error and not s.persist_error:
+            self.event(
+                "CheckpointPersistFailed",
+                f"{r.worker} cannot persist checkpoints: {error}; a restart from storage "
+                f"would resume after step {persisted if persisted is not None else 'none'}",
+                warning=True,
+            )
+        elif s.persist_error and not error:
+            self.event(
+                "CheckpointPersisted",
+                f"checkpoints persist again (step {persisted} on storage)",
+            )
+        self.state = replace(s, last_persisted_step=persisted, persist_error=error or None)
+
     def on_progress(self, ev: ProgressReported) -> None:
         r = ev.report
         s = self.state
         if r.generation != s.generation or r.worker not in s.members():
             return
+        self.on_persist_report(r)
+        s = self.state
         if s.restarting:
             return  # a kept worker's last steps before it restores: not a resumption
         newer = not s.has_progress or r.step > s.step or s.step_generation < r.generation
@@ -265,6 +291,8 @@ class _Policy(PolicyActions):
         r = ev.report
         if r.worker not in self.state.members():
             return
+        if r.generation == self.state.generation:
+            self.on_persist_report(r)
         last = self.cfg.total_steps - 1
         if r.step != last or r.generation != self.state.generation:
             self.event(

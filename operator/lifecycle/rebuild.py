@@ -104,6 +104,7 @@ def rebuild(
         step_generation=status.membership.generation,
         loss=status.loss,
         last_checkpoint_step=status.last_checkpoint_step,
+        last_persisted_step=status.last_persisted_step,
         last_progress_at=now,
         deadline=None if status.membership.generation else now + config.registration_timeout_s,
         restarts=status.restarts,

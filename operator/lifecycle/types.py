@@ -262,6 +262,8 @@ class LifecycleState:
     step_generation: int = 0
     loss: float | None = None
     last_checkpoint_step: int | None = None
+    last_persisted_step: int | None = None
+    persist_error: str | None = None  # the last persist failure a worker reported, until fixed
     last_progress_at: float = 0.0
     deadline: float | None = None  # registration deadline while forming / restarting
     restarting: bool = False  # gathering a full set of workers to restore from checkpoint

@@ -1,6 +1,7 @@
 """Every TrainingJob condition the operator writes, built here and nowhere else.
 
-``Ready``, ``Progressing`` and ``Degraded`` follow the lifecycle phase (``ConditionBook``,
+``Ready``, ``Progressing`` and ``Degraded`` follow the lifecycle phase, and
+``CheckpointsPersisted`` whether the workers' checkpoints reach storage (``ConditionBook``,
 which keeps each condition's last transition time while its status holds). ``Valid`` says
 whether the spec passed the semantic checks (Kubernetes only: local mode refuses an invalid
 spec before it starts). A Ready condition that is not True says why when the scheduler
@@ -23,24 +24,34 @@ class ConditionBook:
 
     def update(self, s: LifecycleState, stamp: Callable[[], str]) -> list[Condition]:
         """The conditions for state ``s``; ``stamp()`` is the RFC 3339 time of now."""
+        why = s.message
         wanted = {
-            "Ready": ("True", "Training") if s.phase == "Running" else ("False", s.phase),
+            "Ready": ("True", "Training", "") if s.phase == "Running" else ("False", s.phase, why),
             "Progressing": (
-                ("True", "Steps") if s.phase in ("Running", "Recovering") else ("False", s.phase)
+                ("True", "Steps", "")
+                if s.phase in ("Running", "Recovering")
+                else ("False", s.phase, why)
             ),
             "Degraded": (
-                ("True", "Recovering") if s.phase == "Recovering" else ("False", "AllHealthy")
+                ("True", "Recovering", "")
+                if s.phase == "Recovering"
+                else ("False", "AllHealthy", why)
             ),
         }
-        for kind, (value, reason) in wanted.items():
+        # Once a worker has said anything about storage: are checkpoints reaching it?
+        if s.persist_error:
+            wanted["CheckpointsPersisted"] = ("False", "PersistFailed", s.persist_error)
+        elif s.last_persisted_step is not None:
+            wanted["CheckpointsPersisted"] = ("True", "Persisted", "")
+        for kind, (value, reason, message) in wanted.items():
             old = self._conditions.get(kind)
-            if old is None or old.status != value or old.reason != reason:
+            if old is None or (old.status, old.reason, old.message) != (value, reason, message):
                 changed = old is None or old.status != value
                 self._conditions[kind] = Condition(
                     type=kind,
                     status=value,
                     reason=reason,
-                    message=s.message if value == "False" else "",
+                    message=message,
                     last_transition_time=stamp() if changed else old.last_transition_time,
                 )
         return list(self._conditions.values())

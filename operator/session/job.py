@@ -423,6 +423,8 @@ class JobSession(Generic[D]):
             desired=s.config.workers,
             lost_steps=s.lost_steps,
             snapshot_step=s.last_checkpoint_step,
+            persisted_step=s.last_persisted_step,
+            persist_failing=s.persist_error is not None,
             loss=s.loss,
         )
 

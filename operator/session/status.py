@@ -49,6 +49,7 @@ class StatusView:
             step=s.step,
             loss=s.loss,
             last_checkpoint_step=s.last_checkpoint_step,
+            last_persisted_step=s.last_persisted_step,
             restarts=s.restarts,
             reconfigurations=s.reconfigurations,
             evicted_nodes=list(s.evicted_nodes),

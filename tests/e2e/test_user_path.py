@@ -182,6 +182,11 @@ class Job:
         # pod and the checkpoint engine), the claim's host directory stays empty.
         persisted = [p for p in self.checkpoint_dir().rglob("*") if p.is_file()]
         assert persisted, f"nothing persisted on the checkpoint PVC ({self.checkpoint_dir()})"
+        # ... and the status says so: the newest step on storage, persisting healthy.
+        status = self.status()
+        assert status.get("lastPersistedStep") is not None, status
+        (persisting,) = [c for c in status["conditions"] if c["type"] == "CheckpointsPersisted"]
+        assert persisting["status"] == "True", persisting
         described = self.cluster.kubectl("describe", "tj", self.name, "-n", self.namespace).stdout
         assert "Events:" in described and "<none>" not in described.split("Events:")[1][:40]
 

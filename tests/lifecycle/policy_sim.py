@@ -71,6 +71,8 @@ class Sim:
         worker: str | None = None,
         advance: float = 1.0,
         checkpoint: int | None = None,
+        persisted: int | None = None,
+        persist_error: str | None = None,
     ) -> None:
         worker = worker or self.state.members()[0]
         report = ProgressReport(
@@ -79,6 +81,8 @@ class Sim:
             step=step,
             loss=1.0,
             checkpoint_step=checkpoint,
+            persisted_step=persisted,
+            persist_error=persist_error,
         )
         self.feed(ProgressReported(report), advance)
 

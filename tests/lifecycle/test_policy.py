@@ -15,6 +15,7 @@ from bulkhead.operator.lifecycle.types import (
     JobStarted,
     NodeAnomaly,
     PublishMembership,
+    RecordEvent,
     RecoveryDone,
     RestartAll,
     StartWorker,
@@ -323,3 +324,27 @@ def test_rebuild_keeps_live_members_and_replaces_the_rest() -> None:
     assert "job-w2-1" in state.dead
     # The survivors keep their sidecar addresses: the next generation still lists them.
     assert state.slots[0].checkpoint_address == "h:7"
+
+
+def test_persist_failures_are_told_once_and_their_end_too() -> None:
+    """Storage progress comes from the ranks that persist, whatever their step's news: the
+    last persisted step only grows, a failure is one warning Event (not one per report),
+    and persisting again is an Event too."""
+    sim = Sim()
+    sim.start_and_register_all()
+    w0, w1 = sim.state.members()[:2]
+    sim.progress(10, worker=w0, checkpoint=10, persisted=10)
+    sim.progress(10, worker=w1, persisted=8)  # same step, another shard: still counted
+    assert sim.state.last_persisted_step == 10 and sim.state.persist_error is None
+    for step in (11, 12):
+        sim.progress(step, worker=w0, persisted=10, persist_error="ENOSPC: No space left")
+    assert sim.state.persist_error == "ENOSPC: No space left"
+    failed = [e for e in _of(RecordEvent, sim.log) if e.reason == "CheckpointPersistFailed"]
+    assert len(failed) == 1 and failed[0].warning
+    assert "ENOSPC" in failed[0].message and "after step 10" in failed[0].message
+    sim.progress(13, worker=w1)  # a rank that does not persist says nothing about storage
+    assert sim.state.persist_error == "ENOSPC: No space left"
+    sim.progress(14, worker=w0, persisted=14)
+    assert sim.state.persist_error is None and sim.state.last_persisted_step == 14
+    (back,) = [e for e in _of(RecordEvent, sim.log) if e.reason == "CheckpointPersisted"]
+    assert "step 14" in back.message

@@ -54,6 +54,10 @@ def test_snapshots_are_persisted_every_interval_with_a_manifest(tmp_path: Path) 
         assert manifest["step"] == step and manifest["job"] == name
         shards = [p for p in (root / f"step-{step:012d}").iterdir() if p.suffix == ".bin"]
         assert len(shards) == 1 and shards[0].stat().st_size == manifest["nbytes"]
+    # The workers' last word (after the newest snapshot settled) names the newest step on
+    # storage, and nothing failed.
+    summary = _summary(run_dir)
+    assert summary["last_persisted_step"] == expected[-1] and summary["persist_error"] is None
     for slot in (0, 1):  # every rank snapshots into its own shared memory
         log = (run_dir / "logs" / f"{name}-w{slot}-0.log").read_text()
         taken = [int(s) for s in re.findall(r"snapshot of step (\d+)", log)]
@@ -109,3 +113,28 @@ def test_too_few_survivors_restart_all_from_own_shared_memory(tmp_path: Path) ->
     assert_samples_exact(run_dir, steps)
     assert wait_no_processes(name) == []
     assert _no_shared_memory_left(name) == []
+
+
+def test_a_storage_that_refuses_writes_is_reported_and_training_goes_on(tmp_path: Path) -> None:
+    """The checkpoint path cannot be created (a file stands where a directory must be: the
+    way to make a write fail even as root). Training must finish, and the failure must be
+    said: a warning Event once, and the summary's persist error with no persisted step."""
+    name = "ckpt-refused"
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file")
+    job = _job(tmp_path, name, 2 * INTERVAL)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["checkpoint"]["storage"] = {"path": str(blocker / "checkpoints")}
+    job.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = run_cli(str(job), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = _summary(run_dir)
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == 2 * INTERVAL
+    assert summary["last_persisted_step"] is None
+    assert "Not a directory" in (summary["persist_error"] or ""), summary
+    failed = [
+        e for e in read_jsonl(run_dir / "events.jsonl") if e["reason"] == "CheckpointPersistFailed"
+    ]
+    assert len(failed) == 1 and failed[0]["warning"], failed
+    assert "Not a directory" in failed[0]["message"]

@@ -77,6 +77,12 @@ class CheckpointSettings(BaseModel):
     seal_timeout_s: float = Field(30.0, ge=0, description="Max wait at restore for the seal.")
     peer_timeout_s: float = Field(60.0, gt=0)
     sidecar_timeout_s: float = Field(5.0, gt=0)
+    final_persist_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="At the end of training, how long to wait for the newest snapshot to "
+        "reach storage before reporting completion (0 = do not wait).",
+    )
     copy_threads: int = Field(
         default_factory=default_threads,
         ge=1,

@@ -18,11 +18,13 @@ control protocol: a checkpoint's ``step`` is the index of the last step it conta
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
+from bulkhead.trainer.checkpoint.client import SidecarUnavailable
 from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointError
 from bulkhead.trainer.checkpoint.records import Topology
 from bulkhead.trainer.checkpoint.restore import ANY_SHARD, Restored
@@ -67,6 +69,18 @@ def topology_for(view: MembershipView, plan: ParallelPlan, rank: int) -> Topolog
     )
 
 
+STORAGE_READ_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class StorageProgress:
+    """This rank's shard on storage: the newest persisted step and the last persist error
+    (None once a persist succeeds)."""
+
+    persisted_step: int | None
+    error: str | None
+
+
 @dataclass(frozen=True)
 class RestoredState:
     """Every shard of one checkpoint step, as held states, and where the first came from."""
@@ -83,6 +97,9 @@ class EngineCheckpointer:
         self.engine = engine
         self._last_step: int | None = None
         self._generation: int | None = None
+        self._persists = False
+        self._storage: StorageProgress | None = None
+        self._storage_read_at = float("-inf")
 
     @property
     def last_step(self) -> int | None:
@@ -101,6 +118,7 @@ class EngineCheckpointer:
         self._generation = view.generation
         topology = topology_for(view, plan, rank)
         self.engine.set_topology(topology)
+        self._persists = topology.persist and self.engine.settings.storage_dir is not None
         log.info(
             "generation %d: snapshots of shard %s (%s), replicated to %s; %d peer sidecar(s)",
             view.generation,
@@ -121,6 +139,32 @@ class EngineCheckpointer:
         log.info(
             "snapshot of step %d: %d bytes, blocked %.3fs", step, result.nbytes, result.blocking_s
         )
+
+    def storage(self, final: bool = False) -> StorageProgress | None:
+        """What this rank's sidecar has persisted, if this rank persists a shard (read at
+        most once per ``STORAGE_READ_INTERVAL_S``: it is asked on every progress report).
+
+        ``final``: training is over; first wait (up to ``final_persist_timeout_s``) until the
+        newest snapshot was persisted or failed to be, so the answer is the last word.
+        """
+        if not self._persists:
+            return None
+        timeout = self.engine.settings.final_persist_timeout_s
+        if final and timeout > 0:
+            try:
+                self.engine.flush(timeout)
+            except (SidecarUnavailable, OSError, TimeoutError) as exc:
+                log.warning("the last snapshot did not settle on storage: %s", exc)
+        now = time.monotonic()
+        if final or now - self._storage_read_at >= STORAGE_READ_INTERVAL_S:
+            self._storage_read_at = now
+            try:
+                status = self.engine.status()
+            except (SidecarUnavailable, OSError) as exc:
+                log.debug("sidecar status unavailable: %s", exc)
+                return self._storage
+            self._storage = StorageProgress(status.get("persisted_step"), status.get("last_error"))
+        return self._storage
 
     def restore(self, max_step: int | None = None) -> RestoredState | None:
         """Every shard of the newest checkpoint all of whose shards can be had, or None."""

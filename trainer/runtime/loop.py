@@ -39,7 +39,7 @@ from bulkhead.trainer.engine.engine import (
 )
 from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
-from bulkhead.trainer.runtime.checkpointing import RestoredState
+from bulkhead.trainer.runtime.checkpointing import RestoredState, StorageProgress
 from bulkhead.trainer.runtime.control import (
     ControlClient,
     MembershipWatcher,
@@ -89,6 +89,10 @@ class Checkpointer(Protocol):
     @property
     def last_step(self) -> int | None:
         """Index of the last step whose snapshot was taken, if any."""
+
+    def storage(self, final: bool = False) -> StorageProgress | None:
+        """Storage progress of the shard this rank persists (None if it persists none);
+        ``final`` waits for the newest snapshot to settle first (end of training)."""
 
 
 @dataclass(frozen=True)
@@ -364,6 +368,7 @@ class ElasticTrainer:
             self.checkpointer.snapshot(engine.held_state())
         if report or completed % self.cfg.log_interval_steps == 0:
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else None
+            storage = self.checkpointer.storage() if self.checkpointer else None
             self.reporter.post(
                 ProgressReport(
                     worker=self.me.worker,
@@ -373,6 +378,8 @@ class ElasticTrainer:
                     step_time_s=result.seconds,
                     tokens_per_s=tokens_per_s,
                     checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
+                    persisted_step=storage.persisted_step if storage else None,
+                    persist_error=storage.error[:1024] if storage and storage.error else None,
                     state_source=self._state_source,
                 )
             )
@@ -418,11 +425,14 @@ class ElasticTrainer:
 
     def _complete(self, view: MembershipView) -> None:
         last = self.last_result
+        storage = self.checkpointer.storage(final=True) if self.checkpointer else None
         report = CompletionReport(
             worker=self.me.worker,
             generation=view.generation,
             step=self.completed_steps - 1,
             loss=last.loss if last else None,
+            persisted_step=storage.persisted_step if storage else None,
+            persist_error=storage.error[:1024] if storage and storage.error else None,
         )
         try:
             self.client.complete(report)
