@@ -53,7 +53,11 @@ class OperatorSettings(BaseSettings):
     evict_idle_nodes: bool = Field(
         False, description="Also taint nodes with a critical anomaly that run no worker."
     )
-    node_event_namespace: str = Field("default", description="Namespace of Node Events.")
+    node_event_namespace: str = Field(
+        "default",
+        description="Namespace of Node Events: the API server accepts Events about "
+        "cluster-scoped objects only in default (or kube-system).",
+    )
     kube_concurrency: int = Field(64, ge=1, description="Parallel API requests at most.")
     leader_elect: bool = Field(
         False,

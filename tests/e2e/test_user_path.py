@@ -247,6 +247,11 @@ def test_gpu_fault_evicts_the_node_and_training_goes_on(job: Job) -> None:
             ),
             f"{node} tainted bulkhead.dev/unhealthy",
         )
+        # What `kubectl describe node` shows an admin: the agent's and the operator's Events.
+        job.wait(
+            lambda: "BulkheadEvicted" in job.cluster.kubectl("describe", "node", node).stdout,
+            f"the operator's BulkheadEvicted Event in kubectl describe node {node}",
+        )
         job.wait(
             lambda: (
                 victim["metadata"]["name"] not in {p["metadata"]["name"] for p in job.workers()}

@@ -79,7 +79,11 @@ class OperatorProcess:
             *self.extra,
         ]
         log = self.log_path.open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "BULKHEAD_OPERATOR_OPERATOR_NAMESPACE": self.namespace,
+        }
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 

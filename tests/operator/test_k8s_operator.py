@@ -167,10 +167,14 @@ def test_job_runs_survives_a_bad_node_and_a_lost_pod_then_cleans_up(
     assert recovered["recoveries"][-1]["seconds"] >= 0
     assert recovered["reconfigurations"] >= 1
     wait_until(lambda: bad_node in job.status().get("evictedNodes", []), "evictedNodes in status")
-    node_events = k8s_cluster.get_json(
-        "events", "-A", "--field-selector", f"involvedObject.name={bad_node}"
-    )
-    assert any(e["reason"] == "BulkheadEvicted" for e in node_events["items"])
+
+    def node_evicted_event() -> bool:  # Events are written after the taint, asynchronously
+        node_events = k8s_cluster.get_json(
+            "events", "-A", "--field-selector", f"involvedObject.name={bad_node}"
+        )
+        return any(e["reason"] == "BulkheadEvicted" for e in node_events["items"])
+
+    wait_until(node_evicted_event, "the BulkheadEvicted Event on the node")
     wait_until(lambda: job.events(), "Events on the TrainingJob")
 
     # A worker pod deleted by hand is replaced too.

@@ -25,7 +25,7 @@ NEEDED_IN_NAMESPACE = [
     ("update", "leases.coordination.k8s.io"),
     ("patch", "pods"),  # the leader's label, which the control Service selects
 ]
-NEEDED_CLUSTER = [("watch", "nodes"), ("patch", "nodes")]
+NEEDED_CLUSTER = [("watch", "nodes"), ("patch", "nodes"), ("create", "events")]  # Node Events
 DENIED_IN_NAMESPACE = [
     ("list", "secrets"),  # only its own tokens, by name
     ("watch", "secrets"),
