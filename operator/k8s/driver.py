@@ -19,7 +19,7 @@ import httpx
 
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
-from bulkhead.api.status import TrainingJobStatus
+from bulkhead.api.status import Membership, TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
@@ -81,6 +81,7 @@ class KubernetesDriver:
         self._unschedulable: dict[str, str] = {}
         self._incarnations = dict(incarnations or {})
         self._incarnations_lock = asyncio.Lock()
+        self._labeled_generation: dict[str, int] = {}  # member pod -> generation labelled
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         task = asyncio.create_task(coro, name=what)
@@ -197,6 +198,31 @@ class KubernetesDriver:
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self._last_status = status
         self._status.publish(decorate_status(status, self._valid_since, self._unschedulable))
+        self._label_generation(status.membership)
+
+    def _label_generation(self, membership: Membership) -> None:
+        """Label each member's pod with the generation it trains in, once per generation, so
+        ``kubectl get pods -l bulkhead.dev/generation=N`` lists generation N."""
+        generation = membership.generation
+        if not generation:
+            return
+        labeled = {}
+        for member in membership.members:
+            labeled[member.worker] = generation
+            if self._labeled_generation.get(member.worker) != generation:
+                self._spawn(
+                    self._label_pod(member.worker, generation), f"label pod {member.worker}"
+                )
+        self._labeled_generation = labeled
+
+    async def _label_pod(self, worker_id: str, generation: int) -> None:
+        path = core_path("pods", self.ctx.namespace, worker_id)
+        patch = {"metadata": {"labels": {names.LABEL_GENERATION: str(generation)}}}
+        try:
+            await self._client.merge_patch(path, patch)
+        except KubeError as exc:
+            if exc.status != 404:  # a pod already gone needs no label
+                raise
 
     def note_scheduling(self, pod: str, unschedulable: str | None) -> None:
         """Record whether the scheduler can place ``pod``; the status says so if not."""

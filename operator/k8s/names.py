@@ -15,6 +15,7 @@ FINALIZER = f"{PREFIX}/finalizer"
 LABEL_JOB = f"{PREFIX}/job"
 LABEL_SLOT = f"{PREFIX}/slot"
 LABEL_INCARNATION = f"{PREFIX}/incarnation"
+LABEL_GENERATION = f"{PREFIX}/generation"  # the membership generation the pod trains in
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_NAME = "app.kubernetes.io/name"

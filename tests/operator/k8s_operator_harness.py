@@ -174,10 +174,10 @@ class Job:
     def condition(self, kind: str) -> dict[str, Any] | None:
         return next((c for c in self.status().get("conditions", []) if c["type"] == kind), None)
 
-    def pods(self) -> list[dict[str, Any]]:
-        return self.cluster.get_json(
-            "pods", "-n", self.namespace, "-l", f"bulkhead.dev/job={self.name}"
-        )["items"]
+    def pods(self, selector: str = "") -> list[dict[str, Any]]:
+        """The job's pods, optionally narrowed by another label selector."""
+        labels = ",".join(filter(None, (f"bulkhead.dev/job={self.name}", selector)))
+        return self.cluster.get_json("pods", "-n", self.namespace, "-l", labels)["items"]
 
     def running_pods(self) -> dict[str, dict[str, Any]]:
         return {

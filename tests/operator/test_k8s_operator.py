@@ -165,6 +165,15 @@ def test_job_runs_survives_a_bad_node_and_a_lost_pod_then_cleans_up(
         "the recovery recorded and phase Running again",
     )
     assert recovered["recoveries"][-1]["seconds"] >= 0
+    # The members' pods carry the generation they train in (what kubectl -l finds).
+    generation = recovered["membership"]["generation"]
+    wait_until(
+        lambda: (
+            {p["metadata"]["name"] for p in job.pods(f"bulkhead.dev/generation={generation}")}
+            == members(grown)
+        ),
+        f"the members' pods labelled bulkhead.dev/generation={generation}",
+    )
     assert recovered["reconfigurations"] >= 1
     wait_until(lambda: bad_node in job.status().get("evictedNodes", []), "evictedNodes in status")
 
