@@ -141,7 +141,7 @@ def test_get_wide_describe_wait_and_pod_labels(
 
     header, row = _table(kubectl("get", "tj", *ns, "-o", "wide").stdout)
     assert header == ["NAME", "PHASE", "WORKERS", "STEP", "RESTARTS", "AGE",
-                      "GENERATION", "LOSS", "CHECKPOINT", "MESSAGE"]  # fmt: skip
+                      "GENERATION", "LOSS", "CHECKPOINT", "PERSISTED", "MESSAGE"]  # fmt: skip
     assert row[0] == "llm" and row[6:8] == [str(view["generation"]), "1.25"]
 
     # describe: the spec and status read as fields, the operator's Events oldest first.
