@@ -3,8 +3,12 @@
 - ``GET /healthz``   liveness: 503 when the detection loop has stopped ticking
 - ``GET /readyz``    readiness: 200 once the first tick has run
 - ``GET /metrics``   Prometheus text format (``bulkhead_agent_*``)
-- ``GET /v1/anomalies``  the Node condition and active problems (bearer token)
-- ``POST /v1/report``    a ``WorkerReport`` from a trainer on this node (bearer token)
+- ``GET /v1/anomalies``  the Node condition and active problems (the agents' token)
+- ``POST /v1/jobs/{job}/report``  a ``WorkerReport`` from a trainer of job ``job`` on this
+  node, with that job's own token (``job_report_token``): checked before the body is read
+
+Workers are known as ``<job>/<worker>``, so two jobs' workers of the same name (jobs of one
+name in two namespaces) never share a state.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pydantic import ValidationError
 
 from bulkhead.agent.engine import Agent
 from bulkhead.agent.reporters.metrics import AgentMetrics
-from bulkhead.api.protocol import WorkerReport
+from bulkhead.api.protocol import AGENT_REPORT_PATH, WorkerReport, job_report_token
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,17 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     return value
+
+
+def of_job(job: str, report: WorkerReport) -> WorkerReport:
+    """``report`` with every worker named ``<job>/<worker>``."""
+    return report.model_copy(
+        update={
+            "worker": f"{job}/{report.worker}",
+            "stragglers": [f"{job}/{w}" for w in report.stragglers],
+            "straggler_scores": {f"{job}/{w}": v for w, v in report.straggler_scores.items()},
+        }
+    )
 
 
 def create_app(
@@ -66,14 +81,16 @@ def create_app(
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def refused(request: Request) -> tuple[int, str] | None:
-        """Why the request may not go on (status, detail), or None when its token is good."""
+    def refused(request: Request, job: str | None = None) -> tuple[int, str] | None:
+        """Why the request may not go on (status, detail), or None when its token is good:
+        the agents' token, or for ``job`` that job's own."""
         if token is None:
             return 403, "the agent API is disabled: the agent has no token"
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             return 401, "missing bearer token"
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        expected = token if job is None else job_report_token(token, job)
+        if not hmac.compare_digest(given.encode(), expected.encode()):
             return 403, "invalid token"
         return None
 
@@ -96,14 +113,14 @@ def create_app(
         }
         return JSONResponse(_json_safe(body))
 
-    @app.post("/v1/report")
-    async def report(request: Request) -> JSONResponse:
+    @app.post(AGENT_REPORT_PATH)
+    async def report(job: str, request: Request) -> JSONResponse:
         def reject(status: int, detail: Any) -> JSONResponse:
             metrics.reports.labels("rejected").inc()
-            log.info("report rejected (%d): %s", status, detail)
+            log.info("report for job %s rejected (%d): %s", job, status, detail)
             return JSONResponse({"detail": detail}, status_code=status)
 
-        denied = refused(request)
+        denied = refused(request, job)
         if denied is not None:
             return reject(*denied)
         if int(request.headers.get("content-length") or 0) > MAX_REPORT_BYTES:
@@ -118,7 +135,7 @@ def create_app(
                 {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
             ]
             return reject(422, errors)
-        agent.record_report(parsed)
+        agent.record_report(of_job(job, parsed))
         metrics.reports.labels("accepted").inc()
         return JSONResponse({"accepted": True, "worker": parsed.worker}, status_code=202)
 

@@ -115,7 +115,7 @@ def build(
     )
     token = settings.report_token.get_secret_value() if settings.report_token else None
     if token is None:
-        log.warning("no report token configured: POST /v1/report refuses every report")
+        log.warning("no token configured: worker reports are refused")
     app = create_app(
         agent, metrics, settings.node_name, token, stale_after_s=max(30.0, 10 * settings.interval_s)
     )

@@ -66,7 +66,9 @@ class AgentSettings(BaseSettings):
     listen_host: str = "0.0.0.0"
     port: int = Field(9402, ge=0, le=65535)
     report_token: SecretStr | None = Field(
-        None, description="Bearer token for POST /v1/report; reports are refused without one."
+        None,
+        description="The agents' token: /v1/anomalies takes it, and each job's report token "
+        "derives from it (api.protocol.job_report_token); reports are refused without one.",
     )
     gpu: Literal["auto", "nvml", "none"] = "auto"
     kernel_log: str = Field("/dev/kmsg", description="Kernel log: /dev/kmsg, a file, or ''.")

@@ -18,6 +18,8 @@ A worker also reports to its node's agent (``WorkerReport`` to ``$BULKHEAD_AGENT
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from enum import IntEnum
 from typing import Literal
 
@@ -47,11 +49,24 @@ CHECKPOINT_METRICS_PORT_ENV = "BULKHEAD_CHECKPOINT_METRICS_PORT"
 # Where a worker pod mounts spec.checkpoint.storage.pvc when no path is given: the operator
 # mounts it here and the checkpoint engine persists here (one definition for both).
 CHECKPOINT_PVC_MOUNT = "/bulkhead/checkpoints"
-# Where a worker reports to its node's agent (``POST /v1/report``, a ``WorkerReport``);
-# unset = no agent (local mode). The agent listens on the node's IP (hostPort).
+# Where a worker reports to its node's agent (``POST`` a ``WorkerReport`` to
+# ``AGENT_REPORT_PATH``); unset = no agent (local mode). The agent listens on the node's IP
+# (hostPort). AGENT_TOKEN_ENV holds the job's own report token (``job_report_token``).
 AGENT_URL_ENV = "BULKHEAD_AGENT_URL"
 AGENT_TOKEN_ENV = "BULKHEAD_AGENT_TOKEN"
 AGENT_PORT = 9402
+AGENT_REPORT_PATH = "/v1/jobs/{job}/report"
+
+
+def job_report_token(agents_token: str, job: str) -> str:
+    """The token the workers of job ``job`` (its protocol name) present to node agents.
+
+    An HMAC of the job under the agents' own token: the operator, which holds the agents'
+    token, gives each job its own; an agent checks a report against the job in its path
+    without storing anything per job; a job's token cannot speak for another job, and the
+    agents' token itself never leaves the operator and the agents.
+    """
+    return hmac.new(agents_token.encode(), job.encode(), hashlib.sha256).hexdigest()
 
 
 class WorkerExit(IntEnum):
@@ -154,7 +169,7 @@ class Directive(Model):
 
 
 class WorkerReport(Model):
-    """A worker's report to its node agent (``POST /v1/report`` on the agent, JSON)."""
+    """A worker's report to its node agent (``POST AGENT_REPORT_PATH`` on the agent, JSON)."""
 
     # A NaN or infinite loss is sent as such (NaN, Infinity): it is what the agent detects.
     model_config = ConfigDict(**Model.model_config, ser_json_inf_nan="constants")

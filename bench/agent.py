@@ -34,6 +34,7 @@ import psutil
 from bulkhead.agent.replay import ReplayGpuSource, ReplayLineSource, SimClock, replay, scenarios
 from bulkhead.agent.service import Sources, build
 from bulkhead.agent.settings import AgentSettings
+from bulkhead.api.protocol import job_report_token
 
 BUDGET_CORE_FRACTION = 0.01
 BUDGET_RSS_MB = 100.0
@@ -93,9 +94,9 @@ def measure_process(interval_s: float, seconds: float, warmup_s: float) -> dict[
                 while time.monotonic() < until:
                     step += 1
                     http.post(
-                        "/v1/report",
+                        "/v1/jobs/bench/report",
                         json={"worker": "bench-w0", "step": step, "loss": 2.0, "stepTimeS": 1.0},
-                        headers={"Authorization": f"Bearer {TOKEN}"},
+                        headers={"Authorization": f"Bearer {job_report_token(TOKEN, 'bench')}"},
                     )
                     with kernel_log.open("a") as log:  # some kernel chatter to follow
                         log.write(f"[{step}.0] eth0: link status check ok\n")

@@ -17,7 +17,7 @@ One implementation, in two parts:
 
 Every rank computes the same verdict (same numbers), so the caller decides who reports it
 (e.g. rank 0 to the control endpoint as a ``straggler`` FaultReport, and each straggler to
-its node agent's ``POST /v1/report`` through ``node_agent_report``). The medians make one
+its node agent (``AGENT_REPORT_PATH``) through ``node_agent_report``). The medians make one
 slow step (a checkpoint, a GC pause) harmless.
 """
 

@@ -1,4 +1,4 @@
-"""Training collector: what the workers on this node report (POST /v1/report).
+"""Training collector: what the workers on this node report (POST /v1/jobs/{job}/report).
 
 The trainer pushes a ``WorkerReport`` every few steps; the collector keeps the latest state
 per worker and when its step last advanced (the hang detector's clock). A worker that says

@@ -79,7 +79,15 @@ def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
         "type": "Opaque",
         "stringData": {
             names.TOKEN_KEY: token,
-            **({names.AGENT_TOKEN_KEY: ctx.agent_report_token} if ctx.agent_report_token else {}),
+            **(
+                {
+                    names.AGENT_TOKEN_KEY: protocol.job_report_token(
+                        ctx.agent_report_token, names.job_key(ctx.namespace, ctx.name)
+                    )
+                }
+                if ctx.agent_report_token
+                else {}
+            ),
         },
     }
 

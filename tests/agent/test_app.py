@@ -16,10 +16,19 @@ from waiting import wait_until
 
 from bulkhead.agent.service import Built, Sources, build
 from bulkhead.agent.settings import AgentSettings
-from bulkhead.api.protocol import AGENT_TOKEN_ENV, AGENT_URL_ENV, WorkerReport
+from bulkhead.api.protocol import (
+    AGENT_TOKEN_ENV,
+    AGENT_URL_ENV,
+    JOB_ENV,
+    WorkerReport,
+    job_report_token,
+)
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the agents' own token: /v1/anomalies
+JOB = "team-a.llm"
+REPORT = f"/v1/jobs/{JOB}/report"
+JOB_AUTH = {"Authorization": f"Bearer {job_report_token(TOKEN, JOB)}"}  # that job's reports
 
 
 def _free_port() -> int:
@@ -69,7 +78,7 @@ def test_nan_report_becomes_an_anomaly(served):
     _, http = served
     body = b'{"worker": "job-w3", "step": 12, "loss": NaN, "stepTimeS": 0.5}'
     reply = http.post(
-        "/v1/report", content=body, headers={**AUTH, "content-type": "application/json"}
+        REPORT, content=body, headers={**JOB_AUTH, "content-type": "application/json"}
     )
     assert reply.status_code == 202, reply.text
 
@@ -81,7 +90,7 @@ def test_nan_report_becomes_an_anomaly(served):
     data = anomaly()
     assert data["node"] == "test-node"
     assert data["condition"]["reason"] == "NanLoss"
-    assert [(p["reason"], p["subject"]) for p in data["problems"]] == [("NanLoss", "job-w3")]
+    assert [(p["reason"], p["subject"]) for p in data["problems"]] == [("NanLoss", f"{JOB}/job-w3")]
 
 
 @pytest.mark.parametrize(
@@ -90,21 +99,26 @@ def test_nan_report_becomes_an_anomaly(served):
         ({}, b'{"worker": "w", "step": 1}', 401),
         ({"Authorization": "Bearer wrong"}, b'{"worker": "w", "step": 1}', 403),
         ({"Authorization": "Basic abc"}, b'{"worker": "w", "step": 1}', 401),
-        (AUTH, b"{not json", 422),
-        (AUTH, b'{"worker": "w"}', 422),  # step missing
-        (AUTH, b'{"worker": "w", "step": -1}', 422),
-        (AUTH, b'{"worker": "", "step": 1}', 422),
-        (AUTH, b'{"worker": "w", "step": 1, "stepTimeS": NaN}', 422),
-        (AUTH, b'{"worker": "w", "step": 1, "surprise": true}', 422),
-        (AUTH, b"[1, 2, 3]", 422),
-        (AUTH, b'{"worker": "w", "step": 1, "pad": "' + b"x" * 70_000 + b'"}', 413),
+        # The agents' own token, or another job's, does not speak for this job.
+        (AUTH, b'{"worker": "w", "step": 1}', 403),
+        (
+            {"Authorization": f"Bearer {job_report_token(TOKEN, 'team-b.llm')}"},
+            b'{"worker": "w", "step": 1}',
+            403,
+        ),
+        (JOB_AUTH, b"{not json", 422),
+        (JOB_AUTH, b'{"worker": "w"}', 422),  # step missing
+        (JOB_AUTH, b'{"worker": "w", "step": -1}', 422),
+        (JOB_AUTH, b'{"worker": "", "step": 1}', 422),
+        (JOB_AUTH, b'{"worker": "w", "step": 1, "stepTimeS": NaN}', 422),
+        (JOB_AUTH, b'{"worker": "w", "step": 1, "surprise": true}', 422),
+        (JOB_AUTH, b"[1, 2, 3]", 422),
+        (JOB_AUTH, b'{"worker": "w", "step": 1, "pad": "' + b"x" * 70_000 + b'"}', 413),
     ],
 )
 def test_bad_reports_get_4xx_and_the_agent_keeps_running(served, headers, body, status):
     built, http = served
-    reply = http.post(
-        "/v1/report", content=body, headers={**headers, "content-type": "application/json"}
-    )
+    reply = http.post(REPORT, content=body, headers={**headers, "content-type": "application/json"})
     assert reply.status_code == status, reply.text
     assert "detail" in reply.json()
     ticks = built.metrics.ticks._value.get()
@@ -117,7 +131,7 @@ def test_bad_reports_get_4xx_and_the_agent_keeps_running(served, headers, body, 
 def test_reports_are_refused_without_a_configured_token():
     settings = AgentSettings(**{**TEST_SETTINGS, "report_token": None, "interval_s": 0.05})
     with _serve(settings) as (_, http):
-        reply = http.post("/v1/report", json={"worker": "w", "step": 1}, headers=AUTH)
+        reply = http.post(REPORT, json={"worker": "w", "step": 1}, headers=JOB_AUTH)
     assert reply.status_code == 403
     assert "the agent has no token" in reply.json()["detail"]
 
@@ -135,7 +149,8 @@ def test_the_trainers_reporter_reaches_the_agent(served):
     _, http = served
     url = str(http.base_url)
     assert NodeAgentReporter.from_env({}) is None  # local mode: nobody to report to
-    reporter = NodeAgentReporter.from_env({AGENT_URL_ENV: url, AGENT_TOKEN_ENV: TOKEN})
+    env = {AGENT_URL_ENV: url, AGENT_TOKEN_ENV: job_report_token(TOKEN, JOB), JOB_ENV: JOB}
+    reporter = NodeAgentReporter.from_env(env)
     assert reporter is not None
     reporter.post(WorkerReport(worker="job-w1", step=5, loss=2.5, step_time_s=0.2))
     reporter.post(WorkerReport(worker="job-w1", step=6, loss=float("nan"), step_time_s=0.2))
@@ -146,12 +161,28 @@ def test_the_trainers_reporter_reaches_the_agent(served):
         answer = http.get("/v1/anomalies", headers=AUTH).json()
         return [(p["reason"], p["subject"]) for p in answer["problems"]]
 
-    wait_until(lambda: ("NanLoss", "job-w1") in problems(), "NanLoss from the reporter", 30)
+    wait_until(lambda: ("NanLoss", f"{JOB}/job-w1") in problems(), "NanLoss from the reporter", 30)
+
+
+def test_same_named_workers_of_two_jobs_are_told_apart(served):
+    """Jobs of one name in two namespaces put workers of one name on a node: each is
+    watched on its own (one finishing does not end the other's watch)."""
+    built, http = served
+    for job in ("team-a.llm", "team-b.llm"):
+        auth = {"Authorization": f"Bearer {job_report_token(TOKEN, job)}"}
+        report = {"worker": "llm-w0-0", "step": 3}
+        reply = http.post(f"/v1/jobs/{job}/report", json=report, headers=auth)
+        assert reply.status_code == 202, reply.text
+    done = {"worker": "llm-w0-0", "step": 4, "done": True}
+    auth = {"Authorization": f"Bearer {job_report_token(TOKEN, 'team-a.llm')}"}
+    assert http.post("/v1/jobs/team-a.llm/report", json=done, headers=auth).status_code == 202
+    watched = built.agent.collectors.training.collect(built.agent.clock())
+    assert [w.worker for w in watched] == ["team-b.llm/llm-w0-0"]
 
 
 def test_the_reporter_survives_an_agent_that_refuses_it(served, caplog):
     _, http = served
-    reporter = NodeAgentReporter(str(http.base_url), token="wrong")
+    reporter = NodeAgentReporter(str(http.base_url), JOB, token="wrong")
     for step in range(3):
         reporter.post(WorkerReport(worker="job-w2", step=step))
     reporter.close()

@@ -139,12 +139,15 @@ def test_service_and_secret():
     secret = builders.build_secret(ctx, "s3cret")
     assert secret["metadata"]["name"] == "llm-control"
     assert secret["stringData"] == {"token": "s3cret"}
-    # With the agents' report token configured, workers get it from the same Secret.
+    # With the agents' token configured, workers get their job's own report token (never
+    # the agents' token itself) from the same Secret.
     with_agent = replace(ctx, agent_report_token="agent-t0ken", agent_port=9500)
+    job_token = protocol.job_report_token("agent-t0ken", names.job_key(ctx.namespace, "llm"))
     assert builders.build_secret(with_agent, "s3cret")["stringData"] == {
         "token": "s3cret",
-        "agent-token": "agent-t0ken",
+        "agent-token": job_token,
     }
+    assert job_token != protocol.job_report_token("agent-t0ken", "other-namespace.llm")
     pod = builders.build_worker_pod(with_agent, "llm-w0-0", slot=0, incarnation=0)
     assert _env(pod["spec"]["containers"][0])[protocol.AGENT_URL_ENV].endswith(":9500")
     for obj in (service, secret):

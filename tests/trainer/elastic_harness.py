@@ -202,7 +202,7 @@ def worker_main(
         WorkerIdentity(worker, "local", 0, "127.0.0.1"),
         dataset,
         SamplesLog(base / "samples.jsonl", cfg.global_batch_size),
-        node_agent=NodeAgentReporter(agent_url, token="t") if agent_url else None,
+        node_agent=NodeAgentReporter(agent_url, "elastic", token="t") if agent_url else None,
     )
     if slow_forward_s:
         import time

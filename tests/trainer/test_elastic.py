@@ -135,11 +135,12 @@ def test_hung_peer_is_abandoned_without_waiting_for_the_collective_timeout(
 
 
 class _NodeAgent(BaseHTTPRequestHandler):
-    """Stands in for the node agent's ``POST /v1/report``: records what arrives."""
+    """Stands in for the node agent's ``POST /v1/jobs/{job}/report``: records what arrives."""
 
     reports: list[tuple[str, dict]] = []
 
     def do_POST(self) -> None:
+        assert self.path == "/v1/jobs/elastic/report", self.path
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.reports.append((self.headers.get("Authorization", ""), body))
         self.send_response(202)

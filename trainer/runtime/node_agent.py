@@ -15,26 +15,37 @@ import logging
 import queue
 import threading
 from collections.abc import Mapping
+from urllib.parse import quote
 
 import httpx
 
-from bulkhead.api.protocol import AGENT_TOKEN_ENV, AGENT_URL_ENV, WorkerReport
+from bulkhead.api.protocol import (
+    AGENT_REPORT_PATH,
+    AGENT_TOKEN_ENV,
+    AGENT_URL_ENV,
+    JOB_ENV,
+    WorkerReport,
+)
 
 log = logging.getLogger(__name__)
 
-REPORT_PATH = "/v1/report"
-
 
 class NodeAgentReporter:
-    """Posts ``WorkerReport``s to ``{url}/v1/report`` in the background."""
+    """Posts job ``job``'s ``WorkerReport``s to ``{url}/v1/jobs/{job}/report`` in the
+    background, with the job's own report token."""
 
     def __init__(
-        self, url: str, token: str | None, timeout_s: float = 2.0, queue_size: int = 16
+        self,
+        url: str,
+        job: str,
+        token: str | None,
+        timeout_s: float = 2.0,
+        queue_size: int = 16,
     ) -> None:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self.url = url.rstrip("/") + REPORT_PATH
+        self.url = url.rstrip("/") + AGENT_REPORT_PATH.format(job=quote(job, safe=""))
         self._http = httpx.Client(headers=headers, timeout=timeout_s)
         self._queue: queue.Queue[WorkerReport | None] = queue.Queue(maxsize=queue_size)
         self._failing = False
@@ -48,7 +59,7 @@ class NodeAgentReporter:
         if not url:
             log.info("no node agent (%s unset): reports go to the manager only", AGENT_URL_ENV)
             return None
-        return cls(url, env.get(AGENT_TOKEN_ENV) or None)
+        return cls(url, env[JOB_ENV], env.get(AGENT_TOKEN_ENV) or None)
 
     def post(self, report: WorkerReport) -> None:
         """Queue ``report``; never blocks."""
