@@ -100,8 +100,32 @@ def test_values_schema_refuses_typos(k8s_cluster: Cluster, value: str, says: str
     assert says in str(failed.value)
 
 
+# kustomize's namespace transformer does not know every cluster-scoped kind and stamps the
+# namespace on these too; the API server ignores it for them.
+CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
 def _kinds_and_names(docs: list[dict[str, Any]]) -> set[tuple[str, str, str | None]]:
-    return {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs}
+    return {
+        (
+            d["kind"],
+            d["metadata"]["name"],
+            None if d["kind"] in CLUSTER_SCOPED else d["metadata"].get("namespace"),
+        )
+        for d in docs
+    }
+
+
+def test_deploy_passes_server_side_validation(k8s_cluster: Cluster) -> None:
+    """`kubectl apply -k deploy/` as a user runs it, against the real API server."""
+    k8s_cluster.kubectl("create", "namespace", "bulkhead-system", check=False)
+    out = k8s_cluster.kubectl(
+        "apply", "--dry-run=server", "-k", str(ROOT / "deploy"), check=False, timeout=90
+    )
+    assert out.returncode == 0, out.stderr
+    assert "validatingadmissionpolicy.admissionregistration.k8s.io/bulkhead-agent-own-node" in (
+        out.stdout
+    )
 
 
 def test_chart_installs_the_same_objects_as_deploy(k8s_cluster: Cluster) -> None:

@@ -1,0 +1,117 @@
+"""deploy/agent/admission.yaml on the real API server: the agent, authenticated with the
+token of a pod on node A, may set node A's condition and not node B's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from waiting import wait_until
+
+POLICY = Path(__file__).resolve().parents[2] / "deploy" / "agent" / "admission.yaml"
+
+pytestmark = pytest.mark.k8s
+
+
+def _policy_for(account: str, suffix: str) -> list[dict]:
+    """The shipped policy, for a test account and under names of this test alone (the
+    cluster is shared: the shipped names would govern the other tests' agent)."""
+    docs = [d for d in yaml.safe_load_all(POLICY.read_text()) if d]
+    for doc in docs:
+        doc["metadata"]["name"] += f"-{suffix}"
+        if doc["kind"] == "ValidatingAdmissionPolicyBinding":
+            doc["spec"]["policyName"] += f"-{suffix}"
+        else:
+            (condition,) = doc["spec"]["matchConditions"]
+            shipped = "system:serviceaccount:bulkhead-system:bulkhead-agent"
+            assert shipped in condition["expression"]
+            condition["expression"] = condition["expression"].replace(shipped, account)
+    return docs
+
+
+def _list(items: list[dict]) -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+
+
+def test_the_agent_may_patch_only_its_own_nodes_status(k8s_cluster, k8s_namespace) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    own, other = k8s_cluster.add_gpu_nodes(2, prefix=f"adm-{suffix}")
+    account = f"system:serviceaccount:{k8s_namespace}:agent"
+    docs = _policy_for(account, suffix)
+    k8s_cluster.kubectl("apply", "-f", "-", input=_list(docs))
+    try:
+        # The agent's account with the rights of deploy/agent/rbac.yaml (nodes/status patch).
+        k8s_cluster.kubectl("create", "serviceaccount", "agent", "-n", k8s_namespace)
+        role = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": f"adm-{suffix}"},
+            # deploy/agent/rbac.yaml grants nodes/status patch; kubectl patch reads it first.
+            "rules": [
+                {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["get", "patch"]}
+            ],
+        }
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"adm-{suffix}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": f"adm-{suffix}",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": k8s_namespace}],
+        }
+        k8s_cluster.kubectl("apply", "-f", "-", input=_list([role, binding]))
+        # The agent's pod on `own`, and a token bound to it, as its projected token is.
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "agent", "namespace": k8s_namespace},
+            "spec": {
+                "nodeName": own,
+                "serviceAccountName": "agent",
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{"name": "agent", "image": "bulkhead"}],
+            },
+        }
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        token = k8s_cluster.kubectl(
+            "create", "token", "agent", "-n", k8s_namespace,
+            "--bound-object-kind=Pod", "--bound-object-name=agent",
+        ).stdout.strip()  # fmt: skip
+
+        def patch(node: str) -> subprocess.CompletedProcess[str]:
+            condition = {"type": "BulkheadAnomaly", "status": "False", "reason": "Test"}
+            return k8s_cluster.kubectl(
+                "patch", "node", node, "--subresource=status", f"--token={token}",
+                "--kubeconfig=/dev/null", f"--server={k8s_cluster.server}",
+                f"--certificate-authority={k8s_cluster.plane.ca_cert}",
+                "-p", json.dumps({"status": {"conditions": [condition]}}), check=False,
+            )  # fmt: skip
+
+        # The policy is in force once it refuses the other node (admission caches it).
+        attempts: list[str] = []
+
+        def refused_other() -> subprocess.CompletedProcess[str] | None:
+            result = patch(other)
+            attempts.append(f"rc={result.returncode} {result.stdout} {result.stderr}".strip())
+            return result if result.returncode != 0 and "may change only" in result.stderr else None
+
+        try:
+            refused = wait_until(refused_other, "the policy to refuse another node", 30, 0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last answer: {attempts[-1:]}") from None
+        assert "ValidatingAdmissionPolicy" in refused.stderr
+        allowed = patch(own)
+        assert allowed.returncode == 0, allowed.stderr
+    finally:
+        k8s_cluster.kubectl("delete", "-f", "-", input=_list(docs), check=False)
+        k8s_cluster.kubectl(
+            "delete", "clusterrolebinding,clusterrole", f"adm-{suffix}", check=False
+        )
+        k8s_cluster.delete_nodes([own, other])
