@@ -171,6 +171,7 @@ class JobSession(Generic[D]):
         self._done = asyncio.Event()
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self._address_owner: dict[str, str] = {}  # address -> the worker that registered it
         self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
         self._progress_listeners: list[ProgressListener] = []
         self._started = False
@@ -338,20 +339,21 @@ class JobSession(Generic[D]):
                 slot.address,
             )
             raise SessionError(409, f"worker {req.worker} is registered from another address")
-        for other in self._state.slots:
-            if (
-                other.status == "registered"
-                and other.address == req.address
-                and self._state.ref(other).id != req.worker
-            ):
+        # The address index answers in O(1); it may name a worker whose slot moved on, so
+        # the owner's current slot confirms the claim.
+        owner = self._address_owner.get(req.address)
+        if owner is not None and owner != req.worker:
+            held = self._state.slot_of(owner)
+            if held is not None and held.status == "registered" and held.address == req.address:
                 log.warning(
                     "job %s: refused registration of %s: address %s belongs to %s",
                     self.job_name,
                     req.worker,
                     req.address,
-                    self._state.ref(other).id,
+                    owner,
                 )
                 raise SessionError(409, f"address {req.address} belongs to another worker")
+        self._address_owner[req.address] = req.worker
 
     def _report_directive(self, worker: str, generation: int) -> Directive | None:
         current = self._state.generation
