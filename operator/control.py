@@ -15,13 +15,15 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,19 +33,18 @@ from bulkhead.api.protocol import (
     CompletionReport,
     Directive,
     FaultReport,
-    MembershipView,
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
 )
 from bulkhead.operator import metrics
-from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
+from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 300.0
-# Protocol messages are a few KB (a membership answer of 16,384 workers is ~2 MB, but that
-# travels the other way): anything larger is refused unread.
+# Protocol messages are a few KB (a membership answer of 16,384 workers is ~1.7 MB, but
+# that travels the other way): anything larger is refused unread.
 MAX_BODY_BYTES = 1 << 20
 _REFUSED = "unknown job or wrong token"
 
@@ -79,6 +80,87 @@ def authorized(registry: SessionRegistry, job: str, authorization: str | None) -
     return session
 
 
+MEMBERSHIP_ROUTE = API_PREFIX + "/{job}/membership"
+
+
+def _membership_query(query: bytes) -> tuple[int, float, str | None]:
+    """``after``, ``timeout`` and ``worker`` of a membership poll; SessionError(422) naming
+    the field otherwise."""
+    params = parse_qs(query.decode("latin-1"), keep_blank_values=True)
+
+    def one(name: str) -> str | None:
+        values = params.get(name)
+        return values[-1] if values else None
+
+    problems: list[str] = []
+    after, timeout, worker = 0, 30.0, one("worker")
+    try:
+        after = int(one("after") or 0)
+        if after < 0:
+            problems.append("after: must be >= 0")
+    except ValueError:
+        problems.append("after: must be an integer")
+    try:
+        timeout = float(one("timeout") or 30.0)
+        if not math.isfinite(timeout) or not 0 <= timeout <= MAX_POLL_SECONDS:
+            problems.append(f"timeout: must be between 0 and {MAX_POLL_SECONDS:g}")
+    except ValueError:
+        problems.append("timeout: must be a number")
+    if worker is not None and not 1 <= len(worker) <= 253:
+        problems.append("worker: must be 1 to 253 characters")
+    if problems:
+        raise SessionError(422, "invalid request: " + "; ".join(problems))
+    return after, timeout, worker
+
+
+async def _send_bytes(
+    send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def serve_membership(
+    session: JobSession, scope: dict[str, Any], headers: dict[str, str], send: Any
+) -> int:
+    """The membership long poll, answered from the view's shared encoding; the status sent.
+
+    Served here in plain ASGI rather than through FastAPI: when a generation is published
+    every worker's poll answers at once, and the per-request work must be a few dict
+    lookups and one write of bytes that already exist. A client that sends the view's
+    ETag in ``If-None-Match`` (it is current and the poll timed out) gets 304 and no body.
+    """
+    try:
+        after, timeout, worker = _membership_query(scope.get("query_string", b""))
+        encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
+    except SessionError as exc:
+        await _error(exc.status_code, exc.message)(scope, _no_body, send)
+        return exc.status_code
+    common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding")]
+    if headers.get("if-none-match") == encoded.etag:
+        await _send_bytes(send, 304, common, b"")
+        return 304
+    body, extra = encoded.body, []
+    if "gzip" in headers.get("accept-encoding", ""):
+        body, extra = encoded.gzipped, [(b"content-encoding", b"gzip")]
+    await _send_bytes(
+        send,
+        200,
+        [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *common,
+            *extra,
+        ],
+        body,
+    )
+    return 200
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 class RequestGuard:
     """ASGI middleware: the job token is checked and the body size capped before the
     application reads the body, so an unauthenticated client cannot make it parse."""
@@ -96,13 +178,21 @@ class RequestGuard:
         job = scope["path"][len(prefix) :].split("/", 1)[0]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            authorized(self.registry, job, headers.get("authorization"))
+            session = authorized(self.registry, job, headers.get("authorization"))
             declared = int(headers.get("content-length") or 0)
         except SessionError as exc:
             await _error(exc.status_code, exc.message)(scope, receive, send)
             return
         except ValueError:
             await _error(400, "bad Content-Length")(scope, receive, send)
+            return
+        if scope["method"] == "GET" and scope["path"] == f"{prefix}{job}/membership":
+            started = time.perf_counter()
+            code = await serve_membership(session, scope, headers, send)
+            metrics.CONTROL_REQUESTS.labels(route=MEMBERSHIP_ROUTE, code=str(code)).inc()
+            metrics.CONTROL_LATENCY.labels(route=MEMBERSHIP_ROUTE).observe(
+                time.perf_counter() - started
+            )
             return
         if declared > self.max_body:
             await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
@@ -181,14 +271,7 @@ def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY
     async def register(req: RegisterRequest, session: Session) -> RegisterResponse:
         return await session.register(req)
 
-    @app.get(API_PREFIX + "/{job}/membership", response_model=MembershipView)
-    async def membership(
-        session: Session,
-        after: Annotated[int, Query(ge=0, description="Answer once generation > after.")] = 0,
-        timeout: Annotated[float, Query(ge=0, le=MAX_POLL_SECONDS)] = 30.0,
-        worker: Annotated[str | None, Query(min_length=1, max_length=253)] = None,
-    ) -> MembershipView:
-        return await session.wait_membership(after, timeout, worker)
+    # GET {job}/membership is served by RequestGuard (serve_membership), before FastAPI.
 
     @app.post(API_PREFIX + "/{job}/progress", response_model=Directive)
     async def progress(report: ProgressReport, session: Session) -> Directive:
