@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gzip
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -276,7 +277,10 @@ class JobSession(Generic[D]):
             self._touch(worker)
             self._polling[worker] += 1
         try:
-            deadline = self._clock() + min(max(timeout, 0.0), self.max_poll_s)
+            # A poll the cap shortens ends at a random point of its last quarter: polls
+            # answered together by a publish then come back spread out, not as one wave.
+            cap = self.max_poll_s * random.uniform(0.75, 1.0)
+            deadline = self._clock() + min(max(timeout, 0.0), cap)
             while self._state.generation <= after and not self._state.terminal:
                 remaining = deadline - self._clock()
                 if remaining <= 0 or not self._tasks:
