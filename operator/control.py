@@ -1,4 +1,8 @@
-"""The control endpoint: the HTTP face of the job sessions (FastAPI).
+"""The control endpoint: the HTTP face of the job sessions.
+
+``ControlApp`` (plain ASGI) checks the token, caps bodies, counts requests and answers the
+membership long poll from the session's once-per-view encoding; the reports and
+registration go on to FastAPI, which validates them.
 
 Routes and models are the control protocol of ``bulkhead.api.protocol``. Every job route
 needs ``Authorization: Bearer <job token>``, checked before a byte of the body is read;
@@ -18,7 +22,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Generator
 from typing import Annotated, Any
 from urllib.parse import parse_qs
 
@@ -122,8 +126,8 @@ async def _send_bytes(
 
 async def serve_membership(
     session: JobSession, scope: dict[str, Any], headers: dict[str, str], send: Any
-) -> int:
-    """The membership long poll, answered from the view's shared encoding; the status sent.
+) -> None:
+    """The membership long poll, answered from the view's shared encoding.
 
     Served here in plain ASGI rather than through FastAPI: when a generation is published
     every worker's poll answers at once, and the per-request work must be a few dict
@@ -135,11 +139,11 @@ async def serve_membership(
         encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
     except SessionError as exc:
         await _error(exc.status_code, exc.message)(scope, _no_body, send)
-        return exc.status_code
+        return
     common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding")]
     if headers.get("if-none-match") == encoded.etag:
         await _send_bytes(send, 304, common, b"")
-        return 304
+        return
     body, extra = encoded.body, []
     if "gzip" in headers.get("accept-encoding", ""):
         body, extra = encoded.gzipped, [(b"content-encoding", b"gzip")]
@@ -154,26 +158,52 @@ async def serve_membership(
         ],
         body,
     )
-    return 200
 
 
 async def _no_body() -> dict[str, Any]:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-class RequestGuard:
-    """ASGI middleware: the job token is checked and the body size capped before the
-    application reads the body, so an unauthenticated client cannot make it parse."""
+class ControlApp:
+    """The endpoint's outermost ASGI app: guard, membership route, request metrics.
 
-    def __init__(self, app: Any, registry: SessionRegistry, max_body_bytes: int) -> None:
-        self.app = app
+    The job token is checked and the body size capped before anything reads the body, so
+    an unauthenticated client cannot make the server parse. The membership poll is
+    answered here (``serve_membership``); the other routes go to FastAPI. Plain ASGI on
+    purpose: a publish answers every worker's poll at once, and Starlette's
+    ``BaseHTTPMiddleware`` alone cost more per request than the whole answer.
+    """
+
+    def __init__(self, api: FastAPI, registry: SessionRegistry, max_body_bytes: int) -> None:
+        self.api = api
         self.registry = registry
         self.max_body = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, counted)
+        finally:
+            route = scope.get("bulkhead.route") or getattr(scope.get("route"), "path", None)
+            route = route or "unmatched"
+            metrics.CONTROL_REQUESTS.labels(route=route, code=str(status)).inc()
+            metrics.CONTROL_LATENCY.labels(route=route).observe(time.perf_counter() - started)
+
+    async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         prefix = API_PREFIX + "/"
-        if scope["type"] != "http" or not scope["path"].startswith(prefix):
-            await self.app(scope, receive, send)
+        if not scope["path"].startswith(prefix):
+            await self.api(scope, receive, send)
             return
         job = scope["path"][len(prefix) :].split("/", 1)[0]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -187,12 +217,8 @@ class RequestGuard:
             await _error(400, "bad Content-Length")(scope, receive, send)
             return
         if scope["method"] == "GET" and scope["path"] == f"{prefix}{job}/membership":
-            started = time.perf_counter()
-            code = await serve_membership(session, scope, headers, send)
-            metrics.CONTROL_REQUESTS.labels(route=MEMBERSHIP_ROUTE, code=str(code)).inc()
-            metrics.CONTROL_LATENCY.labels(route=MEMBERSHIP_ROUTE).observe(
-                time.perf_counter() - started
-            )
+            scope["bulkhead.route"] = MEMBERSHIP_ROUTE
+            await serve_membership(session, scope, headers, send)
             return
         if declared > self.max_body:
             await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
@@ -222,7 +248,7 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # disconnect, for long polls
 
-        await self.app(scope, replay, send)
+        await self.api(scope, replay, send)
 
 
 async def _session_for(
@@ -230,18 +256,19 @@ async def _session_for(
     job: Annotated[str, Path(min_length=1, max_length=253)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> JobSession:
-    """The job's session (the token was checked by ``RequestGuard`` already)."""
+    """The job's session (the token was checked by ``ControlApp`` already)."""
     return authorized(request.app.state.registry, job, authorization)
 
 
 Session = Annotated[JobSession, Depends(_session_for)]
 
 
-def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving every job in ``registry``."""
+def create_control_app(
+    registry: SessionRegistry, max_body_bytes: int = MAX_BODY_BYTES
+) -> ControlApp:
+    """The ASGI app serving every job in ``registry``."""
     app = FastAPI(title="bulkhead control", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
-    app.add_middleware(RequestGuard, registry=registry, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
@@ -256,22 +283,11 @@ def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.CONTROL_REQUESTS.labels(route=route, code=str(response.status_code)).inc()
-        metrics.CONTROL_LATENCY.labels(route=route).observe(time.perf_counter() - started)
-        return response
-
     @app.post(API_PREFIX + "/{job}/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, session: Session) -> RegisterResponse:
         return await session.register(req)
 
-    # GET {job}/membership is served by RequestGuard (serve_membership), before FastAPI.
+    # GET {job}/membership is served by ControlApp (serve_membership), before FastAPI.
 
     @app.post(API_PREFIX + "/{job}/progress", response_model=Directive)
     async def progress(report: ProgressReport, session: Session) -> Directive:
@@ -294,7 +310,7 @@ def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
-    return app
+    return ControlApp(app, registry, max_body_bytes)
 
 
 class _QuietServer(uvicorn.Server):
@@ -309,7 +325,7 @@ class ControlServer:
     """Serves an app on the running event loop (local mode, tests); port 0 = a free port."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
