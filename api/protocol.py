@@ -6,10 +6,15 @@ supervisor serves it). Every request carries ``Authorization: Bearer <job token>
 Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name``):
 
 - ``POST /v1/jobs/{job}/register``        RegisterRequest   -> RegisterResponse
-- ``GET  /v1/jobs/{job}/membership?after=G&timeout=S``      -> MembershipView
-  (long poll: answers as soon as a generation > G is published, or after S seconds
-  with the current one)
+- ``GET  /v1/jobs/{job}/membership?after=G&timeout=S&worker=W``  -> MembershipView
+  (long poll: answers as soon as a generation > G is published, or after S seconds,
+  capped by the server, with the current one). The answer carries
+  ``ETag: "g<generation>-<state>"``; a poll sent with ``If-None-Match`` equal to the
+  current view's ETag that times out gets ``304`` and no body. Every view is encoded
+  once and sent gzip-compressed to clients that accept it. An open poll naming its
+  ``worker`` keeps that worker alive to the hang timer.
 - ``POST /v1/jobs/{job}/progress``        ProgressReport    -> Directive
+  (rank 0 of the generation reports for the job: every rank completes the same steps)
 - ``POST /v1/jobs/{job}/faults``          FaultReport       -> Directive
 - ``POST /v1/jobs/{job}/complete``        CompletionReport  -> Directive
 

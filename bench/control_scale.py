@@ -553,6 +553,9 @@ def _report(rows: list[dict[str, Any]], measured: dict[str, Any] | None) -> None
           f"now {after_bytes / 1e9:.2f} GB ({before_bytes / max(after_bytes, 1):.1f}x less); "
           f"an idle poll: before {json_bytes / 1e6:.2f} MB, now a 304 (no body)")  # fmt: skip
     before_rps = n * 1.0 + n / 10.0
+    print(f"steady model at {n}: {n} polls / 26.25 s mean capped poll + 1 progress/s = "
+          f"{n / (0.875 * POLL_S) + 1:,.0f} requests/s (a window right after a publish sees "
+          "each poller re-poll about once, so the measured figure is a little lower)")  # fmt: skip
     print(f"steady requests/s at 1 step/s: before {before_rps:,.0f} (every rank every step + "
           f"10 s polls), now {largest['steady_requests_per_s']:,.0f} "
           f"({before_rps / max(largest['steady_requests_per_s'], 1):.0f}x less)")  # fmt: skip
