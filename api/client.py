@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from bulkhead.api.protocol import (
     API_PREFIX,
+    DELTA_BASE_HEADER,
     ENDPOINT_ENV,
     JOB_ENV,
     TOKEN_ENV,
@@ -32,6 +33,7 @@ from bulkhead.api.protocol import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
+    apply_membership_delta,
 )
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,8 @@ class ControlClient:
         ``timeout_s`` (possibly shortened by the server) with the current one.
 
         Asks for gzip (httpx decodes it) and sends the ETag of the view it holds, so an
-        unchanged view costs a 304 instead of the whole member list.
+        unchanged view costs a 304 and a changed one a delta against the held view instead
+        of the whole member list.
         """
         params: dict[str, Any] = {"after": after, "timeout": timeout_s}
         if self.worker:
@@ -139,9 +142,30 @@ class ControlClient:
         )
         if response.status_code == 304 and self._view is not None:
             return self._view
-        view = _parse(response, MembershipView, "membership")
+        base = response.headers.get(DELTA_BASE_HEADER)
+        if base is not None:
+            view = self._apply_delta(base, response)
+            if view is None:  # not the view we hold: ask for the whole one, at once
+                self._view = self._view_etag = None
+                return self.membership(0, timeout_s)  # after=0: the current view, at once
+        else:
+            view = _parse(response, MembershipView, "membership")
         self._view, self._view_etag = view, response.headers.get("etag")
         return view
+
+    def _apply_delta(self, base: str, response: httpx.Response) -> MembershipView | None:
+        if self._view is None or base != self._view_etag:
+            log.warning(
+                "membership: a delta against %s, but this client holds %s", base, self._view_etag
+            )
+            return None
+        try:
+            return apply_membership_delta(self._view, response.json())
+        except (ValueError, ValidationError) as exc:
+            log.warning(
+                "membership: a delta that does not apply (%s); fetching the whole view", exc
+            )
+            return None
 
     def progress(self, report: ProgressReport) -> Directive:
         return self._call("POST", "progress", Directive, body=report)

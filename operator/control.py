@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bulkhead.api.protocol import (
     API_PREFIX,
+    DELTA_BASE_HEADER,
     CompletionReport,
     Directive,
     FaultReport,
@@ -141,13 +142,22 @@ async def serve_membership(
     except SessionError as exc:
         await _error(exc.status_code, exc.message)(scope, _no_body, send)
         return
-    common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding")]
-    if headers.get("if-none-match") == encoded.etag:
+    common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding, if-none-match")]
+    held = headers.get("if-none-match")
+    if held == encoded.etag:
         await _send_bytes(send, 304, common, b"")
         return
-    body, extra = encoded.body, []
-    if "gzip" in headers.get("accept-encoding", ""):
+    gzipped = "gzip" in headers.get("accept-encoding", "")
+    base = session.recent_view(held) if held and gzipped else None
+    if base is not None:
+        # The client holds a recent view: send what changed (a few hundred bytes for a
+        # one-member change instead of the whole list), encoded once per base.
+        body = encoded.delta_from(base)
+        extra = [(b"content-encoding", b"gzip"), (DELTA_BASE_HEADER.encode(), held.encode())]
+    elif gzipped:
         body, extra = encoded.gzipped, [(b"content-encoding", b"gzip")]
+    else:
+        body, extra = encoded.body, []
     await _send_bytes(
         send,
         200,

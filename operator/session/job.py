@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import logging
 import random
 import time
@@ -28,6 +29,7 @@ from bulkhead.api.protocol import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
+    membership_delta,
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Recovery, TrainingJobStatus
@@ -128,6 +130,15 @@ def open_resumed(
     return Opening(spec, state, tuple(decisions), wall_offset_s, closed)
 
 
+# Views a client may still hold and get a delta against: a worker that missed a few
+# generations (busy in a long step) still gets a delta, an older one the full view.
+RECENT_VIEWS = 3
+
+
+def view_etag(view: MembershipView) -> str:
+    return f'"g{view.generation}-{view.state}"'
+
+
 class EncodedView:
     """One published view encoded once, for every poller: JSON bytes, gzip on demand.
 
@@ -138,9 +149,18 @@ class EncodedView:
 
     def __init__(self, view: MembershipView) -> None:
         self.view = view
-        self.etag = f'"g{view.generation}-{view.state}"'
+        self.etag = view_etag(view)
         self.body = view.model_dump_json(by_alias=True).encode()
         self._gzipped: bytes | None = None
+        self._deltas: dict[str, bytes] = {}  # base ETag -> gzipped delta
+
+    def delta_from(self, base: MembershipView) -> bytes:
+        """This view as a gzipped delta against ``base``, made once per base."""
+        key = view_etag(base)
+        if key not in self._deltas:
+            delta = json.dumps(membership_delta(base, self.view), separators=(",", ":"))
+            self._deltas[key] = gzip.compress(delta.encode(), compresslevel=1, mtime=0)
+        return self._deltas[key]
 
     @property
     def gzipped(self) -> bytes:
@@ -198,6 +218,7 @@ class JobSession(Generic[D]):
         self._polling: Counter[str] = Counter()
         self._address_owner: dict[str, str] = {}  # address -> the worker that registered it
         self._encoded: EncodedView | None = None  # the current view, encoded once
+        self._recent: dict[str, MembershipView] = {}  # ETag -> a view published lately
         self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
         self._progress_listeners: list[ProgressListener] = []
         self._started = False
@@ -304,8 +325,16 @@ class JobSession(Generic[D]):
         """The current view's encoding, made once per view however many workers ask."""
         view = self._state.membership
         if self._encoded is None or self._encoded.view is not view:
+            if self._encoded is not None:
+                self._recent[self._encoded.etag] = self._encoded.view
+                while len(self._recent) > RECENT_VIEWS:
+                    del self._recent[next(iter(self._recent))]
             self._encoded = EncodedView(view)
         return self._encoded
+
+    def recent_view(self, etag: str) -> MembershipView | None:
+        """A view published lately, by its ETag (a delta's base), if still kept."""
+        return self._recent.get(etag)
 
     async def progress(self, report: ProgressReport) -> Directive:
         early = self._report_directive(report.worker, report.generation)

@@ -15,8 +15,16 @@ import pytest
 from control_harness import Harness
 
 from bulkhead.api.client import ControlClient
-from bulkhead.api.protocol import MembershipView, ProgressReport, RegisterRequest
+from bulkhead.api.protocol import (
+    DELTA_BASE_HEADER,
+    MembershipView,
+    ProgressReport,
+    RegisterRequest,
+    apply_membership_delta,
+    membership_delta,
+)
 from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import Member
 from bulkhead.operator.lifecycle.policy import initial_state
 from bulkhead.operator.lifecycle.types import WorkerExited
 
@@ -127,3 +135,81 @@ def test_memoized_counts_match_a_brute_force_count() -> None:
     state = state.with_slot(replace(state.slots[17], status="pending"))
     assert state.live_count() == brute(state) == 3
     assert [x.index for x in state.slots] == list(range(64))
+
+
+def _view(generation: int, workers: list[tuple[str, str]], state: str = "running"):
+    members = [
+        Member(rank=r, worker=w, node=n, address=f"{w}:1", checkpoint_address=f"{w}:2")
+        for r, (w, n) in enumerate(workers)
+    ]
+    return MembershipView(
+        generation=generation,
+        coordinator=members[0].address if members else "",
+        members=members,
+        state=state,
+        resume_step=generation * 10,
+        total_steps=100,
+    )
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        [("b", "n1"), ("c", "n1"), ("d", "n2")],  # a removed: every survivor shifts a rank
+        [("a", "n0"), ("b", "n1"), ("c", "n1"), ("d", "n2"), ("e", "n3")],  # e joined
+        [("a", "n0"), ("b", "n9"), ("d", "n2")],  # b moved node, c removed
+        [("d", "n2"), ("a", "n0")],  # reordered
+        [],
+    ],
+)
+def test_a_delta_rebuilds_the_view_exactly(after: list[tuple[str, str]]) -> None:
+    base = _view(1, [("a", "n0"), ("b", "n1"), ("c", "n1"), ("d", "n2")])
+    view = _view(2, after, state="restarting")
+    delta = membership_delta(base, view)
+    assert apply_membership_delta(base, delta) == view
+    # Kept members travel as index runs, not as objects.
+    assert sum(isinstance(s, dict) for s in delta["members"]) <= 2
+
+
+def test_a_delta_that_does_not_fit_its_base_is_refused() -> None:
+    base = _view(1, [("a", "n0")])
+    with pytest.raises(ValueError):
+        apply_membership_delta(base, {**membership_delta(base, base), "members": [[0, 5]]})
+
+
+def test_a_client_holding_the_previous_view_gets_a_delta(harness: Harness) -> None:
+    full = _poll(harness, 0, 1)
+    held = full.headers["etag"]
+    harness.call(_exit(harness, f"{JOB}-w1-0"))
+    reply = _poll(harness, 1, 5, **{"If-None-Match": held, "Accept-Encoding": "gzip"})
+    assert reply.status_code == 200 and reply.headers[DELTA_BASE_HEADER] == held
+    base = MembershipView.model_validate(full.json())
+    rebuilt = apply_membership_delta(base, reply.json())
+    assert rebuilt == harness.session.state.membership and rebuilt.generation == 2
+    assert len(reply.content) < len(full.content) / 2 or WORKERS < 10
+    # A client holding a view the session no longer knows gets the whole view.
+    whole = _poll(harness, 1, 5, **{"If-None-Match": '"g0-unknown"'})
+    assert DELTA_BASE_HEADER not in whole.headers
+    assert MembershipView.model_validate(whole.json()) == rebuilt
+
+
+def test_the_client_follows_deltas_and_recovers_from_one_it_cannot_apply(
+    harness: Harness,
+) -> None:
+    client = ControlClient(harness.url, harness.token, JOB, f"{JOB}-w0-0")
+    first = client.membership(after=0, timeout_s=1)
+    harness.call(_exit(harness, f"{JOB}-w2-0"))
+    second = client.membership(after=first.generation, timeout_s=5)
+    assert second == harness.session.state.membership and len(second.members) == 2
+    # Training goes on (so the next loss is within maxFailures, not a restart).
+    client.progress(ProgressReport(worker=f"{JOB}-w0-0", generation=second.generation, step=0))
+    # Corrupt what the client holds: the next delta does not apply, and it refetches.
+    client._view = _view(second.generation, [])
+    harness.call(_exit(harness, f"{JOB}-w1-0"))
+    third = client.membership(after=second.generation, timeout_s=5)
+    assert third == harness.session.state.membership and third.generation == 3
+    assert [m.worker for m in third.members] == [f"{JOB}-w0-0"]
+
+
+async def _exit(h: Harness, worker: str) -> None:
+    h.session.observe(WorkerExited(worker, exit_code=1))
