@@ -434,6 +434,17 @@ def client_decode_ms(gzip_bytes: bytes) -> float:
     return 1000 * (time.perf_counter() - started)
 
 
+def _one_exit_delta_bytes(workers: int) -> int:
+    """The gzipped delta a survivor gets when the last of ``workers`` exits."""
+    from bulkhead.api.protocol import MembershipView, membership_delta
+
+    base = MembershipView.model_validate(json.loads(gzip.decompress(_sample_view(workers))))
+    survivors = base.members[:-1]
+    nxt = base.model_copy(update={"generation": 2, "members": survivors})
+    delta = json.dumps(membership_delta(base, nxt), separators=(",", ":")).encode()
+    return len(gzip.compress(delta, compresslevel=1, mtime=0))
+
+
 def _sample_view(workers: int) -> bytes:
     from bulkhead.api.protocol import MembershipView
     from bulkhead.api.status import Member
@@ -549,9 +560,12 @@ def _report(rows: list[dict[str, Any]], measured: dict[str, Any] | None) -> None
           f"{client_decode_ms(sample):.0f} ms (once per generation, on its own CPU)")  # fmt: skip
     before_bytes = n * json_bytes
     after_bytes = n * len(sample)
-    print(f"bytes to tell everyone a new generation: before {before_bytes / 1e9:.2f} GB, "
-          f"now {after_bytes / 1e9:.2f} GB ({before_bytes / max(after_bytes, 1):.1f}x less); "
-          f"an idle poll: before {json_bytes / 1e6:.2f} MB, now a 304 (no body)")  # fmt: skip
+    delta = _one_exit_delta_bytes(n)
+    print(f"bytes to tell everyone the first generation: before {before_bytes / 1e9:.2f} GB, "
+          f"now {after_bytes / 1e9:.2f} GB gzip ({before_bytes / max(after_bytes, 1):.1f}x "
+          f"less); the next one after an exit: before {before_bytes / 1e9:.2f} GB, now "
+          f"{n * delta / 1e6:.2f} MB ({delta} B deltas); an idle poll: before "
+          f"{json_bytes / 1e6:.2f} MB, now a 304 (no body)")  # fmt: skip
     before_rps = n * 1.0 + n / 10.0
     print(f"steady model at {n}: {n} polls / 26.25 s mean capped poll + 1 progress/s = "
           f"{n / (0.875 * POLL_S) + 1:,.0f} requests/s (a window right after a publish sees "
