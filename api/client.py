@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from bulkhead.api.protocol import (
     API_PREFIX,
+    DELTA_BASE_HEADER,
     ENDPOINT_ENV,
     JOB_ENV,
     TOKEN_ENV,
@@ -32,6 +33,7 @@ from bulkhead.api.protocol import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
+    apply_membership_delta,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,10 @@ class ControlClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._prefix = f"{API_PREFIX}/{quote(job, safe='')}"
+        # The last membership answer and its ETag: a poll that times out on a view this
+        # client already holds is answered 304, without the member list.
+        self._view: MembershipView | None = None
+        self._view_etag: str | None = None
         self._http = httpx.Client(
             base_url=url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
@@ -117,13 +123,49 @@ class ControlClient:
 
     def membership(self, after: int = 0, timeout_s: float = 30.0) -> MembershipView:
         """Long poll: returns once a generation newer than ``after`` exists, or after
-        ``timeout_s`` (possibly shortened by the server) with the current one."""
+        ``timeout_s`` (possibly shortened by the server) with the current one.
+
+        Asks for gzip (httpx decodes it) and sends the ETag of the view it holds, so an
+        unchanged view costs a 304 and a changed one a delta against the held view instead
+        of the whole member list.
+        """
         params: dict[str, Any] = {"after": after, "timeout": timeout_s}
         if self.worker:
             params["worker"] = self.worker  # lets the hang timer see this worker is alive
-        return self._call(
-            "GET", "membership", MembershipView, params=params, timeout_s=timeout_s + self.timeout_s
+        headers = {"If-None-Match": self._view_etag} if self._view_etag else None
+        response = self._send(
+            "GET",
+            "membership",
+            params=params,
+            headers=headers,
+            timeout_s=timeout_s + self.timeout_s,
         )
+        if response.status_code == 304 and self._view is not None:
+            return self._view
+        base = response.headers.get(DELTA_BASE_HEADER)
+        if base is not None:
+            view = self._apply_delta(base, response)
+            if view is None:  # not the view we hold: ask for the whole one, at once
+                self._view = self._view_etag = None
+                return self.membership(0, timeout_s)  # after=0: the current view, at once
+        else:
+            view = _parse(response, MembershipView, "membership")
+        self._view, self._view_etag = view, response.headers.get("etag")
+        return view
+
+    def _apply_delta(self, base: str, response: httpx.Response) -> MembershipView | None:
+        if self._view is None or base != self._view_etag:
+            log.warning(
+                "membership: a delta against %s, but this client holds %s", base, self._view_etag
+            )
+            return None
+        try:
+            return apply_membership_delta(self._view, response.json())
+        except (ValueError, ValidationError) as exc:
+            log.warning(
+                "membership: a delta that does not apply (%s); fetching the whole view", exc
+            )
+            return None
 
     def progress(self, report: ProgressReport) -> Directive:
         return self._call("POST", "progress", Directive, body=report)
@@ -146,6 +188,20 @@ class ControlClient:
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> T:
+        response = self._send(method, route, body=body, params=params, timeout_s=timeout_s)
+        return _parse(response, response_model, route)
+
+    def _send(
+        self,
+        method: str,
+        route: str,
+        *,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """The first answer that is not retryable (2xx, 3xx); 4xx raise, the rest retry."""
         url = f"{self._prefix}/{route}"
         payload = body.model_dump(mode="json", by_alias=True) if body is not None else None
         last = ""
@@ -158,7 +214,12 @@ class ControlClient:
                 time.sleep(delay)
             try:
                 response = self._http.request(
-                    method, url, json=payload, params=params, timeout=timeout_s or self.timeout_s
+                    method,
+                    url,
+                    json=payload,
+                    params=params,
+                    headers=headers,
+                    timeout=timeout_s or self.timeout_s,
                 )
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
@@ -168,13 +229,17 @@ class ControlClient:
                 continue
             if response.status_code >= 400:
                 raise ControlRequestError(response.status_code, _message(response), route)
-            try:
-                return response_model.model_validate(response.json())
-            except (ValueError, ValidationError) as exc:
-                raise ControlError(f"{route}: malformed answer from the server: {exc}") from None
+            return response
         raise ControlUnavailable(
             f"{route}: control endpoint unavailable after {self.retries + 1} attempts ({last})"
         )
+
+
+def _parse(response: httpx.Response, response_model: type[T], route: str) -> T:
+    try:
+        return response_model.model_validate(response.json())
+    except (ValueError, ValidationError) as exc:
+        raise ControlError(f"{route}: malformed answer from the server: {exc}") from None
 
 
 def _message(response: httpx.Response) -> str:

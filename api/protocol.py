@@ -6,10 +6,18 @@ supervisor serves it). Every request carries ``Authorization: Bearer <job token>
 Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name``):
 
 - ``POST /v1/jobs/{job}/register``        RegisterRequest   -> RegisterResponse
-- ``GET  /v1/jobs/{job}/membership?after=G&timeout=S``      -> MembershipView
-  (long poll: answers as soon as a generation > G is published, or after S seconds
-  with the current one)
+- ``GET  /v1/jobs/{job}/membership?after=G&timeout=S&worker=W``  -> MembershipView
+  (long poll: answers as soon as a generation > G is published, or after S seconds,
+  capped by the server, with the current one). The answer carries
+  ``ETag: "g<generation>-<state>"``; a poll sent with ``If-None-Match`` equal to the
+  current view's ETag that times out gets ``304`` and no body. Every view is encoded
+  once and sent gzip-compressed to clients that accept it. An open poll naming its
+  ``worker`` keeps that worker alive to the hang timer. When the ``If-None-Match`` view
+  is a recent one of this job, the answer is a *delta* against it (header
+  ``X-Bulkhead-Delta-Base: <its ETag>``, body ``membership_delta``): a one-member change
+  costs a few hundred bytes instead of the whole list.
 - ``POST /v1/jobs/{job}/progress``        ProgressReport    -> Directive
+  (rank 0 of the generation reports for the job: every rank completes the same steps)
 - ``POST /v1/jobs/{job}/faults``          FaultReport       -> Directive
 - ``POST /v1/jobs/{job}/complete``        CompletionReport  -> Directive
 
@@ -21,12 +29,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
 from bulkhead.api.spec import Model
-from bulkhead.api.status import Membership
+from bulkhead.api.status import Member, Membership
 
 API_PREFIX = "/v1/jobs"
 TOKEN_ENV = "BULKHEAD_CONTROL_TOKEN"
@@ -117,6 +125,49 @@ class MembershipView(Membership):
         False, description="No live replica holds the state: restore from a checkpoint."
     )
     total_steps: int = Field(0, ge=0)
+
+
+DELTA_BASE_HEADER = "x-bulkhead-delta-base"
+
+
+def membership_delta(base: MembershipView, view: MembershipView) -> dict[str, Any]:
+    """``view`` as a change of ``base``: its fields, with ``members`` as segments.
+
+    A segment is ``[start, stop]`` (base members start..stop-1, unchanged but for their
+    rank) or a member object (new or changed). Ranks are positions: they are not sent.
+    """
+    index = {m.worker: i for i, m in enumerate(base.members)}
+    segments: list[Any] = []
+    for member in view.members:
+        i = index.get(member.worker)
+        same = i is not None and base.members[i].model_copy(update={"rank": member.rank}) == member
+        if not same:
+            segments.append(member.model_dump(mode="json", by_alias=True, exclude={"rank"}))
+        elif segments and isinstance(segments[-1], list) and segments[-1][1] == i:
+            segments[-1][1] = i + 1  # extends the run
+        else:
+            segments.append([i, i + 1])
+    data = view.model_dump(mode="json", by_alias=True, exclude={"members"})
+    data["members"] = segments
+    return data
+
+
+def apply_membership_delta(base: MembershipView, delta: dict[str, Any]) -> MembershipView:
+    """The view ``membership_delta(base, view)`` describes; ValueError if it does not fit."""
+    members: list[Member] = []
+    for segment in delta.get("members", []):
+        if isinstance(segment, list):
+            start, stop = segment
+            if not 0 <= start < stop <= len(base.members):
+                raise ValueError(f"segment {segment} outside the base's {len(base.members)}")
+            for kept in base.members[start:stop]:
+                members.append(kept.model_copy(update={"rank": len(members)}))
+        else:
+            members.append(Member.model_validate({**segment, "rank": len(members)}))
+    fields = {k: v for k, v in delta.items() if k != "members"}
+    view = MembershipView.model_validate(fields)
+    view.members = members
+    return view
 
 
 class ProgressReport(Model):

@@ -1,4 +1,8 @@
-"""The control endpoint: the HTTP face of the job sessions (FastAPI).
+"""The control endpoint: the HTTP face of the job sessions.
+
+``ControlApp`` (plain ASGI) checks the token, caps bodies, counts requests and answers the
+membership long poll from the session's once-per-view encoding; the reports and
+registration go on to FastAPI, which validates them.
 
 Routes and models are the control protocol of ``bulkhead.api.protocol``. Every job route
 needs ``Authorization: Bearer <job token>``, checked before a byte of the body is read;
@@ -13,37 +17,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
+import math
 import socket
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Generator
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bulkhead.api.protocol import (
     API_PREFIX,
+    DELTA_BASE_HEADER,
     CompletionReport,
     Directive,
     FaultReport,
-    MembershipView,
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
 )
 from bulkhead.operator import metrics
-from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
+from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 300.0
-# Protocol messages are a few KB (a membership answer of 16,384 workers is ~2 MB, but that
-# travels the other way): anything larger is refused unread.
+# Protocol messages are a few KB (a membership answer of 16,384 workers is ~1.7 MB, but
+# that travels the other way): anything larger is refused unread.
 MAX_BODY_BYTES = 1 << 20
 _REFUSED = "unknown job or wrong token"
 
@@ -79,30 +86,150 @@ def authorized(registry: SessionRegistry, job: str, authorization: str | None) -
     return session
 
 
-class RequestGuard:
-    """ASGI middleware: the job token is checked and the body size capped before the
-    application reads the body, so an unauthenticated client cannot make it parse."""
+MEMBERSHIP_ROUTE = API_PREFIX + "/{job}/membership"
 
-    def __init__(self, app: Any, registry: SessionRegistry, max_body_bytes: int) -> None:
-        self.app = app
+
+def _membership_query(query: bytes) -> tuple[int, float, str | None]:
+    """``after``, ``timeout`` and ``worker`` of a membership poll; SessionError(422) naming
+    the field otherwise."""
+    params = parse_qs(query.decode("latin-1"), keep_blank_values=True)
+
+    def one(name: str) -> str | None:
+        values = params.get(name)
+        return values[-1] if values else None
+
+    problems: list[str] = []
+    after, timeout, worker = 0, 30.0, one("worker")
+    try:
+        after = int(one("after") or 0)
+        if after < 0:
+            problems.append("after: must be >= 0")
+    except ValueError:
+        problems.append("after: must be an integer")
+    try:
+        timeout = float(one("timeout") or 30.0)
+        if not math.isfinite(timeout) or not 0 <= timeout <= MAX_POLL_SECONDS:
+            problems.append(f"timeout: must be between 0 and {MAX_POLL_SECONDS:g}")
+    except ValueError:
+        problems.append("timeout: must be a number")
+    if worker is not None and not 1 <= len(worker) <= 253:
+        problems.append("worker: must be 1 to 253 characters")
+    if problems:
+        raise SessionError(422, "invalid request: " + "; ".join(problems))
+    return after, timeout, worker
+
+
+async def _send_bytes(
+    send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def serve_membership(
+    session: JobSession, scope: dict[str, Any], headers: dict[str, str], send: Any
+) -> None:
+    """The membership long poll, answered from the view's shared encoding.
+
+    Served here in plain ASGI rather than through FastAPI: when a generation is published
+    every worker's poll answers at once, and the per-request work must be a few dict
+    lookups and one write of bytes that already exist. A client that sends the view's
+    ETag in ``If-None-Match`` (it is current and the poll timed out) gets 304 and no body.
+    """
+    try:
+        after, timeout, worker = _membership_query(scope.get("query_string", b""))
+        encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
+    except SessionError as exc:
+        await _error(exc.status_code, exc.message)(scope, _no_body, send)
+        return
+    common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding, if-none-match")]
+    held = headers.get("if-none-match")
+    if held == encoded.etag:
+        await _send_bytes(send, 304, common, b"")
+        return
+    gzipped = "gzip" in headers.get("accept-encoding", "")
+    base = session.recent_view(held) if held and gzipped else None
+    if base is not None:
+        # The client holds a recent view: send what changed (a few hundred bytes for a
+        # one-member change instead of the whole list), encoded once per base.
+        body = encoded.delta_from(base)
+        extra = [(b"content-encoding", b"gzip"), (DELTA_BASE_HEADER.encode(), held.encode())]
+    elif gzipped:
+        body, extra = encoded.gzipped, [(b"content-encoding", b"gzip")]
+    else:
+        body, extra = encoded.body, []
+    await _send_bytes(
+        send,
+        200,
+        [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *common,
+            *extra,
+        ],
+        body,
+    )
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+class ControlApp:
+    """The endpoint's outermost ASGI app: guard, membership route, request metrics.
+
+    The job token is checked and the body size capped before anything reads the body, so
+    an unauthenticated client cannot make the server parse. The membership poll is
+    answered here (``serve_membership``); the other routes go to FastAPI. Plain ASGI on
+    purpose: a publish answers every worker's poll at once, and Starlette's
+    ``BaseHTTPMiddleware`` alone cost more per request than the whole answer.
+    """
+
+    def __init__(self, api: FastAPI, registry: SessionRegistry, max_body_bytes: int) -> None:
+        self.api = api
         self.registry = registry
         self.max_body = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, counted)
+        finally:
+            route = scope.get("bulkhead.route") or getattr(scope.get("route"), "path", None)
+            route = route or "unmatched"
+            metrics.CONTROL_REQUESTS.labels(route=route, code=str(status)).inc()
+            metrics.CONTROL_LATENCY.labels(route=route).observe(time.perf_counter() - started)
+
+    async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         prefix = API_PREFIX + "/"
-        if scope["type"] != "http" or not scope["path"].startswith(prefix):
-            await self.app(scope, receive, send)
+        if not scope["path"].startswith(prefix):
+            await self.api(scope, receive, send)
             return
         job = scope["path"][len(prefix) :].split("/", 1)[0]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            authorized(self.registry, job, headers.get("authorization"))
+            session = authorized(self.registry, job, headers.get("authorization"))
             declared = int(headers.get("content-length") or 0)
         except SessionError as exc:
             await _error(exc.status_code, exc.message)(scope, receive, send)
             return
         except ValueError:
             await _error(400, "bad Content-Length")(scope, receive, send)
+            return
+        if scope["method"] == "GET" and scope["path"] == f"{prefix}{job}/membership":
+            scope["bulkhead.route"] = MEMBERSHIP_ROUTE
+            await serve_membership(session, scope, headers, send)
             return
         if declared > self.max_body:
             await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
@@ -132,7 +259,7 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # disconnect, for long polls
 
-        await self.app(scope, replay, send)
+        await self.api(scope, replay, send)
 
 
 async def _session_for(
@@ -140,18 +267,19 @@ async def _session_for(
     job: Annotated[str, Path(min_length=1, max_length=253)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> JobSession:
-    """The job's session (the token was checked by ``RequestGuard`` already)."""
+    """The job's session (the token was checked by ``ControlApp`` already)."""
     return authorized(request.app.state.registry, job, authorization)
 
 
 Session = Annotated[JobSession, Depends(_session_for)]
 
 
-def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving every job in ``registry``."""
+def create_control_app(
+    registry: SessionRegistry, max_body_bytes: int = MAX_BODY_BYTES
+) -> ControlApp:
+    """The ASGI app serving every job in ``registry``."""
     app = FastAPI(title="bulkhead control", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
-    app.add_middleware(RequestGuard, registry=registry, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
@@ -166,29 +294,11 @@ def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.CONTROL_REQUESTS.labels(route=route, code=str(response.status_code)).inc()
-        metrics.CONTROL_LATENCY.labels(route=route).observe(time.perf_counter() - started)
-        return response
-
     @app.post(API_PREFIX + "/{job}/register", response_model=RegisterResponse)
     async def register(req: RegisterRequest, session: Session) -> RegisterResponse:
         return await session.register(req)
 
-    @app.get(API_PREFIX + "/{job}/membership", response_model=MembershipView)
-    async def membership(
-        session: Session,
-        after: Annotated[int, Query(ge=0, description="Answer once generation > after.")] = 0,
-        timeout: Annotated[float, Query(ge=0, le=MAX_POLL_SECONDS)] = 30.0,
-        worker: Annotated[str | None, Query(min_length=1, max_length=253)] = None,
-    ) -> MembershipView:
-        return await session.wait_membership(after, timeout, worker)
+    # GET {job}/membership is served by ControlApp (serve_membership), before FastAPI.
 
     @app.post(API_PREFIX + "/{job}/progress", response_model=Directive)
     async def progress(report: ProgressReport, session: Session) -> Directive:
@@ -211,7 +321,28 @@ def create_control_app(registry: SessionRegistry, max_body_bytes: int = MAX_BODY
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
-    return app
+    return ControlApp(app, registry, max_body_bytes)
+
+
+# Young-generation size and older-generation ratios of the cyclic GC in a process that
+# serves the control endpoint (CPython's defaults: 700, 10, 10).
+GC_THRESHOLDS = (100_000, 50, 1000)
+
+
+def tune_gc_for_connections() -> None:
+    """Collect cycles less often in a process holding thousands of open long polls.
+
+    Each connection keeps hundreds of live objects; with the default thresholds the
+    older generations, which hold all of them, were traversed again and again while a
+    publication answered 16,384 polls: 20-40 % of the endpoint's CPU per answer
+    (bench/control_scale.py). Objects alive at the first start are frozen out of
+    collections (after one collection, so no garbage is frozen); once per process.
+    """
+    if gc.get_threshold() == GC_THRESHOLDS:
+        return
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class _QuietServer(uvicorn.Server):
@@ -226,7 +357,7 @@ class ControlServer:
     """Serves an app on the running event loop (local mode, tests); port 0 = a free port."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,6 +379,7 @@ class ControlServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self, timeout_s: float = 30.0) -> str:
+        tune_gc_for_connections()
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

@@ -45,7 +45,7 @@ class PolicyActions:
         self.emit(RecordEvent(reason, message, warning))
 
     def is_member(self, slot: Slot) -> bool:
-        return self.state.ref(slot).id in self.state.members()
+        return self.state.ref(slot).id in self.state.member_ids()
 
     def start(self, slot: Slot) -> None:
         self.state = self.state.with_slot(replace(slot, status="starting"))

@@ -11,7 +11,7 @@ from bulkhead.operator.lifecycle.types import LifecycleState, Slot, Tick
 
 
 def _is_member(s: LifecycleState, slot: Slot) -> bool:
-    return s.ref(slot).id in s.members()
+    return s.ref(slot).id in s.member_ids()
 
 
 def lone_silent_member(s: LifecycleState, ev: Tick, now: float) -> Slot | None:

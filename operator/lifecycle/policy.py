@@ -130,11 +130,10 @@ class _Policy(PolicyActions):
                 checkpoint_address=ev.checkpoint_address,
             )
         )
-        if ev.worker in self.state.members():
+        if ev.worker in self.state.member_ids():
             return  # a member re-registering (e.g. a client retry): nothing changes
-        waiting = [s for s in self.state.slots if s.status != "registered"]
         if self.state.restarting or self.state.generation == 0:
-            if not waiting:
+            if self.state.live_count() == len(self.state.slots):
                 self.publish(f"all {self.cfg.workers} workers registered")
         else:
             self.publish(f"{ev.worker} joined")
@@ -185,7 +184,7 @@ class _Policy(PolicyActions):
                 self.lose(lost, "peer_suspect")
             return
         if report.kind == "collective_error" and report.generation == self.state.generation:
-            if report.worker in self.state.members():
+            if report.worker in self.state.member_ids():
                 reporters = self.state.collective_errors | {report.worker}
                 self.state = replace(self.state, collective_errors=reporters)
             self.begin_recovery(report.kind)
@@ -235,7 +234,7 @@ class _Policy(PolicyActions):
     def on_progress(self, ev: ProgressReported) -> None:
         r = ev.report
         s = self.state
-        if r.generation != s.generation or r.worker not in s.members():
+        if r.generation != s.generation or r.worker not in s.member_ids():
             return
         self.on_persist_report(r)
         s = self.state
@@ -244,8 +243,12 @@ class _Policy(PolicyActions):
         newer = not s.has_progress or r.step > s.step or s.step_generation < r.generation
         if not newer:
             return
-        productive = s.productive | {slot.index for slot in s.slots if self.is_member(slot)}
-        slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
+        productive, slots = s.productive, s.slots
+        if not s.has_progress or s.step_generation != r.generation:
+            # Members change only with the generation: mark them once per generation, not
+            # on every step (an O(members) pass per report would not scale).
+            productive = productive | {slot.index for slot in s.slots if self.is_member(slot)}
+            slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
         checkpoint = r.checkpoint_step if r.checkpoint_step is not None else s.last_checkpoint_step
         self.state = replace(
             s,
@@ -289,7 +292,7 @@ class _Policy(PolicyActions):
 
     def on_complete(self, ev: CompletionReported) -> None:
         r = ev.report
-        if r.worker not in self.state.members():
+        if r.worker not in self.state.member_ids():
             return
         if r.generation == self.state.generation:
             self.on_persist_report(r)
@@ -316,7 +319,11 @@ class _Policy(PolicyActions):
     def succeed_if_all_finished(self) -> None:
         """Succeeded once every current member finished the last step."""
         s = self.state
-        if s.terminal or not s.members() or not set(s.members()) <= s.finished:
+        members = s.member_ids()
+        # The length test first: a completion report per worker must not cost O(members).
+        if s.terminal or not members or len(s.finished) < len(members):
+            return
+        if not members <= s.finished:
             return
         view = s.membership.model_copy(update={"state": "succeeded"})
         message = f"completed {self.cfg.total_steps} steps"

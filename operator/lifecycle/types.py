@@ -24,6 +24,20 @@ SlotStatus = Literal["pending", "starting", "registered"]
 # Upper bound of the default grace before a lone silent member is declared hung.
 DEFAULT_SUSPECT_GRACE_S = 5.0
 
+# Memos of two pure functions the policy asks on every event, keyed by the identity of the
+# (immutable) value they are computed from: the member ids of a published view, and the
+# registered count of a slots tuple. A new state shares both values with the one before,
+# so at 16,384 workers an event costs O(1) lookups instead of rebuilding 16,384 ids.
+_MEMO_CAP = 64
+_MEMBER_IDS: dict[int, tuple[MembershipView, frozenset[str]]] = {}
+_REGISTERED: dict[int, tuple[tuple[object, ...], int]] = {}
+
+
+def _memo(cache: dict[int, tuple], key: object, value: object) -> None:
+    if len(cache) >= _MEMO_CAP:
+        cache.clear()
+    cache[id(key)] = (key, value)
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -316,9 +330,35 @@ class LifecycleState:
     def members(self) -> list[str]:
         return [m.worker for m in self.membership.members]
 
+    def member_ids(self) -> frozenset[str]:
+        """The current members' ids as a set (memoized per published view)."""
+        view = self.membership
+        hit = _MEMBER_IDS.get(id(view))
+        if hit is not None and hit[0] is view:
+            return hit[1]
+        ids = frozenset(m.worker for m in view.members)
+        _memo(_MEMBER_IDS, view, ids)
+        return ids
+
     def live_count(self) -> int:
-        return sum(1 for s in self.slots if s.status == "registered")
+        """Registered slots (memoized per slots tuple; ``with_slot`` carries it over)."""
+        hit = _REGISTERED.get(id(self.slots))
+        if hit is not None and hit[0] is self.slots:
+            return hit[1]
+        count = sum(1 for s in self.slots if s.status == "registered")
+        _memo(_REGISTERED, self.slots, count)
+        return count
 
     def with_slot(self, slot: Slot) -> LifecycleState:
-        slots = tuple(slot if s.index == slot.index else s for s in self.slots)
+        i = slot.index
+        if 0 <= i < len(self.slots) and self.slots[i].index == i:
+            old = self.slots[i]
+            # One pointer copy of the table (~50 us at 16,384 slots), no per-slot Python work.
+            slots = (*self.slots[:i], slot, *self.slots[i + 1 :])
+            hit = _REGISTERED.get(id(self.slots))
+            if hit is not None and hit[0] is self.slots:
+                delta = (slot.status == "registered") - (old.status == "registered")
+                _memo(_REGISTERED, slots, hit[1] + delta)
+        else:
+            slots = tuple(slot if s.index == slot.index else s for s in self.slots)
         return replace(self, slots=slots)

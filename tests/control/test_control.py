@@ -242,7 +242,10 @@ def test_user_error_report_fails_the_job(harness: Harness) -> None:
     assert reply.action == "stop" and "bad lr" in reply.reason
     status = harness.session.status
     assert status.phase == "Failed" and "bad lr" in status.message
-    assert {w for w, _ in harness.driver.stopped} == {"demo-w0-0", "demo-w1-0"}
+    # The session hands stops to its effect runner, which may still be at it when the
+    # reply arrives: wait for the driver to have been asked.
+    expected = {"demo-w0-0", "demo-w1-0"}
+    harness.wait_for(lambda: {w for w, _ in harness.driver.stopped} == expected, timeout=10)
 
 
 def test_metrics_count_requests(harness: Harness) -> None:

@@ -44,6 +44,19 @@ class ControlClient(Protocol):
     def complete(self, report: CompletionReport) -> Directive: ...
 
 
+def reports_progress(rank: int) -> bool:
+    """Whether this rank reports progress to the control endpoint: rank 0 alone.
+
+    Every rank completes the same steps (each step ends in a collective they all join),
+    so one rank's step, loss and checkpoint step are the job's, and a hang anywhere stops
+    rank 0 too. The others stay visible through their membership long poll (an open poll
+    is alive to the hang timer) and learn of newer generations and of their own eviction
+    from it; fault and completion reports still come from every rank, at once. At 16,384
+    workers this turns 16,384 requests per step into one (docs/control-plane.md).
+    """
+    return rank == 0
+
+
 def is_gone(exc: BaseException) -> bool:
     """Whether a control error means the manager has dropped this worker for good."""
     return getattr(exc, "status_code", None) in _GONE_STATUSES

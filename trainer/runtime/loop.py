@@ -45,6 +45,7 @@ from bulkhead.trainer.runtime.control import (
     MembershipWatcher,
     Reporter,
     is_gone,
+    reports_progress,
 )
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 from bulkhead.trainer.runtime.samples_log import SamplesLog
@@ -368,21 +369,24 @@ class ElasticTrainer:
             self.checkpointer.snapshot(engine.held_state())
         if report or completed % self.cfg.log_interval_steps == 0:
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else None
+            # Rank 0 reports for the job; a rank that persists a checkpoint shard also
+            # reports, for its shard's storage progress (a few ranks: one per shard).
             storage = self.checkpointer.storage() if self.checkpointer else None
-            self.reporter.post(
-                ProgressReport(
-                    worker=self.me.worker,
-                    generation=view.generation,
-                    step=result.step,
-                    loss=result.loss,
-                    step_time_s=result.seconds,
-                    tokens_per_s=tokens_per_s,
-                    checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
-                    persisted_step=storage.persisted_step if storage else None,
-                    persist_error=storage.error[:1024] if storage and storage.error else None,
-                    state_source=self._state_source,
+            if reports_progress(world.rank) or storage is not None:
+                self.reporter.post(
+                    ProgressReport(
+                        worker=self.me.worker,
+                        generation=view.generation,
+                        step=result.step,
+                        loss=result.loss,
+                        step_time_s=result.seconds,
+                        tokens_per_s=tokens_per_s,
+                        checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
+                        persisted_step=storage.persisted_step if storage else None,
+                        persist_error=storage.error[:1024] if storage and storage.error else None,
+                        state_source=self._state_source,
+                    )
                 )
-            )
             own = self._own_straggler
             self._to_node_agent(
                 self._node_report(
