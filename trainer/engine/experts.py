@@ -118,7 +118,9 @@ class ReplicatedMoE(MoEFeedForward):
         received = all_to_all_single_autograd(
             tokens[token_of], layout.output_splits, layout.input_splits, group
         )
-        outputs = received.new_zeros(received.shape)
+        # Derived from ``received`` even when no row is for an expert here, so that every
+        # rank's backward runs both reverse all-to-alls (they are collective).
+        outputs = received * 0.0
         for e, rows in layout.received_rows().items():
             index = torch.from_numpy(rows).to(x.device)
             outputs = outputs.index_copy(0, index, self.experts[str(e)](received[index]))

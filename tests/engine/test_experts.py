@@ -1,0 +1,127 @@
+"""The expert-parallel engine against every-expert-everywhere, in real gloo processes.
+
+Same seed, same data, same routing: 4 workers each hosting 2 of the 4 experts train like
+one process holding all of them; a worker killed mid-step costs no step and its experts
+come back from their surviving replicas; losing every replica of some experts falls back
+to the checkpoint; rebalancing moves replicas toward the hot experts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import Outcome, Phase, run_scenario
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.config import TrainConfig, train_config
+from bulkhead.trainer.engine.plan import make_plan
+
+pytestmark = pytest.mark.slow
+
+ADAM_ATOL = 6e-5  # see test_equivalence: a fraction of one AdamW step
+
+
+def config(
+    workers: int = 4, max_failures: int = 1, experts: dict | None = None, **trainer: object
+) -> TrainConfig:
+    parallelism = {"experts": experts} if experts is not None else {}
+    spec = TrainingJobSpec.model_validate(
+        {
+            "workers": workers,
+            "trainer": {
+                "model": {"preset": "tiny-moe"},
+                "batch": {"globalBatchSize": 8, "microBatchSize": 2},
+                "steps": 100,
+                "parallelism": parallelism,
+                **trainer,
+            },
+            "faultTolerance": {"maxFailures": max_failures},
+        }
+    )
+    return train_config(spec)
+
+
+EP = {"rebalanceIntervalSteps": 0}
+
+
+def assert_same_state(result: Outcome, reference: Outcome) -> None:
+    assert result.full_state.keys() == reference.full_state.keys()
+    for key, expected in reference.full_state.items():
+        torch.testing.assert_close(
+            result.full_state[key],
+            expected,
+            rtol=1e-4,
+            atol=ADAM_ATOL,
+            msg=lambda m, k=key: f"{k}: {m}",
+        )
+
+
+def assert_same_losses(result: dict[int, float], reference: dict[int, float]) -> None:
+    assert result.keys() == reference.keys()
+    for step, expected in reference.items():
+        assert abs(result[step] - expected) <= 1e-4 * abs(expected), (step, result[step])
+
+
+def reference(steps: int, tmp: Path) -> Outcome:
+    """Every expert on the one worker: today's MoE model, data parallel over one rank."""
+    return run_scenario(config(workers=1, max_failures=0), [Phase((0,), steps)], tmp)[0]
+
+
+def test_each_worker_hosts_half_the_experts() -> None:
+    plan = make_plan(1, ["w0", "w1", "w2", "w3"], ["w0", "w1", "w2", "w3"], config(experts=EP))
+    assert plan.experts is not None
+    hosted = [plan.experts.hosted(r)[1] for r in range(4)]
+    assert all(len(h) == 2 for h in hosted)
+    for e in range(4):  # maxFailures + 1 = 2 replicas of each, on different workers
+        assert sum(e in h for h in hosted) == 2
+
+
+def test_expert_parallel_equals_every_expert_everywhere(tmp_path: Path) -> None:
+    out = run_scenario(config(experts=EP), [Phase((0, 1, 2, 3), 20)], tmp_path / "ep")
+    ref = reference(20, tmp_path / "ref")
+    assert out[0].adoptions == [(1, "fresh", 0)]
+    assert_same_losses(out[0].losses, ref.losses)
+    assert_same_state(out[0], ref)
+    assert ref.losses[19] < ref.losses[0]  # it trained
+
+
+def test_a_killed_worker_costs_no_step_and_its_experts_come_from_replicas(
+    tmp_path: Path,
+) -> None:
+    # Slot 3 dies inside step 6; the survivors settle a 3-worker placement onto what they
+    # hold and fetch the missing experts from each other; slot 4 joins with nothing.
+    phases = [
+        Phase((0, 1, 2, 3), 7, kill_after=(3,)),
+        Phase((0, 1, 2), 6),
+        Phase((0, 1, 2, 4), 7),
+    ]
+    out = run_scenario(config(experts=EP), phases, tmp_path / "ep")
+    assert 3 not in out
+    survivor = out[0]
+    assert survivor.errors, "the kill should have failed step 6 on the survivors"
+    assert survivor.adoptions == [(1, "fresh", 0), (2, "peers", 6), (3, "peers", 12)]
+    assert out[4].adoptions == [(3, "peers", 12)]
+    assert sorted(survivor.losses) == list(range(19))
+    ref = reference(19, tmp_path / "ref")
+    assert_same_losses(survivor.losses, ref.losses)
+    assert_same_state(survivor, ref)
+
+
+def test_losing_every_replica_of_an_expert_falls_back_to_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # MRO puts experts in blocks of 2 workers: slots 2 and 3 hold the same 2 experts, so
+    # losing both loses them. The survivors find no holder, restore the step-4 snapshot
+    # and redo step 4 onwards: the same state as without the kills.
+    plan = make_plan(1, ["w0", "w1", "w2", "w3"], ["w0", "w1", "w2", "w3"], config(experts=EP))
+    assert plan.experts is not None
+    assert plan.experts.hosted(2) == plan.experts.hosted(3) != plan.experts.hosted(0)
+    phases = [Phase((0, 1, 2, 3), 6, kill_after=(2, 3)), Phase((0, 1), 6)]
+    out = run_scenario(config(experts=EP), phases, tmp_path / "ep", snapshot_every=4)
+    survivor = out[0]
+    assert survivor.adoptions == [(1, "fresh", 0), (2, "incomplete", 5), (2, "checkpoint", 4)]
+    assert max(survivor.losses) == 9
+    ref = reference(10, tmp_path / "ref")
+    assert_same_state(survivor, ref)
