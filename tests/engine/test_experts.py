@@ -20,7 +20,10 @@ from bulkhead.trainer.engine.plan import make_plan
 
 pytestmark = pytest.mark.slow
 
-ADAM_ATOL = 6e-5  # see test_equivalence: a fraction of one AdamW step
+# See test_equivalence: AdamW's m / sqrt(v) turns the rounding of near-zero gradients
+# (summed in another order: over replicas, over 4, 3 then 4 ranks) into differences of a
+# fraction of one step (lr 3e-3); parameters are compared to 3 % of one step.
+ADAM_ATOL = 1e-4
 
 
 def config(
@@ -46,14 +49,16 @@ def config(
 EP = {"rebalanceIntervalSteps": 0}
 
 
-def assert_same_state(result: Outcome, reference: Outcome) -> None:
+def assert_same_state(
+    result: Outcome, reference: Outcome, rtol: float = 1e-4, atol: float = ADAM_ATOL
+) -> None:
     assert result.full_state.keys() == reference.full_state.keys()
     for key, expected in reference.full_state.items():
         torch.testing.assert_close(
             result.full_state[key],
             expected,
-            rtol=1e-4,
-            atol=ADAM_ATOL,
+            rtol=rtol,
+            atol=atol,
             msg=lambda m, k=key: f"{k}: {m}",
         )
 
@@ -64,9 +69,15 @@ def assert_same_losses(result: dict[int, float], reference: dict[int, float]) ->
         assert abs(result[step] - expected) <= 1e-4 * abs(expected), (step, result[step])
 
 
-def reference(steps: int, tmp: Path) -> Outcome:
+def reference(steps: int, tmp: Path, **trainer: object) -> Outcome:
     """Every expert on the one worker: today's MoE model, data parallel over one rank."""
-    return run_scenario(config(workers=1, max_failures=0), [Phase((0,), steps)], tmp)[0]
+    cfg = config(workers=1, max_failures=0, **trainer)
+    return run_scenario(cfg, [Phase((0,), steps)], tmp)[0]
+
+
+# SGD (with momentum, also state) keeps the update linear in the gradient: after three
+# layouts the state can be compared tightly.
+SGD = {"optimizer": {"name": "sgd", "lr": 0.1}}
 
 
 def test_each_worker_hosts_half_the_experts() -> None:
@@ -97,16 +108,17 @@ def test_a_killed_worker_costs_no_step_and_its_experts_come_from_replicas(
         Phase((0, 1, 2), 6),
         Phase((0, 1, 2, 4), 7),
     ]
-    out = run_scenario(config(experts=EP), phases, tmp_path / "ep")
+    out = run_scenario(config(experts=EP, **SGD), phases, tmp_path / "ep")
     assert 3 not in out
     survivor = out[0]
     assert survivor.errors, "the kill should have failed step 6 on the survivors"
     assert survivor.adoptions == [(1, "fresh", 0), (2, "peers", 6), (3, "peers", 12)]
     assert out[4].adoptions == [(3, "peers", 12)]
     assert sorted(survivor.losses) == list(range(19))
-    ref = reference(19, tmp_path / "ref")
+    ref = reference(19, tmp_path / "ref", **SGD)
     assert_same_losses(survivor.losses, ref.losses)
-    assert_same_state(survivor, ref)
+    assert_same_state(survivor, ref, rtol=1e-4, atol=1e-5)  # ~2 % of one SGD step
+    assert ref.losses[18] < ref.losses[0]
 
 
 def test_losing_every_replica_of_an_expert_falls_back_to_the_checkpoint(
