@@ -137,3 +137,27 @@ def test_losing_every_replica_of_an_expert_falls_back_to_the_checkpoint(
     assert max(survivor.losses) == 9
     ref = reference(10, tmp_path / "ref")
     assert_same_state(survivor, ref)
+
+
+def test_rebalancing_moves_replicas_toward_the_hot_experts_and_changes_no_number(
+    tmp_path: Path,
+) -> None:
+    # 4 workers x 3 slots = 12 replicas of 4 experts: 8 are the floor (2 each), the 4
+    # others follow the load measured every 4 steps. Training is the same computation
+    # wherever the replicas are: losses and state stay those of the reference.
+    ep = {"rebalanceIntervalSteps": 4, "slotsPerWorker": 3}
+    out = run_scenario(config(experts=ep), [Phase((0, 1, 2, 3), 12)], tmp_path / "ep")
+    rebalances = out[0].events
+    assert rebalances, "the measured load is never exactly uniform: replicas should move"
+    for r in rebalances:
+        loads, replicas = r.loads[1], r.replicas[1]
+        assert sum(replicas) == 12 and min(replicas) >= 2
+        hottest, coldest = loads.index(max(loads)), loads.index(min(loads))
+        assert replicas[hottest] > replicas[coldest]
+        # Replica counts never decrease as the load grows (Eq. 1).
+        by_load = [replicas[e] for e in sorted(range(4), key=lambda e: loads[e])]
+        assert by_load == sorted(by_load)
+        assert 0 < r.copies <= 4  # only what changed moved
+    ref = reference(12, tmp_path / "ref")
+    assert_same_losses(out[0].losses, ref.losses)
+    assert_same_state(out[0], ref)

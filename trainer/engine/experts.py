@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -64,6 +64,26 @@ from bulkhead.trainer.moe import Expert, MoEFeedForward
 log = logging.getLogger(__name__)
 
 _EXPERTS = ".ffn.experts."
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What one rebalance did (the same on every rank but ``bytes_received``)."""
+
+    step: int  # completed steps when it ran
+    loads: dict[int, tuple[int, ...]]  # block -> assignments per expert since the last one
+    replicas: dict[int, tuple[int, ...]]  # block -> new replica counts
+    copies: int  # expert states fetched by ranks that did not hold them
+    bytes_received: int
+    seconds: float
+
+    def describe(self) -> str:
+        counts = "; ".join(f"block {b}: {list(r)}" for b, r in self.replicas.items())
+        return (
+            f"step {self.step}: expert replicas follow the measured load ({counts}); "
+            f"{self.copies} expert cop{'y' if self.copies == 1 else 'ies'} moved, "
+            f"{self.bytes_received} bytes received here in {self.seconds:.3f}s"
+        )
 
 
 class ReplicatedMoE(MoEFeedForward):
@@ -210,7 +230,7 @@ class ExpertEngine(Engine):
         self.specs = self._all_specs
         self._settled = False
         self._interrupted: HeldState | None = None  # state kept when a migration failed
-        self.rebalances: list[str] = []  # what each rebalance did, for events
+        self.rebalances: list[Rebalance] = []  # what each rebalance did, for events
 
     @property
     def holding(self) -> Holding:
@@ -349,7 +369,7 @@ class ExpertEngine(Engine):
         if interval and self.completed_steps % interval == 0:
             self.rebalance()
 
-    def rebalance(self) -> str | None:
+    def rebalance(self) -> Rebalance | None:
         """Replica counts follow the loads measured since the last rebalance (collective,
         at a step boundary); returns what moved, None when the placement stays."""
         started = time.perf_counter()
@@ -372,48 +392,43 @@ class ExpertEngine(Engine):
         )
         held = [plan.groups(r) for r in range(plan.ranks)]
         target = settle(fresh, held_matrix(fresh, held))
-        if target == plan:
+        if [p.slots for p in target.layers] == [p.slots for p in plan.layers]:
+            self.plan = replace(self.plan, experts=target)  # same placement, new loads
             return None
         old = self.held_state()
         try:
-            note = self._migrate(plan, target, old, held, started)
+            received = self._migrate(target, old, held)
         except BaseException:
             # A peer failed mid-migration: the state of the committed step is the old one.
             self._interrupted = old
             raise
-        self.rebalances.append(note)
-        log.info("%s", note)
-        return note
+        done = Rebalance(
+            step=self.completed_steps,
+            loads={b: tuple(v) for b, v in loads.items()},
+            replicas={p.layer: p.replicas for p in target.layers},
+            copies=sum(len(target.groups(r) - held[r]) for r in range(plan.ranks)),
+            bytes_received=received,
+            seconds=time.perf_counter() - started,
+        )
+        self.rebalances.append(done)
+        log.info("%s", done.describe())
+        return done
 
-    def _migrate(
-        self,
-        plan: ExpertPlan,
-        target: ExpertPlan,
-        old: HeldState,
-        held: list[frozenset[str]],
-        started: float,
-    ) -> str:
-        holdings = [
-            Holding(self.completed_steps, plan.ranks, r, groups=held[r]) for r in range(plan.ranks)
-        ]
+    def _migrate(self, target: ExpertPlan, old: HeldState, held: list[frozenset[str]]) -> int:
+        """Host ``target`` and fetch what this rank lacks; returns the bytes received."""
+        ranks = target.ranks
+        holdings = [Holding(self.completed_steps, ranks, r, groups=held[r]) for r in range(ranks)]
         self._rehost(target)
-        needs = [needed_ranges(1, 0, self.specs, target.groups(r)) for r in range(plan.ranks)]
+        needs = [needed_ranges(1, 0, self.specs, target.groups(r)) for r in range(ranks)]
         transfer = plan_transfer(holdings, needs, self.specs)
         assert transfer.complete, "every expert is held by some rank at a step boundary"
-        received = execute_transfer(
+        return execute_transfer(
             transfer,
             self.world,
             old,
             self.local_tensors(),
             needs[self.world.rank],
             {s.name: s for s in self.specs},
-        )
-        moved = sum(len(target.groups(r) - held[r]) for r in range(plan.ranks))
-        counts = "; ".join(f"block {p.layer}: {list(p.replicas)}" for p in target.layers)
-        return (
-            f"step {self.completed_steps}: experts rebalanced to the measured load "
-            f"({counts}); {moved} expert cop{'y' if moved == 1 else 'ies'} moved, "
-            f"{received} bytes received here, {time.perf_counter() - started:.3f}s"
         )
 
     def held_state(self) -> HeldState:
