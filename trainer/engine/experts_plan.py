@@ -149,7 +149,10 @@ def plan_experts(
         if len(measured) != num_experts:
             raise ValueError(f"block {layer}: {len(measured)} loads for {num_experts} experts")
         counts = allocate_replicas(measured, ranks, slots, min_replicas)
-        placement = place_experts(counts, names, slots, measured, failures)
+        # Grouped by replica count and expert id, not by load: equally replicated experts
+        # are interchangeable for survival, and a stable grouping moves nothing when the
+        # counts stay the same.
+        placement = place_experts(counts, names, slots, None, failures)
         layers.append(LayerPlacement(layer, measured, tuple(counts), placement.slots))
     return ExpertPlan(
         num_experts=num_experts,
