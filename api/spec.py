@@ -118,13 +118,46 @@ class PipelineConfig(SpecModel):
 
 
 class ExpertParallelConfig(SpecModel):
-    """Lazarus expert parallelism (not yet trained by the engine: setting it is rejected)."""
+    """Lazarus expert parallelism: each worker hosts only some experts of every MoE layer.
 
-    min_replicas: int = Field(
-        2, ge=1, le=1024, description="Minimum replicas of every expert (Lazarus f + 1)."
+    Every expert has several replicas on distinct workers (at least minReplicas), so any
+    faultTolerance.maxFailures worker losses leave a replica of every expert: the lost
+    replicas are copied (weights and optimizer state) from the survivors in process, with
+    no checkpoint reload. Replica counts follow the measured expert load (Lazarus Eq. 1)
+    and replicas are placed to maximise the chance of surviving more losses (Maximum Rank
+    Overlap). Dense parameters (attention, embeddings, routers) stay data parallel.
+    """
+
+    min_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description=(
+            "Fewest replicas of every expert, each on a different worker (Lazarus f). "
+            "Default and minimum: faultTolerance.maxFailures + 1; at most workers. With fewer "
+            "live workers than this, every live worker holds every expert."
+        ),
+    )
+    slots_per_worker: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description=(
+            "Expert replicas each worker hosts per MoE layer (Lazarus c, the expert memory "
+            "budget): workers x slotsPerWorker replicas per layer are shared out by load. "
+            "Default and minimum: the fewest that give every expert minReplicas replicas, "
+            "ceil(numExperts x minReplicas / workers); raised the same way while fewer "
+            "workers are alive."
+        ),
     )
     rebalance_interval_steps: int = Field(
-        200, ge=1, le=10_000_000, description="Steps between replica rebalancing."
+        200,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "Every so many steps the replica counts follow the expert load measured since "
+            "the last rebalance and replicas move with the fewest copies (0 = never)."
+        ),
     )
 
 
@@ -181,29 +214,40 @@ class ParallelismConfig(SpecModel):
     experts: ExpertParallelConfig | None = Field(
         None,
         description=(
-            "Expert parallelism. Not supported by this version of the engine: a job that "
-            "sets it is rejected rather than trained without it."
+            "Expert parallelism (Lazarus) for a Mixture-of-Experts model: each worker hosts "
+            "some replicas of each MoE layer's experts. Not combined with pipeline or ZeRO "
+            "stage > 0 by this version of the engine."
         ),
     )
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO / hpZ sharding.")
 
     @model_validator(mode="after")
     def _only_what_the_engine_runs(self) -> ParallelismConfig:
-        for name in ("pipeline", "experts"):
-            if getattr(self, name) is not None:
-                raise _rule(
-                    name,
-                    "{what} parallelism is not supported by this version of the engine; "
-                    "remove the block (the job would otherwise train without it)",
-                    what=name,
-                )
+        if self.pipeline is not None:
+            raise _rule(
+                "pipeline",
+                "pipeline parallelism is not supported by this version of the engine; "
+                "remove the block (the job would otherwise train without it)",
+            )
+        if self.experts is not None and self.zero.stage > 0:
+            raise _rule(
+                "zero.stage",
+                "expert parallelism is not combined with ZeRO stage > 0 by this version of "
+                "the engine (dense parameters stay data parallel); use stage 0, got {s}",
+                s=self.zero.stage,
+            )
         return self
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("!has(self.pipeline)", "pipeline parallelism is not supported", "pipeline"),
-                cel("!has(self.experts)", "expert parallelism is not supported", "experts"),
+                cel(
+                    "!has(self.experts) || !has(self.zero) || !has(self.zero.stage) || "
+                    "self.zero.stage == 0",
+                    "expert parallelism is not combined with ZeRO stage > 0",
+                    "zero.stage",
+                ),
             ]
         },
     )
@@ -453,6 +497,9 @@ class TrainingJobSpec(SpecModel):
                     g=gpus,
                     idle=gpus - 1,
                 )
+        experts = self.trainer.parallelism.experts
+        if experts is not None:
+            self._check_experts(experts, f)
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
             size = zero_shard_group_size(self.workers, f)
@@ -477,6 +524,25 @@ class TrainingJobSpec(SpecModel):
                     h=zero.hpz_partition_size,
                 )
         return self
+
+    def _check_experts(self, experts: ExpertParallelConfig, max_failures: int) -> None:
+        model = self.trainer.model
+        if model.moe is None and not (model.preset or "").endswith("-moe"):
+            raise _rule(
+                "trainer.parallelism.experts",
+                "expert parallelism needs a Mixture-of-Experts model: set trainer.model.moe "
+                "or a -moe preset",
+            )
+        r = experts.min_replicas
+        if r is not None and not max_failures + 1 <= r <= self.workers:
+            raise _rule(
+                "trainer.parallelism.experts.minReplicas",
+                "must be between maxFailures + 1 ({lo}, so any maxFailures losses leave a "
+                "replica of every expert) and workers ({w}), got {r}",
+                lo=max_failures + 1,
+                w=self.workers,
+                r=r,
+            )
 
 
 class ObjectMeta(BaseModel):

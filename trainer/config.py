@@ -121,12 +121,22 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class ExpertParallelism:
+    """Lazarus expert parallelism (see ``api.spec.ExpertParallelConfig``)."""
+
+    min_replicas: int  # replicas of every expert on distinct workers (>= max_failures + 1)
+    slots_per_worker: int | None  # expert replicas per worker per MoE layer (None = fewest)
+    rebalance_interval_steps: int  # 0 = never
+
+
+@dataclass(frozen=True)
 class Parallelism:
     """What the engine shards and how many copies of the state it keeps."""
 
     zero_stage: int = 0
     hpz: int = 1  # hpZ secondary partition size (1 = off)
     max_failures: int = 0  # f: the state is kept on f + 1 workers
+    experts: ExpertParallelism | None = None
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,9 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
             f"got {trainer.model.vocab_size}"
         )
     ft = spec.fault_tolerance
+    model = resolve_model(trainer.model)
     return TrainConfig(
-        model=resolve_model(trainer.model),
+        model=model,
         optimizer=trainer.optimizer,
         global_batch_size=trainer.batch.global_batch_size,
         micro_batch_size=trainer.batch.micro_batch_size,
@@ -177,5 +188,31 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
             zero_stage=trainer.parallelism.zero.stage,
             hpz=trainer.parallelism.zero.hpz_partition_size,
             max_failures=ft.max_failures,
+            experts=_expert_parallelism(spec, model),
         ),
+    )
+
+
+def _expert_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> ExpertParallelism | None:
+    """The experts block with its defaults resolved against the model and the workers."""
+    experts = spec.trainer.parallelism.experts
+    if experts is None:
+        return None
+    if model.moe is None:
+        raise ValueError(
+            "spec.trainer.parallelism.experts: expert parallelism needs a Mixture-of-Experts model"
+        )
+    replicas = experts.min_replicas or spec.fault_tolerance.max_failures + 1
+    fewest = -(-model.moe.num_experts * replicas // spec.workers)
+    slots = experts.slots_per_worker
+    if slots is not None and slots < fewest:
+        raise ValueError(
+            f"spec.trainer.parallelism.experts.slotsPerWorker: {spec.workers} workers x "
+            f"{slots} slots cannot hold {replicas} replicas of each of "
+            f"{model.moe.num_experts} experts; needs >= {fewest}, got {slots}"
+        )
+    return ExpertParallelism(
+        min_replicas=replicas,
+        slots_per_worker=slots,
+        rebalance_interval_steps=experts.rebalance_interval_steps,
     )

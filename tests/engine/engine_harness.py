@@ -46,6 +46,7 @@ class Outcome:
     adoptions: list[tuple[int, str, int]] = field(default_factory=list)  # (gen, source, step)
     full_state: dict[str, torch.Tensor] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    events: list[object] = field(default_factory=list)  # e.g. expert rebalances (rank 0)
 
 
 def free_port() -> int:
@@ -57,6 +58,12 @@ def free_port() -> int:
 def full_state(engine: Engine) -> dict[str, torch.Tensor]:
     """Every key gathered whole (collective), for comparison with a reference."""
     from torch.distributed.tensor import DTensor
+
+    if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
+        return engine.full_state()
+
+    if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
+        return engine.full_state()
 
     out = {}
     for spec, t in engine._entries:
@@ -131,6 +138,8 @@ def _slot_main(
             # A peer died mid-step: the state is still that of the last committed step.
             outcome.errors.append(str(exc))
         held = engine.held_state()
+        if rank == 0:
+            outcome.events.extend(getattr(engine, "rebalances", []))
         if generation == len(phases):
             state = full_state(engine)  # collective: every rank gathers
             if rank == 0:

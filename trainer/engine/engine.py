@@ -175,6 +175,10 @@ class Engine:
     @classmethod
     def build(cls, plan: ParallelPlan, world: World, cfg: TrainConfig) -> Engine:
         """A fresh model laid out per ``plan`` (state not yet adopted)."""
+        if plan.experts is not None and cls is Engine:
+            from bulkhead.trainer.engine.experts import ExpertEngine  # imports this module
+
+            return ExpertEngine.build(plan, world, cfg)
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
@@ -277,17 +281,13 @@ class Engine:
         some key has no holder; the state is then unchanged and the caller falls back.
         """
         started = time.perf_counter()
-        mine = held.holding if held is not None else NOTHING
-        encoded = torch.tensor(mine.encode(), dtype=torch.int64, device=self.world.device.device)
-        gathered = self.world.all_gather(encoded).cpu().tolist()
-        holdings = [Holding.decode(row) for row in gathered]
+        holdings = self._holdings(held)
         if all(h.empty for h in holdings):
             self.completed_steps = 0
             self.adopted = True
             return Adoption(0, "fresh", 0, time.perf_counter() - started, {})
-        z = self.plan.zero
-        shards = z.shard_size if z.sharded else 1
-        needs = [needed_ranges(shards, z.shard_index(r), self.specs) for r in range(len(holdings))]
+        needs = self._needs(holdings)
+        held = self._source(held)
         transfer = plan_transfer(holdings, needs, self.specs)
         if not transfer.complete:
             return Adoption(
@@ -312,7 +312,36 @@ class Engine:
             {},
         )
 
+    # Adoption hooks: what every rank holds (collective), what each must hold, and this
+    # rank's held state as a transfer source. Layouts other than DP/ZeRO override them.
+
+    def _holdings(self, held: HeldState | None) -> list[Holding]:
+        mine = held.holding if held is not None else NOTHING
+        encoded = torch.tensor(mine.encode(), dtype=torch.int64, device=self.world.device.device)
+        gathered = self.world.all_gather(encoded).cpu().tolist()
+        return [Holding.decode(row) for row in gathered]
+
+    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
+        z = self.plan.zero
+        shards = z.shard_size if z.sharded else 1
+        return [needed_ranges(shards, z.shard_index(r), self.specs) for r in range(len(holdings))]
+
+    def _source(self, held: HeldState | None) -> HeldState | None:
+        return held
+
     # -- training ----------------------------------------------------------------------
+
+    # Step hooks for layouts whose forward communicates or whose gradients are reduced
+    # outside DDP/FSDP2 (expert parallelism).
+    collective_forward = False  # True: every rank runs as many passes as the busiest one
+
+    def _reduce_gradients(self, params: list[torch.Tensor]) -> float | None:
+        """Reduce gradients after backward; return this rank's share of the squared global
+        gradient norm (shares summed over ranks), or None when the local norm is global."""
+        return None
+
+    def _after_commit(self) -> None:
+        """Runs on every rank after each committed step (at a step boundary)."""
 
     def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
         """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
@@ -323,9 +352,10 @@ class Engine:
         share = rank_share(step, gb, world.rank, world.world_size)
         passes: list[list[int]] = micro_batches(share, cfg.micro_batch_size)
         sharded = plan.zero.sharded
-        if sharded:
-            # FSDP2's gathers are collective: every rank runs as many passes as the rank
-            # with the largest share; extra passes carry weight 0.
+        if sharded or self.collective_forward:
+            # FSDP2's gathers (and the experts' all-to-alls) are collective: every rank
+            # runs as many passes as the rank with the largest share; extra passes carry
+            # weight 0.
             largest = -(-gb // world.world_size)
             passes += [[]] * (-(-largest // cfg.micro_batch_size) - len(passes))
         elif not passes:
@@ -385,10 +415,16 @@ class Engine:
             norm_sq = _norm_sq(local_grads) if contributes else 0.0
             agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, norm_sq, compute_s)
         else:
-            # Gradients are summed already (DDP, during backward) or local (one rank).
+            # Gradients are summed already (DDP, during backward), local (one rank), or
+            # reduced by the layout's hook.
             local_grads = [p.grad for p in params]
-            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, 0.0, compute_s)
-            norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
+            with world.guard("gradient reduction"):
+                share = self._reduce_gradients(params)
+            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, share or 0.0, compute_s)
+            if share is not None:
+                norm_sq = agreed.grad_norm_sq
+            else:
+                norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):
             raise NonFiniteLoss(step, loss)
@@ -404,6 +440,7 @@ class Engine:
         if sharded:
             after_optimizer_step(self.model, plan.zero)
         self.completed_steps = step + 1
+        self._after_commit()
         return StepResult(
             step=step,
             loss=loss,

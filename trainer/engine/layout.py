@@ -8,6 +8,10 @@ sharded layout along the first dimension the way FSDP2's ``Shard(0)``
 splits them (``torch.chunk``: chunks of ceil(rows / S) rows, the last ones shorter or
 empty); replicated keys (scalars, buffers) are held whole by everyone.
 
+Under expert parallelism a key may belong to a *group* (``expert/<block>/<expert>``: the
+parameters and optimizer state of one expert); a holding that lists its groups holds
+only the grouped keys of those groups, plus every key of no group.
+
 A rank describes what it holds with a ``Holding``: the step its state is at and the shard
 of the layout it had. From the holdings of all ranks every rank computes the same
 element ranges, with no byte of state exchanged to find out.
@@ -27,6 +31,7 @@ class KeySpec:
     rows: int
     dtype: str
     shardable: bool  # split by every sharded layout (parameters, their optimizer slots)
+    group: str = ""  # held only by holdings listing it ("" = held by every holding)
 
     @property
     def row_elements(self) -> int:
@@ -40,6 +45,7 @@ class Holding:
     step: int  # completed steps of the held state (-1 = holds nothing)
     shards: int  # 1 = the whole state
     index: int
+    groups: frozenset[str] | None = None  # the key groups held (None = every group)
 
     @property
     def empty(self) -> bool:
@@ -74,12 +80,16 @@ def ranges_of(holding: Holding, specs: list[KeySpec]) -> dict[str, Range]:
         return {}
     out: dict[str, Range] = {}
     for spec in specs:
+        if spec.group and holding.groups is not None and spec.group not in holding.groups:
+            continue
         start, stop = shard_range(spec, holding.shards, holding.index)
         if stop > start:
             out[spec.name] = (start, stop)
     return out
 
 
-def needed_ranges(shards: int, index: int, specs: list[KeySpec]) -> dict[str, Range]:
-    """What a rank must hold to be shard ``index`` of ``shards`` (for any step)."""
-    return ranges_of(Holding(step=0, shards=shards, index=index), specs)
+def needed_ranges(
+    shards: int, index: int, specs: list[KeySpec], groups: frozenset[str] | None = None
+) -> dict[str, Range]:
+    """What a rank must hold to be shard ``index`` of ``shards`` (and hold ``groups``)."""
+    return ranges_of(Holding(step=0, shards=shards, index=index, groups=groups), specs)

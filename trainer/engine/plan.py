@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from bulkhead.api.spec import zero_shard_group_size
 from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.engine.experts_plan import ExpertPlan, plan_experts
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ParallelPlan:
     micro_batch_size: int
     max_failures: int
     zero: ZeroPlan
+    # Lazarus expert parallelism: the experts each rank hosts (None: every rank holds all).
+    experts: ExpertPlan | None = None
 
     @property
     def world_size(self) -> int:
@@ -78,6 +81,8 @@ class ParallelPlan:
 
     def checkpoint_shard(self, rank: int) -> str:
         """The checkpoint shard id rank ``rank`` snapshots (equal ids = identical bytes)."""
+        if self.experts is not None:  # every rank holds its own mix of experts
+            return shard_id(self.world_size, rank)
         if not self.zero.sharded:
             return shard_id(1, 0)
         return shard_id(self.zero.shard_size, self.zero.shard_index(rank))
@@ -87,6 +92,8 @@ class ParallelPlan:
 
     def persists(self, rank: int) -> bool:
         """One holder of each checkpoint shard persists it: the one in replica group 0."""
+        if self.experts is not None:
+            return True
         return self.zero.replica_index(rank) == 0 if self.zero.sharded else rank == 0
 
     def describe(self) -> list[str]:
@@ -105,6 +112,9 @@ class ParallelPlan:
         else:
             what = "data parallel" if z.stage == 0 else f"ZeRO-{z.stage} degraded to data parallel"
             lines.append(f"{what}: every worker holds the whole state ({z.replicas} copies)")
+        if self.experts is not None:
+            lines[-1] = "dense parameters data parallel; experts placed by Lazarus:"
+            lines += self.experts.describe()
         return lines
 
 
@@ -190,4 +200,20 @@ def make_plan(
         micro_batch_size=cfg.micro_batch_size,
         max_failures=p.max_failures,
         zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures),
+        experts=_expert_plan(len(workers), cfg),
+    )
+
+
+def _expert_plan(ranks: int, cfg: TrainConfig) -> ExpertPlan | None:
+    """Uniform-load Lazarus placement; the engine settles it onto what ranks hold."""
+    ep, moe = cfg.parallelism.experts, cfg.model.moe
+    if ep is None or moe is None:
+        return None
+    return plan_experts(
+        ranks,
+        moe.num_experts,
+        [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_block(i)],
+        ep.min_replicas,
+        ep.slots_per_worker,
+        ep.rebalance_interval_steps,
     )

@@ -290,6 +290,9 @@ class ElasticTrainer:
         if self.samples_log is not None and world.rank == 0:
             self.samples_log.reconcile(engine.completed_steps, view.generation, world.world_size)
         log.info("%s", describe_adoption(adoption, plan))
+        if engine.plan.experts is not None and engine.plan.experts != plan.experts:
+            for line in engine.plan.experts.describe():
+                log.info("plan (experts settled onto their holders): %s", line)
 
     def _restore(self, engine: Engine, why: str) -> HeldState | None:
         """The newest checkpoint as one whole state (its shards from the ladder), or None."""

@@ -1,0 +1,464 @@
+"""Lazarus expert parallelism: replicated experts, quota dispatch, replica gradient sums.
+
+Each rank hosts only the experts the generation's ``ExpertPlan`` gives it (each once; its
+slots set its share of the expert's tokens). Dense parameters (embeddings, attention,
+norms, routers) are replicated on every rank.
+
+Forward of an MoE block (``ReplicatedMoE``), per micro-batch, on every rank in lockstep:
+route -> all-gather the per-expert counts -> the planner's quotas (the same on every rank,
+a rank's own replica first) -> uneven all-to-all of the assignments -> each hosted expert
+on its rows -> the reverse all-to-all -> combine with the router weights. Nothing is
+dropped or padded. The all-to-alls are autograd functions, so each token's gradient goes
+back to the rank that routed it.
+
+After backward (``ExpertEngine._reduce_gradients``): the dense gradients are summed over
+all ranks (each rank's loss is weighted by its share of the global batch), and each
+expert's gradient is summed over the ranks hosting it, in rank order, so every replica
+takes the same step as the expert of a model trained without expert parallelism.
+
+State: an expert's parameters and optimizer slots form the key group
+``expert/<block>/<expert>`` (``layout``); a rank holds the dense keys and its experts'
+groups. After a membership change the plan is settled onto what the ranks hold and the
+missing experts come from surviving replicas through the engine's one transfer plan; an
+expert with no surviving replica makes the adoption incomplete (checkpoint fallback).
+Every ``rebalanceIntervalSteps`` the replica counts follow the measured loads (Eq. 1),
+settled onto the current holders so the fewest experts move, through the same transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.engine.dispatch import DispatchLayout
+from bulkhead.trainer.engine.engine import (
+    Engine,
+    HeldState,
+    _materialize_optimizer,
+    execute_transfer,
+)
+from bulkhead.trainer.engine.experts_plan import (
+    ExpertPlan,
+    expert_group,
+    held_matrix,
+    plan_experts,
+    settle,
+)
+from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.plan import ParallelPlan
+from bulkhead.trainer.engine.transfer import plan_transfer
+from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.model import build_model
+from bulkhead.trainer.moe import Expert, MoEFeedForward
+
+log = logging.getLogger(__name__)
+
+_EXPERTS = ".ffn.experts."
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What one rebalance did (the same on every rank but ``bytes_received``)."""
+
+    step: int  # completed steps when it ran
+    loads: dict[int, tuple[int, ...]]  # block -> assignments per expert since the last one
+    replicas: dict[int, tuple[int, ...]]  # block -> new replica counts
+    copies: int  # expert states fetched by ranks that did not hold them
+    bytes_received: int
+    seconds: float
+
+    def describe(self) -> str:
+        counts = "; ".join(f"block {b}: {list(r)}" for b, r in self.replicas.items())
+        return (
+            f"step {self.step}: expert replicas follow the measured load ({counts}); "
+            f"{self.copies} expert cop{'y' if self.copies == 1 else 'ies'} moved, "
+            f"{self.bytes_received} bytes received here in {self.seconds:.3f}s"
+        )
+
+
+class ReplicatedMoE(MoEFeedForward):
+    """An MoE feed-forward hosting some experts and dispatching tokens to every replica.
+
+    Same router, same routing and same balance loss as ``MoEFeedForward``; the expert
+    outputs come from whichever rank the quotas pick.
+    """
+
+    def __init__(self, moe: MoEFeedForward, world: World, hosted: tuple[int, ...]) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.router = moe.router
+        first = moe.experts[0]
+        assert isinstance(first, Expert)
+        self._shape = (first.up.in_features, first.up.out_features, first.dropout.p)
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in hosted})
+        self.world = world
+        self.replicas = np.zeros((moe.num_experts, world.world_size), dtype=np.int64)
+        # Global assignments per expert since the last rebalance (the same on every rank).
+        self.load = np.zeros(moe.num_experts, dtype=np.int64)
+
+    def host(self, hosted: tuple[int, ...], replicas: np.ndarray) -> None:
+        """Keep the hosted experts that stay, add fresh ones (their state is transferred)."""
+        d_model, ffn_dim, dropout = self._shape
+        device = self.router.weight.device
+        self.experts = nn.ModuleDict(
+            {
+                str(e): self.experts[str(e)]
+                if str(e) in self.experts
+                else Expert(d_model, ffn_dim, dropout).to(device)
+                for e in hosted
+            }
+        )
+        self.replicas = replicas
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        experts_of = chosen.reshape(-1)
+        local = torch.bincount(experts_of, minlength=self.num_experts)
+        counts = self.world.all_gather(local).cpu().numpy()  # (ranks, experts)
+        self.load += counts.sum(axis=0)
+        layout = DispatchLayout.of(self.world.rank, counts, self.replicas)
+        order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(x.device)
+        token_of = order // self.top_k  # assignment a is slot a % k of token a // k
+        group = dist.group.WORLD
+        received = all_to_all_single_autograd(
+            tokens[token_of], layout.output_splits, layout.input_splits, group
+        )
+        # Derived from ``received`` even when no row is for an expert here, so that every
+        # rank's backward runs both reverse all-to-alls (they are collective).
+        outputs = received * 0.0
+        for e, rows in layout.received_rows().items():
+            index = torch.from_numpy(rows).to(x.device)
+            outputs = outputs.index_copy(0, index, self.experts[str(e)](received[index]))
+        returned = all_to_all_single_autograd(
+            outputs, layout.input_splits, layout.output_splits, group
+        )
+        mixed = returned * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add(0, token_of, mixed)
+        return out.reshape(shape), self.balance_loss(probs, chosen)
+
+
+def _expert_of(key: str) -> tuple[int, int] | None:
+    """(block, expert) of a parameter or optimizer key of an expert, else None."""
+    name = key.split("/", 1)[1]
+    if _EXPERTS not in name or not name.startswith("blocks."):
+        return None
+    block = int(name.split(".")[1])
+    expert = int(name.split(_EXPERTS, 1)[1].split(".")[0])
+    return block, expert
+
+
+def _renumber(key: str, block: int, expert: int) -> str:
+    """``key`` of some expert rewritten to expert ``expert`` of block ``block``."""
+    kind, name = key.split("/", 1)
+    rest = name.split(_EXPERTS, 1)[1].split(".", 1)[1]
+    return f"{kind}/blocks.{block}{_EXPERTS}{expert}.{rest}"
+
+
+class ExpertEngine(Engine):
+    """The engine of a plan with expert placement (see the module docstring)."""
+
+    collective_forward = True  # every pass all-to-alls: all ranks run the same passes
+
+    @classmethod
+    def build(cls, plan: ParallelPlan, world: World, cfg: TrainConfig) -> ExpertEngine:
+        if plan.world_size != world.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
+        assert plan.experts is not None
+        model = build_model(cfg.model, cfg.seed).to(world.device.device)
+        hosted = plan.experts.hosted(world.rank)
+        for placement in plan.experts.layers:
+            block = model.blocks[placement.layer]
+            assert isinstance(block.ffn, MoEFeedForward)
+            moe = ReplicatedMoE(block.ffn, world, hosted[placement.layer])
+            moe.replicas = placement.replica_matrix()
+            block.ffn = moe  # the experts it does not host are freed here
+        world.seal()
+        optimizer = make_optimizer(model, cfg.optimizer)
+        _materialize_optimizer(model, optimizer)
+        return cls(plan, world, cfg, model, optimizer, None, None)
+
+    @property
+    def expert_plan(self) -> ExpertPlan:
+        assert self.plan.experts is not None
+        return self.plan.experts
+
+    def moe_blocks(self) -> dict[int, ReplicatedMoE]:
+        return {
+            p.layer: self.model.blocks[p.layer].ffn  # type: ignore[index]
+            for p in self.expert_plan.layers
+        }
+
+    # -- state as keys -----------------------------------------------------------------
+
+    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        """Whole keys (nothing is sharded), each expert's keys in its group; ``specs``
+        lists every expert's keys, hosted here or not (all experts have one shape)."""
+        entries = []
+        for spec, t in super()._state_entries():
+            where = _expert_of(spec.name)
+            group = expert_group(*where) if where else ""
+            entries.append((replace(spec, shardable=False, group=group), t))
+        template = [s for s, _ in entries if s.group]
+        first = _expert_of(template[0].name) if template else None
+        one_expert = [s for s in template if _expert_of(s.name) == first]
+        everything = {s.name: s for s, _ in entries if not s.group}
+        for p in self.expert_plan.layers:
+            for e in range(self.expert_plan.num_experts):
+                for s in one_expert:
+                    name = _renumber(s.name, p.layer, e)
+                    everything[name] = replace(s, name=name, group=expert_group(p.layer, e))
+        self._all_specs = [everything[name] for name in sorted(everything)]
+        return entries
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.specs = self._all_specs
+        self._settled = False
+        self._interrupted: HeldState | None = None  # state kept when a migration failed
+        self.rebalances: list[Rebalance] = []  # what each rebalance did, for events
+
+    @property
+    def holding(self) -> Holding:
+        if not self.adopted:
+            return NOTHING
+        return Holding(
+            step=self.completed_steps,
+            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
+            index=self.world.rank,
+            groups=self.expert_plan.groups(self.world.rank),
+        )
+
+    def _groups_of(self, held: HeldState) -> frozenset[str]:
+        specs = {s.name: s for s in self.specs}
+        return frozenset(specs[k].group for k in held.tensors if k in specs and specs[k].group)
+
+    def assemble(self, pieces: list[HeldState]) -> HeldState:
+        """The whole state from the pieces of one checkpoint step (each rank's piece)."""
+        if not pieces:
+            raise ValueError("no pieces to assemble")
+        steps = {p.holding.step for p in pieces}
+        if len(steps) != 1:
+            raise ValueError(f"pieces of different steps {sorted(steps)}")
+        tensors: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            for key, t in piece.tensors.items():
+                tensors.setdefault(key, t)
+        absent = [s.name for s in self.specs if s.numel and s.name not in tensors]
+        if absent:
+            raise ValueError(f"{len(absent)} keys are in no piece, e.g. {absent[0]}")
+        return HeldState(Holding(step=steps.pop(), shards=1, index=0), tensors)
+
+    # -- adoption: the base engine's, with expert groups -------------------------------
+
+    def _holdings(self, held: HeldState | None) -> list[Holding]:
+        plan = self.expert_plan
+        mine = held.holding if held is not None else NOTHING
+        groups = self._groups_of(held) if held is not None else frozenset()
+        row = held_matrix(plan, [groups])[0]
+        encoded = torch.tensor([*mine.encode(), *row.tolist()], dtype=torch.int64)
+        gathered = self.world.all_gather(encoded.to(self.world.device.device)).cpu().numpy()
+        self._have = gathered[:, 3:]
+        holdings = []
+        for values in gathered:
+            step, shards, index = (int(v) for v in values[:3])
+            bits = values[3:]
+            held_groups = frozenset(
+                expert_group(p.layer, e)
+                for i, p in enumerate(plan.layers)
+                for e in range(plan.num_experts)
+                if bits[i * plan.num_experts + e]
+            )
+            holdings.append(Holding(step, shards, index, groups=held_groups))
+        return holdings
+
+    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
+        if not self._settled:  # once per generation: later adoptions keep the placement
+            self._rehost(settle(self.expert_plan, self._have))
+            self._settled = True
+        plan = self.expert_plan
+        return [needed_ranges(1, 0, self.specs, plan.groups(r)) for r in range(len(holdings))]
+
+    def _source(self, held: HeldState | None) -> HeldState | None:
+        """``held`` with its holding listing the groups it really has."""
+        if held is None:
+            return None
+        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
+
+    def _rehost(self, plan: ExpertPlan) -> None:
+        """Host ``plan``'s experts; a new optimizer (its state comes by transfer)."""
+        if plan == self.plan.experts:
+            return
+        hosted = plan.hosted(self.world.rank)
+        for p in plan.layers:
+            self.moe_blocks()[p.layer].host(hosted[p.layer], p.replica_matrix())
+        self.plan = replace(self.plan, experts=plan)
+        self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
+        _materialize_optimizer(self.model, self.optimizer)
+        self._entries = self._state_entries()
+
+    # -- gradients -----------------------------------------------------------------------
+
+    def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
+        """Dense gradients summed over all ranks, each expert's over its hosts; returns
+        this rank's share of the squared global norm (each gradient counted once)."""
+        world, plan = self.world, self.expert_plan
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        grads = {names[id(p)]: p.grad for p in params}
+        dense = [g for name, g in grads.items() if _expert_of(f"param/{name}") is None]
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        world.all_reduce(flat)
+        offset = 0
+        for g in dense:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        norm_sq = float(flat.double().pow(2).sum()) if world.rank == 0 else 0.0
+        # Each hosted expert's gradient as one flat tensor, in (block, expert) order.
+        mine: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for name, g in grads.items():
+            where = _expert_of(f"param/{name}")
+            if where is not None:
+                mine.setdefault(where, []).append(g)
+        hosts = {(p.layer, e): p.hosts(e) for p in plan.layers for e in range(plan.num_experts)}
+        flats = {k: torch.cat([g.reshape(-1) for g in v]) for k, v in sorted(mine.items())}
+        sends: dict[int, list[torch.Tensor]] = {}
+        sizes: dict[int, int] = {}
+        for key, tensor in flats.items():
+            for peer in hosts[key]:
+                if peer != world.rank:
+                    sends.setdefault(peer, []).append(tensor)
+                    sizes[peer] = sizes.get(peer, 0) + tensor.numel()
+        received = world.exchange(
+            {peer: torch.cat(parts) for peer, parts in sends.items()}, sizes, flat.dtype
+        )
+        cursor = dict.fromkeys(received, 0)
+        for key, tensor in flats.items():
+            total = torch.zeros_like(tensor)
+            for peer in hosts[key]:  # in rank order: every host sums alike
+                if peer == world.rank:
+                    total += tensor
+                else:
+                    total += received[peer][cursor[peer] : cursor[peer] + tensor.numel()]
+                    cursor[peer] += tensor.numel()
+            offset = 0
+            for g in mine[key]:
+                g.copy_(total[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            if hosts[key][0] == world.rank:
+                norm_sq += float(total.double().pow(2).sum())
+        return norm_sq
+
+    # -- rebalancing -----------------------------------------------------------------------
+
+    def _after_commit(self) -> None:
+        interval = self.expert_plan.rebalance_interval_steps
+        if interval and self.completed_steps % interval == 0:
+            self.rebalance()
+
+    def rebalance(self) -> Rebalance | None:
+        """Replica counts follow the loads measured since the last rebalance (collective,
+        at a step boundary); returns what moved, None when the placement stays."""
+        started = time.perf_counter()
+        plan = self.expert_plan
+        blocks = self.moe_blocks()
+        loads = {layer: blocks[layer].load.tolist() for layer in blocks}
+        for moe in blocks.values():
+            moe.load[:] = 0
+        if not any(sum(v) for v in loads.values()):
+            return None
+        ep = self.cfg.parallelism.experts
+        fresh = plan_experts(
+            plan.ranks,
+            plan.num_experts,
+            [p.layer for p in plan.layers],
+            plan.min_replicas,
+            ep.slots_per_worker if ep else plan.slots_per_rank,
+            plan.rebalance_interval_steps,
+            loads,
+        )
+        held = [plan.groups(r) for r in range(plan.ranks)]
+        target = settle(fresh, held_matrix(fresh, held))
+        if [p.slots for p in target.layers] == [p.slots for p in plan.layers]:
+            self.plan = replace(self.plan, experts=target)  # same placement, new loads
+            return None
+        old = self.held_state()
+        try:
+            received = self._migrate(target, old, held)
+        except BaseException:
+            # A peer failed mid-migration: the state of the committed step is the old one.
+            self._interrupted = old
+            raise
+        done = Rebalance(
+            step=self.completed_steps,
+            loads={b: tuple(v) for b, v in loads.items()},
+            replicas={p.layer: p.replicas for p in target.layers},
+            copies=sum(len(target.groups(r) - held[r]) for r in range(plan.ranks)),
+            bytes_received=received,
+            seconds=time.perf_counter() - started,
+        )
+        self.rebalances.append(done)
+        log.info("%s", done.describe())
+        return done
+
+    def _migrate(self, target: ExpertPlan, old: HeldState, held: list[frozenset[str]]) -> int:
+        """Host ``target`` and fetch what this rank lacks; returns the bytes received."""
+        ranks = target.ranks
+        holdings = [Holding(self.completed_steps, ranks, r, groups=held[r]) for r in range(ranks)]
+        self._rehost(target)
+        needs = [needed_ranges(1, 0, self.specs, target.groups(r)) for r in range(ranks)]
+        transfer = plan_transfer(holdings, needs, self.specs)
+        assert transfer.complete, "every expert is held by some rank at a step boundary"
+        return execute_transfer(
+            transfer,
+            self.world,
+            old,
+            self.local_tensors(),
+            needs[self.world.rank],
+            {s.name: s for s in self.specs},
+        )
+
+    def held_state(self) -> HeldState:
+        if self._interrupted is not None:
+            return self._interrupted
+        return super().held_state()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank, from its hosts (collective; tests and benches)."""
+        plan, world = self.expert_plan, self.world
+        holdings = [
+            Holding(self.completed_steps, plan.ranks, r, groups=plan.groups(r))
+            for r in range(plan.ranks)
+        ]
+        needs = [needed_ranges(1, 0, self.specs) for _ in range(plan.ranks)]
+        transfer = plan_transfer(holdings, needs, self.specs)
+        device = world.device.device
+        target = {
+            s.name: torch.empty(s.numel, dtype=getattr(torch, s.dtype), device=device)
+            for s in self.specs
+        }
+        mine = HeldState(holdings[world.rank], self.local_tensors())
+        specs = {s.name: s for s in self.specs}
+        execute_transfer(transfer, world, mine, target, needs[world.rank], specs)
+        return target
+
+    def expert_bytes(self) -> int:
+        """Bytes of expert parameters and optimizer state this rank holds."""
+        return sum(t.numel() * t.element_size() for spec, t in self._entries if spec.group)
+
+    def hosted_summary(self) -> str:
+        hosted = self.expert_plan.hosted(self.world.rank)
+        return " ".join(f"b{b}:{','.join(map(str, es))}" for b, es in hosted.items())
