@@ -29,9 +29,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StringConstraints
 
 from bulkhead.api.spec import Model
 from bulkhead.api.status import Member, Membership
@@ -182,6 +182,14 @@ class ProgressReport(Model):
     # their sidecar wrote to storage, and its last persist error (None once one succeeds).
     persisted_step: int | None = Field(None, ge=0)
     persist_error: str | None = Field(None, max_length=1024)
+    plan: list[Annotated[str, StringConstraints(max_length=512)]] | None = Field(
+        None,
+        max_length=64,
+        description=(
+            "Rank 0, when the parallel layout is new or changed (a new generation, an "
+            "expert rebalance): the plan's lines, e.g. pipelines, experts per worker."
+        ),
+    )
     state_source: Literal["fresh", "kept", "peers", "checkpoint"] | None = Field(
         None,
         description=(

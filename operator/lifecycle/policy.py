@@ -231,12 +231,21 @@ class _Policy(PolicyActions):
             )
         self.state = replace(s, last_persisted_step=persisted, persist_error=error or None)
 
+    def on_plan_report(self, r: ProgressReport) -> None:
+        """The layout rank 0 trains with (pipelines, experts per worker): an Event when new."""
+        if not r.plan or tuple(r.plan) == self.state.plan:
+            return
+        lines = " | ".join(line.strip() for line in r.plan)
+        self.event("PlanApplied", f"generation {r.generation}, step {r.step}: {lines}")
+        self.state = replace(self.state, plan=tuple(r.plan))
+
     def on_progress(self, ev: ProgressReported) -> None:
         r = ev.report
         s = self.state
         if r.generation != s.generation or r.worker not in s.member_ids():
             return
         self.on_persist_report(r)
+        self.on_plan_report(r)
         s = self.state
         if s.restarting:
             return  # a kept worker's last steps before it restores: not a resumption

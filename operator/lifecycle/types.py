@@ -278,6 +278,7 @@ class LifecycleState:
     last_checkpoint_step: int | None = None
     last_persisted_step: int | None = None
     persist_error: str | None = None  # the last persist failure a worker reported, until fixed
+    plan: tuple[str, ...] = ()  # the parallel layout rank 0 last reported (PlanApplied)
     last_progress_at: float = 0.0
     deadline: float | None = None  # registration deadline while forming / restarting
     restarting: bool = False  # gathering a full set of workers to restore from checkpoint

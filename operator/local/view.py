@@ -1,4 +1,5 @@
-"""Live progress of a local run (rich): step, loss, tokens/s, generation, workers, recoveries.
+"""Live progress of a local run (rich): step, loss, tokens/s, generation, workers, recoveries
+and the parallel plan of the generation (pipelines, experts per worker).
 
 On a terminal a live panel is redrawn a few times a second and events scroll above it;
 elsewhere (CI logs, pipes) events and a progress line every few steps are printed plainly.
@@ -28,6 +29,7 @@ class LiveView:
         self.last: MetricRow | None = None
         self._live: Live | None = None
         self._printed_step = -1
+        self.plan: list[str] = []  # the newest PlanApplied Event's lines
 
     def __enter__(self) -> LiveView:
         if self.enabled and self.console.is_terminal:
@@ -53,6 +55,9 @@ class LiveView:
         self._refresh()
 
     def on_event(self, event: EventRow) -> None:
+        if event.reason == "PlanApplied":
+            self.plan = event.message.split(" | ")
+            self._refresh()
         if not self.enabled or (event.reason == "MembershipPublished" and self._live is None):
             return
         style = "yellow" if event.warning else "cyan"
@@ -99,4 +104,6 @@ class LiveView:
             seconds = [f"{r.seconds:.2f}s" for r in status.recoveries if r.seconds is not None]
             table.add_row("recoveries", f"{len(status.recoveries)} {' '.join(seconds)}".strip())
             table.add_row("restarts", str(status.restarts))
+        if self.plan:
+            table.add_row("plan", "\n".join(self.plan))
         return table

@@ -54,3 +54,28 @@ def test_bench_quick(name: str, tmp_path: Path):
     assert not missing, f"{name} JSON lacks {sorted(missing)}"
     for key in EXPECTED_KEYS[name]:
         assert isinstance(figures[key], int | float) and figures[key] >= 0, (key, figures[key])
+
+
+@pytest.mark.slow
+def test_experts_bench_quick(tmp_path: Path):
+    """The expert bench's figures are maps by placement; its seeded survival draw and its
+    byte counts are deterministic, so they are checked against the planner here too."""
+    out = tmp_path / "experts.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "experts.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"experts failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    figures = json.loads(out.read_text())
+    placements = {"lazarus", "everywhere", "one-copy"}
+    assert set(figures["tokens_per_s"]) == placements
+    assert all(v > 0 for v in figures["tokens_per_s"].values())
+    for mode in placements:
+        per_worker = figures["expert_bytes_per_worker"][mode]
+        mean = sum(per_worker) / len(per_worker)
+        assert abs(mean / figures["expert_bytes_target"][mode] - 1) <= 0.10, mode
+    assert figures["adoption"] == ["peers"] and figures["recovery_s"] > 0
+    assert figures["restart_s"] > 0
+    for k, predicted in figures["survival_predicted"].items():
+        measured, stderr = figures["survival_measured"][k], figures["survival_stderr"][k]
+        assert abs(measured - predicted) <= 3 * stderr + 1e-9, (k, measured, predicted)

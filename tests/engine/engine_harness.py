@@ -62,9 +62,6 @@ def full_state(engine: Engine) -> dict[str, torch.Tensor]:
     if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
         return engine.full_state()
 
-    if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
-        return engine.full_state()
-
     out = {}
     for spec, t in engine._entries:
         whole = t.full_tensor() if isinstance(t, DTensor) else t

@@ -73,6 +73,7 @@ class Sim:
         checkpoint: int | None = None,
         persisted: int | None = None,
         persist_error: str | None = None,
+        plan: list[str] | None = None,
     ) -> None:
         worker = worker or self.state.members()[0]
         report = ProgressReport(
@@ -83,6 +84,7 @@ class Sim:
             checkpoint_step=checkpoint,
             persisted_step=persisted,
             persist_error=persist_error,
+            plan=plan,
         )
         self.feed(ProgressReported(report), advance)
 

@@ -348,3 +348,22 @@ def test_persist_failures_are_told_once_and_their_end_too() -> None:
     assert sim.state.persist_error is None and sim.state.last_persisted_step == 14
     (back,) = [e for e in _of(RecordEvent, sim.log) if e.reason == "CheckpointPersisted"]
     assert "step 14" in back.message
+
+
+def test_a_new_plan_is_one_event_and_a_repeated_one_none() -> None:
+    """Rank 0 sends the plan's lines when they change (a generation, a rebalance): each
+    distinct layout is one PlanApplied Event with every line, in order."""
+    sim = Sim()
+    sim.start_and_register_all()
+    first = ["generation 1: 4 worker(s)", "  block 1: replicas [2, 2]; w0: 0; w1: 1"]
+    sim.progress(0, plan=first)
+    sim.progress(1)  # no plan: nothing new
+    sim.progress(2, plan=first)  # the same lines again: nothing new
+    rebalanced = [first[0], "  block 1: replicas [3, 1]; w0: 0; w1: 0"]
+    sim.progress(3, plan=rebalanced)
+    applied = [e for e in _of(RecordEvent, sim.log) if e.reason == "PlanApplied"]
+    assert [e.message for e in applied] == [
+        "generation 1, step 0: generation 1: 4 worker(s) | block 1: replicas [2, 2]; w0: 0; w1: 1",
+        "generation 1, step 3: generation 1: 4 worker(s) | block 1: replicas [3, 1]; w0: 0; w1: 0",
+    ]
+    assert not any(e.warning for e in applied)

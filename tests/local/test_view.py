@@ -28,9 +28,25 @@ def test_live_panel_shows_step_loss_throughput_generation_and_recoveries() -> No
         view.on_metric(
             MetricRow(t=1.0, step=41, loss=2.5, tokens_per_s=12345.0, generation=3, workers=3)
         )
+        view.on_event(
+            EventRow(
+                t=2.0,
+                reason="PlanApplied",
+                message=(
+                    "generation 3, step 41: experts: 4 per MoE layer | block 1: replicas [2, 1]"
+                ),
+                warning=False,
+            )
+        )
     text = console.export_text()
     for expected in ("Recovering", "42/150", "2.5000", "12,345", "3/4", "0.42s"):
         assert expected in text, expected
+    # The plan row: one line per plan line, the replica counts included.
+    lines = text.splitlines()
+    assert any("plan" in line and "experts: 4 per MoE layer" in line for line in lines)
+    assert any("block 1: replicas [2, 1]" in line for line in lines)
+    panel = [line for line in lines if "PlanApplied" not in line]  # not the event line
+    assert not any("experts: 4" in line and "block 1" in line for line in panel)
 
 
 def test_plain_output_prints_events_and_progress_lines() -> None:

@@ -134,6 +134,7 @@ class ElasticTrainer:
         self._state_source: str | None = None  # how this generation got its state
         self._newer_since: float | None = None  # when a newer generation was first seen
         self._adoption: Adoption | None = None
+        self._plan_reported: list[str] = []  # the layout lines rank 0 last reported
         # Fed the compute times each step's all-reduce already carries: no extra collective.
         self.stragglers = StragglerDetector(every_steps=20)
         # This rank's latest straggler verdict, repeated in every report to the node agent
@@ -361,6 +362,15 @@ class ElasticTrainer:
         newest = max(self.watcher.generation, self.reporter.directed_generation)
         return newest > view.generation
 
+    def _plan_news(self, engine: Engine) -> list[str] | None:
+        """The plan's lines when they changed since the last report (a new generation, an
+        expert rebalance): the operator turns them into a PlanApplied Event."""
+        lines = [line[:512] for line in engine.plan.describe()[:64]]
+        if lines == self._plan_reported:
+            return None
+        self._plan_reported = lines
+        return lines
+
     def _after_step(
         self, result: StepResult, view: MembershipView, engine: Engine, report: bool
     ) -> None:
@@ -376,6 +386,7 @@ class ElasticTrainer:
             # reports, for its shard's storage progress (a few ranks: one per shard).
             storage = self.checkpointer.storage() if self.checkpointer else None
             if reports_progress(world.rank) or storage is not None:
+                plan = self._plan_news(engine) if reports_progress(world.rank) else None
                 self.reporter.post(
                     ProgressReport(
                         worker=self.me.worker,
@@ -387,6 +398,7 @@ class ElasticTrainer:
                         checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
                         persisted_step=storage.persisted_step if storage else None,
                         persist_error=storage.error[:1024] if storage and storage.error else None,
+                        plan=plan,
                         state_source=self._state_source,
                     )
                 )
