@@ -32,7 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ValidationError, FileNotFoundError) as exc:
         print(f"bulkhead-agent: invalid configuration:\n{exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    serve(settings)
+    from bulkhead.agent.reporters.kube import NotThisNode
+
+    try:
+        serve(settings)
+    except NotThisNode as exc:
+        print(f"bulkhead-agent: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
 
 
 if __name__ == "__main__":

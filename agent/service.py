@@ -83,6 +83,7 @@ def build(
         from bulkhead.agent.reporters import kube
 
         client = sources.api
+        kube.check_own_node(client, settings.node_name, settings.api_timeout_s)
         reporters += [
             kube.NodeConditionReporter(
                 client, settings.node_name, settings.heartbeat_s, settings.api_timeout_s

@@ -4,6 +4,12 @@ Like node-problem-detector: the condition is written with a strategic-merge patc
 ``nodes/status`` (merge key ``type``, so other conditions are untouched) whenever it changes
 and at least every ``heartbeat_s``; Events go to the ``default`` namespace with the Node as
 involved object, rate-limited so a fault storm cannot flood the API server.
+
+Before reporting, ``check_own_node`` asks the API server who the agent is (a
+SelfSubjectReview, which every authenticated identity may make): a pod-bound
+service-account token names the node of its pod, and an agent told another node
+(a wrong ``NODE_NAME``) refuses to start instead of writing that node's condition. The
+ValidatingAdmissionPolicy in deploy/agent/admission.yaml enforces the same on the server.
 """
 
 from __future__ import annotations
@@ -37,6 +43,43 @@ def api_client(kubeconfig: Path | None = None) -> client.ApiClient:
         return config.new_client_from_config(config_file=str(kubeconfig))
     config.load_incluster_config()
     return client.ApiClient()
+
+
+# The extra a pod-bound service-account token carries: the node its pod is scheduled to.
+NODE_CLAIM = "authentication.kubernetes.io/node-name"
+
+
+class NotThisNode(RuntimeError):
+    """The agent was told to report for a node its credentials are not bound to."""
+
+
+def credential_node(api: client.ApiClient, timeout_s: float) -> str | None:
+    """The node the agent's credentials are bound to, or None when they name none (an
+    admin kubeconfig, a token not bound to a pod)."""
+    review = client.AuthenticationV1Api(api).create_self_subject_review(
+        client.V1SelfSubjectReview(), _request_timeout=timeout_s
+    )
+    user = review.status.user_info if review.status else None
+    names = ((user.extra if user else None) or {}).get(NODE_CLAIM) or []
+    return names[0] if names else None
+
+
+def check_own_node(api: client.ApiClient, node_name: str, timeout_s: float) -> None:
+    """Refuse (``NotThisNode``) to report for a node other than the agent's own."""
+    bound = credential_node(api, timeout_s)
+    if bound is None:
+        log.warning(
+            "the agent's credentials name no node (not a pod-bound token): "
+            "cannot confirm that %s is this node",
+            node_name,
+        )
+    elif bound != node_name:
+        raise NotThisNode(
+            f"told to report for node {node_name!r}, but this pod runs on {bound!r}: "
+            "refusing to write another node's condition (check NODE_NAME)"
+        )
+    else:
+        log.info("node %s confirmed by the agent's pod-bound token", node_name)
 
 
 def condition_patch(view: ConditionView, now: float) -> dict[str, object]:

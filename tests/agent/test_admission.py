@@ -1,5 +1,6 @@
-"""deploy/agent/admission.yaml on the real API server: the agent, authenticated with the
-token of a pod on node A, may set node A's condition and not node B's."""
+"""The agent reports only for its own node, on the real API server: with the token of a pod
+on node A, deploy/agent/admission.yaml lets it set node A's condition and not node B's,
+and the agent itself refuses to start when told node B."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client
 from waiting import wait_until
+
+from bulkhead.agent.reporters.kube import NotThisNode, check_own_node, credential_node
+from bulkhead.agent.service import Sources, build
+from bulkhead.agent.settings import AgentSettings
 
 POLICY = Path(__file__).resolve().parents[2] / "deploy" / "agent" / "admission.yaml"
 
@@ -114,4 +120,46 @@ def test_the_agent_may_patch_only_its_own_nodes_status(k8s_cluster, k8s_namespac
         k8s_cluster.kubectl(
             "delete", "clusterrolebinding,clusterrole", f"adm-{suffix}", check=False
         )
+        k8s_cluster.delete_nodes([own, other])
+
+
+def test_the_agent_refuses_to_start_for_another_node(k8s_cluster, k8s_namespace) -> None:
+    """A wrong NODE_NAME is caught by the agent before it writes anything: its pod-bound
+    token names the pod's node (SelfSubjectReview needs no RBAC)."""
+    suffix = uuid.uuid4().hex[:6]
+    own, other = k8s_cluster.add_gpu_nodes(2, prefix=f"own-{suffix}")
+    try:
+        k8s_cluster.kubectl("create", "serviceaccount", "agent-own", "-n", k8s_namespace)
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "agent-own", "namespace": k8s_namespace},
+            "spec": {
+                "nodeName": own,
+                "serviceAccountName": "agent-own",
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{"name": "agent", "image": "bulkhead"}],
+            },
+        }
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        token = k8s_cluster.kubectl(
+            "create", "token", "agent-own", "-n", k8s_namespace,
+            "--bound-object-kind=Pod", "--bound-object-name=agent-own",
+        ).stdout.strip()  # fmt: skip
+        conf = client.Configuration(
+            host=k8s_cluster.server, api_key={"authorization": f"Bearer {token}"}
+        )
+        conf.ssl_ca_cert = str(k8s_cluster.plane.ca_cert)
+        api = client.ApiClient(conf)
+        assert credential_node(api, 10) == own
+        check_own_node(api, own, 10)  # its own node: accepted
+        with pytest.raises(NotThisNode, match=f"runs on '{own}'"):
+            check_own_node(api, other, 10)
+        # The agent as the DaemonSet builds it: told the other node, it does not start.
+        settings = AgentSettings(node_name=other, kubernetes=True)
+        with pytest.raises(NotThisNode):
+            build(settings, Sources(gpu=None, kernel_log=None, api=api, host=False))
+        # An admin kubeconfig names no node: the check cannot decide and lets it run.
+        assert credential_node(k8s_cluster.api_client(), 10) is None
+    finally:
         k8s_cluster.delete_nodes([own, other])
