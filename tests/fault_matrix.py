@@ -127,8 +127,13 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "network partition of one worker",
-        "not covered yet: no test partitions a worker, so what happens is not verified",
-        (),
+        "every worker probes its peers after the failed collective; the worker most "
+        "members cannot reach is evicted and replaced, the rest go on in process",
+        (
+            "tests/local/test_partition.py::test_a_partitioned_worker_is_evicted_and_the_rest_go_on",
+            "tests/lifecycle/test_policy.py::"
+            "test_a_worker_most_members_cannot_reach_is_evicted_and_the_rest_go_on",
+        ),
     ),
 )
 

@@ -119,6 +119,12 @@ class Timeouts:
     hang_s: float = 120.0  # the job's hangTimeoutSeconds, told to the node agent
     membership_poll_s: float = MEMBERSHIP_POLL_SECONDS
 
+    @property
+    def peer_probe_s(self) -> float:
+        """How long a failed collective's peer probe waits for each peer: a fraction of the
+        collective timeout, so a partition is named well before the next one expires."""
+        return min(3.0, max(0.5, self.collective_s / 4))
+
 
 @dataclass(frozen=True)
 class ExpertParallelism:

@@ -210,6 +210,7 @@ class PolicyActions:
             reconfigurations=s.reconfigurations + (0 if first or restore else 1),
             last_progress_at=self.now,
             collective_errors=frozenset(),
+            accusations=frozenset(),
         )
         self.emit(PublishMembership(view))
         self.event(

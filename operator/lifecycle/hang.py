@@ -1,8 +1,13 @@
-"""The hang rules of a timer tick, as pure functions of the state and the tick.
+"""The hang and partition rules, as pure functions of the state (and a timer tick).
 
 A member is *silent* when the session has not heard from it (no report, no membership
 poll) for a while; a poller is alive by definition (it may be blocked in a collective).
 ``PolicyActions.check_hang`` turns what these find into stops, losses and restarts.
+
+A member is *cut off* when most members name it in their collective-error reports as a
+peer they cannot reach (``trainer.runtime.probe``). A worker cut off from everyone names
+every peer too, but each of them is named by that one worker alone; with two members
+nobody has a majority and the silence rules decide.
 """
 
 from __future__ import annotations
@@ -43,3 +48,15 @@ def silent_members(s: LifecycleState, ev: Tick, now: float) -> list[Slot]:
         and s.ref(slot).id not in ev.polling  # a poller is alive by definition
         and now - ev.last_seen.get(s.ref(slot).id, s.last_progress_at) >= quiet_for
     ]
+
+
+def cut_off_members(s: LifecycleState) -> list[tuple[Slot, list[str]]]:
+    """Members named unreachable by more than half of the generation's members, each
+    with the members who named it (a strict majority: two members never decide)."""
+    members = {s.ref(slot).id: slot for slot in s.slots if _is_member(s, slot)}
+    out = []
+    for wid, slot in members.items():
+        accusers = sorted(a for a, x in s.accusations if x == wid and a in members and a != wid)
+        if 2 * len(accusers) > len(members):
+            out.append((slot, accusers))
+    return out

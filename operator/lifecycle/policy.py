@@ -33,6 +33,7 @@ from dataclasses import replace
 from bulkhead.api.protocol import CompletionReport, ProgressReport, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle.actions import PolicyActions
+from bulkhead.operator.lifecycle.hang import cut_off_members
 from bulkhead.operator.lifecycle.types import (
     CompletionReported,
     Decision,
@@ -186,8 +187,27 @@ class _Policy(PolicyActions):
         if report.kind == "collective_error" and report.generation == self.state.generation:
             if report.worker in self.state.member_ids():
                 reporters = self.state.collective_errors | {report.worker}
-                self.state = replace(self.state, collective_errors=reporters)
+                named = {(report.worker, x) for x in report.suspects}
+                self.state = replace(
+                    self.state,
+                    collective_errors=reporters,
+                    accusations=self.state.accusations | named,
+                )
             self.begin_recovery(report.kind)
+            self.evict_cut_off()
+
+    def evict_cut_off(self) -> None:
+        """Lose the members most others cannot reach (a partition): the rest go on."""
+        cut = cut_off_members(self.state)
+        if not cut:
+            return
+        for slot, _ in cut:
+            self.emit(StopWorker(self.state.ref(slot), "unreachable from its peers"))
+        names = "; ".join(
+            f"{self.state.ref(slot).id} unreachable from {', '.join(accusers)}"
+            for slot, accusers in cut
+        )
+        self.lose([slot for slot, _ in cut], "partition", warning_detail=f"{names} (partition)")
 
     def on_node_anomaly(self, ev: NodeAnomaly) -> None:
         if ev.severity not in self.cfg.evict_severities:
@@ -270,6 +290,7 @@ class _Policy(PolicyActions):
             losses_since_progress=0,
             stall_reformed=False,
             collective_errors=frozenset(),
+            accusations=frozenset(),
             productive=productive,
             slots=slots,
             phase="Running",

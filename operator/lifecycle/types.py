@@ -289,6 +289,9 @@ class LifecycleState:
     # Members that reported a collective error in the current generation since its last
     # progress: with everyone else polling, the one member missing here is the hang suspect.
     collective_errors: frozenset[str] = frozenset()
+    # (accuser, accused) pairs of this generation: members that reported a collective
+    # error and could not reach the accused (a network partition; ``hang.cut_off_members``).
+    accusations: frozenset[tuple[str, str]] = frozenset()
     # Workers that finished the last step (reported it, or exited 0 after it): the job has
     # succeeded once every current member is here.
     finished: frozenset[str] = frozenset()

@@ -367,3 +367,44 @@ def test_a_new_plan_is_one_event_and_a_repeated_one_none() -> None:
         "generation 1, step 3: generation 1: 4 worker(s) | block 1: replicas [3, 1]; w0: 0; w1: 0",
     ]
     assert not any(e.warning for e in applied)
+
+
+def test_a_worker_most_members_cannot_reach_is_evicted_and_the_rest_go_on() -> None:
+    """A partition: the cut-off worker names every peer, each peer names it. Only the
+    worker named by a strict majority of the members is stopped and replaced."""
+    sim = Sim(make_spec(workers=3))
+    sim.start_and_register_all()
+    w0, w1, w2 = sim.state.members()
+    sim.progress(4)
+    assert not _of(StopWorker, sim.fault(w0, "collective_error", [w1]))
+    assert not _of(StopWorker, sim.fault(w1, "collective_error", [w0, w2]))
+    assert sim.state.generation == 1  # w0 and w2 are named once each, w1 once: no majority
+    decisions = sim.fault(w2, "collective_error", [w1])
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == [w1]
+    assert sim.state.generation == 2 and w1 not in sim.state.member_ids()
+    assert sim.state.restarts == 0 and sim.state.accusations == frozenset()
+    (lost,) = [e for e in _of(RecordEvent, sim.log) if e.reason == "WorkerLost"]
+    assert lost.message == f"{w1} unreachable from {w0}, {w2} (partition)"
+    sim.progress(5)
+    assert [r.cause for r in sim.state.recoveries] == ["partition"]
+
+
+def test_two_members_naming_each_other_decide_nothing() -> None:
+    sim = Sim(make_spec(workers=2))
+    sim.start_and_register_all()
+    w0, w1 = sim.state.members()
+    sim.progress(4)
+    decisions = sim.fault(w0, "collective_error", [w1]) + sim.fault(w1, "collective_error", [w0])
+    assert not _of(StopWorker, decisions) and sim.state.generation == 1
+
+
+def test_accusations_of_an_older_generation_do_not_count() -> None:
+    sim = Sim(make_spec(workers=3))
+    sim.start_and_register_all()
+    w0, w1, w2 = sim.state.members()
+    sim.progress(4)
+    sim.fault(w0, "collective_error", [w1])
+    sim.exit(w0)  # a new generation without w0
+    assert sim.state.generation == 2 and sim.state.accusations == frozenset()
+    sim.fault(w2, "collective_error", [w1])
+    assert w1 in sim.state.member_ids()  # named once in this generation: not a majority

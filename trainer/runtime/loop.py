@@ -48,6 +48,7 @@ from bulkhead.trainer.runtime.control import (
     reports_progress,
 )
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
+from bulkhead.trainer.runtime.probe import unreachable_peers
 from bulkhead.trainer.runtime.samples_log import SamplesLog
 from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
@@ -224,7 +225,7 @@ class ElasticTrainer:
                 abandon_after_s=self.cfg.timeouts.abandon_after_s,
             )
         except CollectiveError as exc:
-            self._report_fault("collective_error", str(exc), view.generation)
+            self._report_collective_error(exc, view)
             return "reconfigure"
         engine: Engine | None = None
         # Waits inside FSDP2/DDP (and any NCCL wait) cannot be polled: once a newer
@@ -240,7 +241,7 @@ class ElasticTrainer:
             return self._train(view, engine)
         except CollectiveError as exc:
             log.warning("generation %d: %s", view.generation, exc)
-            self._report_fault("collective_error", str(exc), view.generation)
+            self._report_collective_error(exc, view)
             return "reconfigure"
         except NonFiniteLoss as exc:
             self._to_node_agent(self._node_report(step=exc.step, loss=exc.loss))
@@ -469,6 +470,16 @@ class ElasticTrainer:
     def _to_node_agent(self, report: WorkerReport) -> None:
         if self.node_agent is not None:
             self.node_agent.post(report)
+
+    def _report_collective_error(self, exc: CollectiveError, view: MembershipView) -> None:
+        """Report a failed collective with the peers this worker cannot reach (a partition),
+        unless a newer generation already replaced this one (nothing to judge then)."""
+        suspects: list[str] = []
+        if not self._newer_generation_seen(view):
+            suspects = unreachable_peers(view, self.me.worker, self.cfg.timeouts.peer_probe_s)
+        if suspects:
+            log.warning("generation %d: cannot reach %s", view.generation, ", ".join(suspects))
+        self._report_fault("collective_error", str(exc), view.generation, suspects=suspects)
 
     def _report_fault(
         self, kind: FaultKind, message: str, generation: int, suspects: list[str] | None = None
