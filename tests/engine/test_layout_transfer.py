@@ -20,7 +20,15 @@ from bulkhead.trainer.engine.layout import (
     ranges_of,
     shard_range,
 )
-from bulkhead.trainer.engine.transfer import choose_step, plan_transfer
+from bulkhead.trainer.engine.transfer import (
+    Move,
+    choose_step,
+    plan_transfer,
+    round_elements,
+    rounds_needed,
+    stream_window,
+    streams,
+)
 
 SPECS = [
     KeySpec("param/w", numel=7 * 3, rows=7, dtype="float32", shardable=True),
@@ -127,3 +135,33 @@ def test_held_state_snapshot_round_trip() -> None:
     back = HeldState.from_snapshot(held.to_snapshot())
     assert back.holding == held.holding
     assert all(torch.equal(back.tensors[k], v) for k, v in held.tensors.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    per_round=st.integers(1, 50),
+)
+def test_stream_windows_cover_every_move_once_in_order(sizes: list[int], per_round: int) -> None:
+    """Rounds of at most ``per_round`` stream elements: concatenated, the windows are the
+    moves themselves, in plan order, each element once."""
+    moves, start = [], 0
+    for i, n in enumerate(sizes):
+        moves.append(Move(f"k{i % 2}", 0, 1, start, start + n))
+        start += n + 3  # gaps between the moved ranges of a key
+    pairs = streams(moves)
+    assert list(pairs) == [(0, 1)]
+    rounds = rounds_needed(pairs, per_round)
+    assert rounds == -(-sum(sizes) // per_round)
+    pieces = [
+        w for r in range(rounds) for w in stream_window(moves, r * per_round, (r + 1) * per_round)
+    ]
+    assert all(stop - start <= per_round for _, start, stop in pieces)
+    elements = [(key, e) for key, start, stop in pieces for e in range(start, stop)]
+    assert elements == [(m.key, e) for m in moves for e in range(m.start, m.stop)]
+
+
+def test_a_pair_budget_shrinks_with_the_peers_but_not_below_the_floor() -> None:
+    assert round_elements(1 << 20, 3) == 1 << 19
+    assert round_elements(1 << 20, 1) == 1 << 20
+    assert round_elements(1000, 100, floor=64) == 64

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,7 +42,14 @@ from bulkhead.trainer.engine.layout import (
 )
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.engine.plan import ParallelPlan, StateBytes, state_bytes_per_rank
-from bulkhead.trainer.engine.transfer import TransferPlan, plan_transfer
+from bulkhead.trainer.engine.transfer import (
+    TransferPlan,
+    plan_transfer,
+    round_elements,
+    rounds_needed,
+    stream_window,
+    streams,
+)
 from bulkhead.trainer.engine.world import World
 from bulkhead.trainer.engine.zero import after_optimizer_step, apply_zero, begin_microbatch
 from bulkhead.trainer.model import build_model
@@ -473,6 +479,10 @@ def _materialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -
             _local(slots["step"]).zero_()
 
 
+# Staging memory of a transfer, each direction: recovery stays within a fixed headroom.
+TRANSFER_ROUND_BYTES = 64 << 20
+
+
 @torch.no_grad()
 def execute_transfer(
     transfer: TransferPlan,
@@ -481,8 +491,12 @@ def execute_transfer(
     target: dict[str, torch.Tensor],
     target_ranges: dict[str, Range],
     specs: dict[str, KeySpec],
+    round_bytes: int = TRANSFER_ROUND_BYTES,
 ) -> int:
-    """Carry out this rank's part of ``transfer``; returns the bytes it received."""
+    """Carry out this rank's part of ``transfer``; returns the bytes it received.
+
+    ``round_bytes``: staging memory per direction (see ``transfer``: rounds of streams).
+    """
     rank = world.rank
     source_ranges = ranges_of(held.holding, list(specs.values())) if held is not None else {}
 
@@ -497,30 +511,43 @@ def execute_transfer(
 
     for move in transfer.local(rank):
         destination(move.key, move.start, move.stop).copy_(source(move.key, move.start, move.stop))
-    # One exchange per dtype that moves, in the same order on every rank (all know the plan).
+    # Per dtype, in the same order on every rank (all know the plan): rounds of all-to-alls.
     received = 0
+    device = world.device.device
     remote_dtypes = {specs[m.key].dtype for m in transfer.moves if m.src != m.dst}
-    for dtype in sorted(remote_dtypes):
-        outgoing: dict[int, list] = defaultdict(list)
-        for move in transfer.sends(rank):
-            if specs[move.key].dtype == dtype:
-                outgoing[move.dst].append(move)
-        incoming: dict[int, list] = defaultdict(list)
-        for move in transfer.receives(rank):
-            if specs[move.key].dtype == dtype:
-                incoming[move.src].append(move)
-        sends = {
-            peer: torch.cat([source(m.key, m.start, m.stop).reshape(-1) for m in moves])
-            for peer, moves in outgoing.items()
-        }
-        sizes = {peer: sum(m.numel for m in moves) for peer, moves in incoming.items()}
-        buffers = world.exchange(sends, sizes, getattr(torch, dtype))
-        for peer, moves in incoming.items():
-            buffer, offset = buffers[peer], 0
-            for m in moves:
-                destination(m.key, m.start, m.stop).copy_(buffer[offset : offset + m.numel])
-                offset += m.numel
-            received += buffer.numel() * buffer.element_size()
+    for name in sorted(remote_dtypes):
+        dtype = getattr(torch, name)
+        pairs = streams([m for m in transfer.moves if specs[m.key].dtype == name])
+        per_round = round_elements(round_bytes // dtype.itemsize, world.world_size, floor=1)
+        mine_out = sorted(dst for src, dst in pairs if src == rank)
+        mine_in = sorted(src for src, dst in pairs if dst == rank)
+        lengths = {pair: sum(m.numel for m in ms) for pair, ms in pairs.items()}
+        send_buf = torch.empty(
+            sum(min(per_round, lengths[(rank, p)]) for p in mine_out), dtype=dtype, device=device
+        )
+        recv_buf = torch.empty(
+            sum(min(per_round, lengths[(p, rank)]) for p in mine_in), dtype=dtype, device=device
+        )
+        for r in range(rounds_needed(pairs, per_round)):
+            lo, hi = r * per_round, (r + 1) * per_round
+            send_sizes = [0] * world.world_size
+            offset = 0
+            for peer in mine_out:
+                for key, start, stop in stream_window(pairs[(rank, peer)], lo, hi):
+                    send_buf[offset : offset + stop - start].copy_(source(key, start, stop))
+                    offset += stop - start
+                    send_sizes[peer] += stop - start
+            recv_sizes = [0] * world.world_size
+            for peer in mine_in:
+                recv_sizes[peer] = max(0, min(hi, lengths[(peer, rank)]) - lo)
+            incoming = recv_buf[: sum(recv_sizes)]
+            world.all_to_all(incoming, send_buf[:offset], recv_sizes, send_sizes)
+            offset = 0
+            for peer in mine_in:
+                for key, start, stop in stream_window(pairs[(peer, rank)], lo, hi):
+                    destination(key, start, stop).copy_(incoming[offset : offset + stop - start])
+                    offset += stop - start
+            received += incoming.numel() * incoming.element_size()
     return received
 
 

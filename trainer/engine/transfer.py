@@ -8,10 +8,13 @@ itself first (a local copy), then other holders, rotating the starting holder by
 receiving rank so the sending is spread over the holders. What no holder covers is
 ``missing``: the caller falls back to the checkpoint ladder.
 
-Execution (``engine.execute_transfer``): every rank packs the pieces it sends to each peer
-into one flat buffer per dtype and receives the pieces it needs the same way, in one
-uneven all-to-all per dtype on the new world (a collective can be polled, gloo's
-point-to-point operations cannot); both sides know every size from the plan, so nothing
+Execution (``engine.execute_transfer``): the moves from one rank to another, in plan
+order, form that pair's *stream* of elements. Streams travel in rounds of uneven
+all-to-alls on the new world (a collective can be polled, gloo's point-to-point
+operations cannot), at most ``round_elements`` of each stream per round, packed into and
+unpacked from two staging buffers allocated once: recovery needs a bounded amount of
+extra memory however large the state (on a GPU, the headroom is small), and fresh memory
+is not touched for every byte moved. Both sides know every size from the plan, so nothing
 but the data travels.
 """
 
@@ -60,6 +63,45 @@ class TransferPlan:
 
     def bytes_moved(self, itemsize: Callable[[str], int]) -> int:
         return sum(m.numel * itemsize(m.key) for m in self.moves if m.src != m.dst)
+
+
+Pair = tuple[int, int]  # (src, dst)
+
+
+def streams(moves: list[Move]) -> dict[Pair, list[Move]]:
+    """The remote moves of each (src, dst) pair, in plan order (the same on every rank)."""
+    out: dict[Pair, list[Move]] = defaultdict(list)
+    for m in moves:
+        if m.src != m.dst:
+            out[(m.src, m.dst)].append(m)
+    return dict(out)
+
+
+def round_elements(budget_elements: int, ranks: int, floor: int = 1 << 16) -> int:
+    """Elements of each pair's stream per round when one rank sends to (or receives from)
+    up to ``ranks - 1`` peers within ``budget_elements``."""
+    return max(floor, budget_elements // max(1, ranks - 1))
+
+
+def rounds_needed(pairs: dict[Pair, list[Move]], per_round: int) -> int:
+    """Rounds for the longest stream (every rank runs this many, moving or not)."""
+    longest = max((sum(m.numel for m in ms) for ms in pairs.values()), default=0)
+    return -(-longest // per_round)
+
+
+def stream_window(moves: list[Move], lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """The (key, start, stop) element ranges at stream positions [lo, hi) of ``moves``."""
+    out = []
+    position = 0
+    for m in moves:
+        first, last = max(lo, position), min(hi, position + m.numel)
+        if first < last:
+            offset = m.start - position
+            out.append((m.key, first + offset, last + offset))
+        position += m.numel
+        if position >= hi:
+            break
+    return out
 
 
 def _covered(spans: list[Range], numel: int) -> bool:

@@ -198,12 +198,19 @@ class World:
         parts = [sends[p].reshape(-1).to(device) for p in peers if p in sends]
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        self.all_to_all(out, flat, recv_sizes, send_sizes)
+        pieces = out.split(recv_sizes)
+        return {p: pieces[p] for p in peers if recv_sizes[p]}
+
+    def all_to_all(
+        self, out: torch.Tensor, flat: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]
+    ) -> None:
+        """Uneven all-to-all of flat buffers: ``send_sizes[p]`` elements of ``flat`` to
+        rank p, ``recv_sizes[p]`` from it into ``out``, in rank order."""
         self._wait(
             "state exchange",
             lambda: [dist.all_to_all_single(out, flat, recv_sizes, send_sizes, async_op=True)],
         )
-        pieces = out.split(recv_sizes)
-        return {p: pieces[p] for p in peers if recv_sizes[p]}
 
     def _wait(self, what: str, launch: Callable[[], list[dist.Work]]) -> None:
         try:
