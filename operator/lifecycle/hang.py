@@ -6,8 +6,8 @@ poll) for a while; a poller is alive by definition (it may be blocked in a colle
 
 A member is *cut off* when most members name it in their collective-error reports as a
 peer they cannot reach (``trainer.runtime.probe``). A worker cut off from everyone names
-every peer too, but each of them is named by that one worker alone; with two members
-nobody has a majority and the silence rules decide.
+every peer too, but is not believed; with two members nobody has a majority and the
+silence rules decide.
 """
 
 from __future__ import annotations
@@ -52,11 +52,21 @@ def silent_members(s: LifecycleState, ev: Tick, now: float) -> list[Slot]:
 
 def cut_off_members(s: LifecycleState) -> list[tuple[Slot, list[str]]]:
     """Members named unreachable by more than half of the generation's members, each
-    with the members who named it (a strict majority: two members never decide)."""
+    with the members who named it (a strict majority: two members never decide).
+
+    Only a member that reaches most of the others is believed: the cut-off worker, which
+    names everyone, is not, and when most members name most others the network failed,
+    not the workers, so nobody is evicted (that would only restart the job).
+    """
     members = {s.ref(slot).id: slot for slot in s.slots if _is_member(s, slot)}
+    named: dict[str, set[str]] = {}
+    for accuser, accused in s.accusations:
+        if accuser in members and accused in members and accuser != accused:
+            named.setdefault(accuser, set()).add(accused)
+    believed = {a for a, xs in named.items() if 2 * len(xs) <= len(members) - 1}
     out = []
     for wid, slot in members.items():
-        accusers = sorted(a for a, x in s.accusations if x == wid and a in members and a != wid)
+        accusers = sorted(a for a in believed if wid in named[a])
         if 2 * len(accusers) > len(members):
             out.append((slot, accusers))
-    return out
+    return out if 2 * len(out) < len(members) else []

@@ -408,3 +408,31 @@ def test_accusations_of_an_older_generation_do_not_count() -> None:
     assert sim.state.generation == 2 and sim.state.accusations == frozenset()
     sim.fault(w2, "collective_error", [w1])
     assert w1 in sim.state.member_ids()  # named once in this generation: not a majority
+
+
+def test_a_network_wide_failure_evicts_nobody() -> None:
+    """Everyone naming everyone is the network's failure, not most workers' failure."""
+    sim = Sim(make_spec(workers=3))
+    sim.start_and_register_all()
+    members = sim.state.members()
+    sim.progress(4)
+    stops = []
+    for w in members:
+        stops += _of(StopWorker, sim.fault(w, "collective_error", [x for x in members if x != w]))
+    assert stops == [] and sim.state.generation == 1
+
+
+def test_two_workers_cut_off_in_five_are_both_evicted() -> None:
+    sim = Sim(make_spec(workers=5, maxFailures=2))
+    sim.start_and_register_all()
+    members = sim.state.members()
+    healthy, cut = members[:3], members[3:]
+    sim.progress(4)
+    stops = []
+    for w in cut:  # the cut-off ones name everyone first: not believed
+        stops += _of(StopWorker, sim.fault(w, "collective_error", [x for x in members if x != w]))
+    for w in healthy:
+        stops += _of(StopWorker, sim.fault(w, "collective_error", cut))
+    assert sorted(d.worker.id for d in stops) == cut
+    assert sorted(sim.state.member_ids()) == sorted(healthy)
+    assert sim.state.restarts == 0
