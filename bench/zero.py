@@ -284,7 +284,7 @@ def _worker(slot: int, job: Job) -> None:
     rank = survivors.index(f"w{slot}")
     world = open_world(2, rank, survivors, survivors, store, device, job.timeout_s)
     plan = make_plan(2, survivors, survivors, cfg)
-    engine = Engine.build(plan, world, cfg)
+    engine = Engine.build(plan, world, cfg, initialize=False)  # as the runtime: it holds state
     adoption = engine.adopt(kept)
     record["adopted_t"] = time.time()
     first = engine.step(dataset)

@@ -114,8 +114,19 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
 
 
-def build_model(sizes: ModelSizes, seed: int) -> GPT:
-    """The model with weights a pure function of ``seed`` (every rank builds the same one)."""
+def build_model(sizes: ModelSizes, seed: int, initialize: bool = True) -> GPT:
+    """The model with weights a pure function of ``seed`` (every rank builds the same one).
+
+    ``initialize=False``: the same modules with uninitialized storage, for a caller that
+    overwrites every parameter (a survivor adopting state after a membership change:
+    random initialization of a large model is wasted time on the recovery's path).
+    """
+    if not initialize:
+        with torch.device("meta"):
+            model = GPT(sizes)
+        model = model.to_empty(device="cpu")
+        model.head.weight = model.tok_emb.weight  # to_empty unties shared parameters
+        return model
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -173,14 +173,22 @@ class Engine:
         self.replicated = replicated
         self.completed_steps = 0
         self.adopted = False  # holds no state worth keeping until adopt() succeeds
+        self.initialized = True  # parameters hold the seeded initialization (see build)
         self._entries = self._state_entries()
         self.specs = [spec for spec, _ in self._entries]
 
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def build(cls, plan: ParallelPlan, world: World, cfg: TrainConfig) -> Engine:
-        """A fresh model laid out per ``plan`` (state not yet adopted)."""
+    def build(
+        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
+    ) -> Engine:
+        """A fresh model laid out per ``plan`` (state not yet adopted).
+
+        ``initialize=False`` skips the seeded initialization when this rank will adopt
+        state (it held some); should the adoption turn out fresh after all, ``adopt``
+        initializes then.
+        """
         if plan.experts is not None and cls is Engine:
             from bulkhead.trainer.engine.experts import ExpertEngine  # imports this module
 
@@ -188,7 +196,7 @@ class Engine:
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
-        model = build_model(cfg.model, cfg.seed).to(device)
+        model = build_model(cfg.model, cfg.seed, initialize).to(device)
         root = replicated = None
         if plan.zero.sharded:
             with world.guard("sharding the model"):
@@ -199,7 +207,9 @@ class Engine:
         world.seal()  # every group of the generation exists now
         optimizer = make_optimizer(model, cfg.optimizer)
         _materialize_optimizer(model, optimizer)
-        return cls(plan, world, cfg, model, optimizer, root, replicated)
+        engine = cls(plan, world, cfg, model, optimizer, root, replicated)
+        engine.initialized = initialize
+        return engine
 
     # -- state as keys -----------------------------------------------------------------
 
@@ -289,6 +299,8 @@ class Engine:
         started = time.perf_counter()
         holdings = self._holdings(held)
         if all(h.empty for h in holdings):
+            if not self.initialized:
+                self._initialize()
             self.completed_steps = 0
             self.adopted = True
             return Adoption(0, "fresh", 0, time.perf_counter() - started, {})
@@ -317,6 +329,18 @@ class Engine:
             time.perf_counter() - started,
             {},
         )
+
+    def _initialize(self) -> None:
+        """The seeded initial parameters, each rank its own ranges (a fresh start of an
+        engine built without them)."""
+        seeded = build_model(self.cfg.model, self.cfg.seed).named_parameters()
+        whole = {f"param/{name}": p.detach().reshape(-1) for name, p in seeded}
+        wanted = self._needs([NOTHING] * self.world.world_size)[self.world.rank]
+        local = self.local_tensors()
+        for key, (start, stop) in wanted.items():
+            if key in whole and key in local:
+                local[key].copy_(whole[key][start:stop])
+        self.initialized = True
 
     # Adoption hooks: what every rank holds (collective), what each must hold, and this
     # rank's held state as a transfer source. Layouts other than DP/ZeRO override them.

@@ -175,7 +175,11 @@ class ExpertEngine(Engine):
     collective_forward = True  # every pass all-to-alls: all ranks run the same passes
 
     @classmethod
-    def build(cls, plan: ParallelPlan, world: World, cfg: TrainConfig) -> ExpertEngine:
+    def build(
+        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
+    ) -> ExpertEngine:
+        # Always initialized: ranks host different experts, so the seeded fallback of
+        # Engine._initialize does not apply; ``initialize`` is accepted for the interface.
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         assert plan.experts is not None

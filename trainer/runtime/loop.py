@@ -236,7 +236,9 @@ class ElasticTrainer:
         ).start()
         try:
             plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
-            engine = Engine.build(plan, world, self.cfg)
+            # A rank holding state adopts it: no seeded initialization on recovery's path.
+            holds = self.held is not None and not self.held.holding.empty
+            engine = Engine.build(plan, world, self.cfg, initialize=not holds)
             self._prepare(view, engine)
             return self._train(view, engine)
         except CollectiveError as exc:

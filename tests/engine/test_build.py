@@ -1,0 +1,35 @@
+"""An engine built without the seeded initialization (a survivor about to adopt state)
+still starts fresh with exactly the seeded weights when nobody held any state."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.config import train_config
+from bulkhead.trainer.engine.device import pick_device
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.world import open_world
+from bulkhead.trainer.model import build_model
+
+
+def test_an_uninitialized_engine_starting_fresh_gets_the_seeded_weights() -> None:
+    spec = TrainingJobSpec.model_validate(
+        {"workers": 1, "trainer": {"model": {"preset": "tiny"}, "steps": 10}}
+    )
+    cfg = train_config(spec)
+    world = open_world(1, 0, ["w0"], ["n0"], dist.HashStore(), pick_device(False), 10)
+    try:
+        engine = Engine.build(make_plan(1, ["w0"], ["n0"], cfg), world, cfg, initialize=False)
+        assert not engine.initialized
+        adoption = engine.adopt(None)
+        assert adoption.source == "fresh" and engine.initialized
+        seeded = dict(build_model(cfg.model, cfg.seed).named_parameters())
+        assert engine.model.head.weight is engine.model.tok_emb.weight  # still tied
+        assert [n for n, _ in engine.model.named_parameters()] == list(seeded)
+        for name, p in engine.model.named_parameters():
+            assert torch.equal(p.detach(), seeded[name].detach()), name
+    finally:
+        world.close()
