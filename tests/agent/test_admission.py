@@ -39,6 +39,26 @@ def _policy_for(account: str, suffix: str) -> list[dict]:
     return docs
 
 
+def _pod_bound_token(cluster, namespace: str, account: str, node: str) -> str:
+    """A pod of ``account`` on ``node`` and a token bound to it, as its projected token is."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": account, "namespace": namespace},
+        "spec": {
+            "nodeName": node,
+            "serviceAccountName": account,
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "agent", "image": "bulkhead"}],
+        },
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    return cluster.kubectl(
+        "create", "token", account, "-n", namespace,
+        "--bound-object-kind=Pod", f"--bound-object-name={account}",
+    ).stdout.strip()  # fmt: skip
+
+
 def _list(items: list[dict]) -> str:
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
 
@@ -73,23 +93,7 @@ def test_the_agent_may_patch_only_its_own_nodes_status(k8s_cluster, k8s_namespac
             "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": k8s_namespace}],
         }
         k8s_cluster.kubectl("apply", "-f", "-", input=_list([role, binding]))
-        # The agent's pod on `own`, and a token bound to it, as its projected token is.
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "agent", "namespace": k8s_namespace},
-            "spec": {
-                "nodeName": own,
-                "serviceAccountName": "agent",
-                "tolerations": [{"operator": "Exists"}],
-                "containers": [{"name": "agent", "image": "bulkhead"}],
-            },
-        }
-        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        token = k8s_cluster.kubectl(
-            "create", "token", "agent", "-n", k8s_namespace,
-            "--bound-object-kind=Pod", "--bound-object-name=agent",
-        ).stdout.strip()  # fmt: skip
+        token = _pod_bound_token(k8s_cluster, k8s_namespace, "agent", own)
 
         def patch(node: str) -> subprocess.CompletedProcess[str]:
             condition = {"type": "BulkheadAnomaly", "status": "False", "reason": "Test"}
@@ -130,22 +134,7 @@ def test_the_agent_refuses_to_start_for_another_node(k8s_cluster, k8s_namespace)
     own, other = k8s_cluster.add_gpu_nodes(2, prefix=f"own-{suffix}")
     try:
         k8s_cluster.kubectl("create", "serviceaccount", "agent-own", "-n", k8s_namespace)
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "agent-own", "namespace": k8s_namespace},
-            "spec": {
-                "nodeName": own,
-                "serviceAccountName": "agent-own",
-                "tolerations": [{"operator": "Exists"}],
-                "containers": [{"name": "agent", "image": "bulkhead"}],
-            },
-        }
-        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        token = k8s_cluster.kubectl(
-            "create", "token", "agent-own", "-n", k8s_namespace,
-            "--bound-object-kind=Pod", "--bound-object-name=agent-own",
-        ).stdout.strip()  # fmt: skip
+        token = _pod_bound_token(k8s_cluster, k8s_namespace, "agent-own", own)
         conf = client.Configuration(
             host=k8s_cluster.server, api_key={"authorization": f"Bearer {token}"}
         )

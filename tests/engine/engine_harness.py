@@ -14,7 +14,6 @@ import os
 import pickle
 import signal
 import socket
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -148,8 +147,7 @@ def _slot_main(
 def _store_server(port_queue) -> None:  # pragma: no cover - a tiny process
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
     port_queue.put(store.port)
-
-    time.sleep(3600)
+    signal.pause()  # serves until run_scenario kills it
 
 
 def run_scenario(
