@@ -111,10 +111,65 @@ class ModelConfig(SpecModel):
 
 
 class PipelineConfig(SpecModel):
-    """Oobleck pipelines (not yet trained by the engine: setting this block is rejected)."""
+    """Oobleck pipelines: heterogeneous pipelines instantiated from precomputed templates.
 
-    stages: int = Field(1, ge=1, le=1024, description="Pipeline stages per pipeline.")
-    microbatches: int = Field(4, ge=1, le=4096, description="Microbatches per pipeline per step.")
+    For every worker count the planner knows the fastest pipeline layout (a template: the
+    model's layers split into stages, one worker per stage) and runs at least
+    faultTolerance.maxFailures + 1 pipelines side by side, each with the share of the
+    global batch (in microBatchSize micro-batches) that makes them finish together. Every
+    layer is thus held by maxFailures + 1 workers: after losing workers the survivors
+    re-instantiate pipelines from the templates and fetch the layers they now own from
+    surviving holders, in process. Fewer than (maxFailures + 1) x minStages workers run
+    fewer pipelines (fewer copies), and state no survivor holds comes from the checkpoint.
+    """
+
+    min_stages: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Fewest stages (workers) per pipeline, e.g. because the model does not fit on "
+            "fewer. With fewer live workers than this, one pipeline of all of them."
+        ),
+    )
+    max_stages: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Most stages per pipeline (default: as many as the planner finds fastest).",
+    )
+    schedule: Literal["1F1B", "GPipe"] = Field(
+        "1F1B",
+        description=(
+            "Pipeline schedule: 1F1B (one forward, one backward; activations of at most "
+            "as many micro-batches as stages kept) or GPipe (all forwards, then all "
+            "backwards)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> PipelineConfig:
+        if self.max_stages is not None and self.max_stages < self.min_stages:
+            raise _rule(
+                "maxStages",
+                "must be >= minStages ({lo}), got {hi}",
+                lo=self.min_stages,
+                hi=self.max_stages,
+            )
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.maxStages) || !has(self.minStages) || "
+                    "self.maxStages >= self.minStages",
+                    "must be >= minStages",
+                    "maxStages",
+                )
+            ]
+        },
+    )
 
 
 class ExpertParallelConfig(SpecModel):
@@ -207,15 +262,15 @@ class ParallelismConfig(SpecModel):
     pipeline: PipelineConfig | None = Field(
         None,
         description=(
-            "Pipeline parallelism. Not supported by this version of the engine: a job "
-            "that sets it is rejected rather than trained without it."
+            "Pipeline parallelism (Oobleck). Not combined with expert parallelism or ZeRO "
+            "stage > 0 by this version of the engine (one worker per stage)."
         ),
     )
     experts: ExpertParallelConfig | None = Field(
         None,
         description=(
             "Expert parallelism (Lazarus) for a Mixture-of-Experts model: each worker hosts "
-            "some replicas of each MoE layer's experts. Not combined with pipeline or ZeRO "
+            "some replicas of each MoE layer's experts. Not combined with pipelines or ZeRO "
             "stage > 0 by this version of the engine."
         ),
     )
@@ -223,11 +278,18 @@ class ParallelismConfig(SpecModel):
 
     @model_validator(mode="after")
     def _only_what_the_engine_runs(self) -> ParallelismConfig:
-        if self.pipeline is not None:
+        if self.pipeline is not None and self.experts is not None:
             raise _rule(
-                "pipeline",
-                "pipeline parallelism is not supported by this version of the engine; "
-                "remove the block (the job would otherwise train without it)",
+                "experts",
+                "expert parallelism is not combined with pipelines by this version of the "
+                "engine; remove one of the two blocks",
+            )
+        if self.pipeline is not None and self.zero.stage > 0:
+            raise _rule(
+                "zero.stage",
+                "ZeRO is not combined with pipelines by this version of the engine (a stage "
+                "runs on one worker); use stage 0, got {s}",
+                s=self.zero.stage,
             )
         if self.experts is not None and self.zero.stage > 0:
             raise _rule(
@@ -241,7 +303,17 @@ class ParallelismConfig(SpecModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("!has(self.pipeline)", "pipeline parallelism is not supported", "pipeline"),
+                cel(
+                    "!has(self.pipeline) || !has(self.experts)",
+                    "expert parallelism is not combined with pipelines",
+                    "experts",
+                ),
+                cel(
+                    "!has(self.pipeline) || !has(self.zero) || !has(self.zero.stage) || "
+                    "self.zero.stage == 0",
+                    "ZeRO is not combined with pipelines",
+                    "zero.stage",
+                ),
                 cel(
                     "!has(self.experts) || !has(self.zero) || !has(self.zero.stage) || "
                     "self.zero.stage == 0",
@@ -500,6 +572,17 @@ class TrainingJobSpec(SpecModel):
         experts = self.trainer.parallelism.experts
         if experts is not None:
             self._check_experts(experts, f)
+        pipeline = self.trainer.parallelism.pipeline
+        if pipeline is not None and (f + 1) * pipeline.min_stages > self.workers:
+            raise _rule(
+                "trainer.parallelism.pipeline.minStages",
+                "maxFailures + 1 = {r} pipelines of >= {m} stages need >= {n} workers, "
+                "the job has {w}",
+                r=f + 1,
+                m=pipeline.min_stages,
+                n=(f + 1) * pipeline.min_stages,
+                w=self.workers,
+            )
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
             size = zero_shard_group_size(self.workers, f)

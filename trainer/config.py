@@ -136,6 +136,15 @@ class ExpertParallelism:
 
 
 @dataclass(frozen=True)
+class PipelineParallelism:
+    """Oobleck pipelines (see ``api.spec.PipelineConfig``)."""
+
+    min_stages: int = 1
+    max_stages: int | None = None
+    schedule: str = "1F1B"  # or "GPipe"
+
+
+@dataclass(frozen=True)
 class Parallelism:
     """What the engine shards and how many copies of the state it keeps."""
 
@@ -143,6 +152,7 @@ class Parallelism:
     hpz: int = 1  # hpZ secondary partition size (1 = off)
     max_failures: int = 0  # f: the state is kept on f + 1 workers
     experts: ExpertParallelism | None = None
+    pipeline: PipelineParallelism | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +205,25 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
             hpz=trainer.parallelism.zero.hpz_partition_size,
             max_failures=ft.max_failures,
             experts=_expert_parallelism(spec, model),
+            pipeline=_pipeline_parallelism(spec, model),
         ),
+    )
+
+
+def _pipeline_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> PipelineParallelism | None:
+    pipeline = spec.trainer.parallelism.pipeline
+    if pipeline is None:
+        return None
+    units = model.n_layers + 2  # the embedding, every block, the head
+    if pipeline.min_stages > units:
+        raise ValueError(
+            "spec.trainer.parallelism.pipeline.minStages: the model splits into at most "
+            f"{units} stages (embedding, {model.n_layers} blocks, head), got {pipeline.min_stages}"
+        )
+    return PipelineParallelism(
+        min_stages=pipeline.min_stages,
+        max_stages=pipeline.max_stages,
+        schedule=pipeline.schedule,
     )
 
 

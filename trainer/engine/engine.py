@@ -119,6 +119,24 @@ def assemble_whole(pieces: list[HeldState], specs: list[KeySpec]) -> HeldState:
     return HeldState(Holding(step=step, shards=1, index=0), tensors)
 
 
+def assemble_union(pieces: list[HeldState], specs: list[KeySpec]) -> HeldState:
+    """The whole state from pieces of one step that each hold whole keys (layouts where a
+    rank holds its own mix of keys: experts, pipeline stages); every key in some piece."""
+    if not pieces:
+        raise ValueError("no pieces to assemble")
+    steps = {p.holding.step for p in pieces}
+    if len(steps) != 1:
+        raise ValueError(f"pieces of different steps {sorted(steps)}")
+    tensors: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for key, t in piece.tensors.items():
+            tensors.setdefault(key, t)
+    absent = [s.name for s in specs if s.numel and s.name not in tensors]
+    if absent:
+        raise ValueError(f"{len(absent)} keys are in no piece, e.g. {absent[0]}")
+    return HeldState(Holding(step=steps.pop(), shards=1, index=0), tensors)
+
+
 @dataclass(frozen=True)
 class Adoption:
     """How a new engine got its state."""
@@ -193,6 +211,10 @@ class Engine:
             from bulkhead.trainer.engine.experts import ExpertEngine  # imports this module
 
             return ExpertEngine.build(plan, world, cfg)
+        if plan.pipelines is not None and cls is Engine:
+            from bulkhead.trainer.engine.pipeline import PipelineEngine  # imports this module
+
+            return PipelineEngine.build(plan, world, cfg, initialize)
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
@@ -373,11 +395,12 @@ class Engine:
     def _after_commit(self) -> None:
         """Runs on every rank after each committed step (at a step boundary)."""
 
-    def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
-        """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
+    def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
+        """Forward and backward of this rank's share of step ``step``, gradients weighted
+        by sample share of the global batch: (lm loss x samples, aux loss x samples, this
+        rank's compute seconds). Layouts that run passes differently override it."""
         started = time.perf_counter()
         cfg, plan, world = self.cfg, self.plan, self.world
-        step = self.completed_steps
         gb = cfg.global_batch_size
         share = rank_share(step, gb, world.rank, world.world_size)
         passes: list[list[int]] = micro_batches(share, cfg.micro_batch_size)
@@ -394,7 +417,6 @@ class Engine:
         aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
         device = world.device.device
         forward.train()
-        self.optimizer.zero_grad(set_to_none=True)
         lm_sum = aux_sum = 0.0
         # This rank's compute time, for straggler detection, must not include waiting for
         # the others: DDP waits for its last buckets after backward, so the clock stops when
@@ -431,6 +453,17 @@ class Engine:
         if probe is not None:
             probe.remove()
         compute_s = (computed[-1] if computed else time.perf_counter()) - started
+        return lm_sum, aux_sum, compute_s
+
+    def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
+        """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
+        started = time.perf_counter()
+        cfg, plan, world = self.cfg, self.plan, self.world
+        step = self.completed_steps
+        gb = cfg.global_batch_size
+        sharded = plan.zero.sharded
+        self.optimizer.zero_grad(set_to_none=True)
+        lm_sum, aux_sum, compute_s = self._forward_backward(dataset, step)
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
         # tensors registered after backward, while gradients live on the sharded ones.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -492,7 +525,8 @@ def _materialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -
     saved = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    for p in model.parameters():
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -586,3 +620,26 @@ def describe_adoption(adoption: Adoption, plan: ParallelPlan) -> str:
 
 
 Restorer = Callable[[], HeldState | None]
+
+
+def gather_whole(engine: Engine, groups: list[frozenset[str]]) -> dict[str, torch.Tensor]:
+    """Every key whole on every rank, from its holders (collective; tests and benches).
+
+    ``groups[r]``: the key groups rank r holds (layouts where ranks hold different keys).
+    """
+    world = engine.world
+    holdings = [
+        Holding(engine.completed_steps, world.world_size, r, groups=groups[r])
+        for r in range(world.world_size)
+    ]
+    needs = [needed_ranges(1, 0, engine.specs) for _ in range(world.world_size)]
+    transfer = plan_transfer(holdings, needs, engine.specs)
+    device = world.device.device
+    target = {
+        s.name: torch.empty(s.numel, dtype=getattr(torch, s.dtype), device=device)
+        for s in engine.specs
+    }
+    mine = HeldState(holdings[world.rank], engine.local_tensors())
+    specs = {s.name: s for s in engine.specs}
+    execute_transfer(transfer, world, mine, target, needs[world.rank], specs)
+    return target

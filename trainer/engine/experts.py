@@ -44,7 +44,9 @@ from bulkhead.trainer.engine.engine import (
     Engine,
     HeldState,
     _materialize_optimizer,
+    assemble_union,
     execute_transfer,
+    gather_whole,
 )
 from bulkhead.trainer.engine.experts_plan import (
     ExpertPlan,
@@ -253,19 +255,7 @@ class ExpertEngine(Engine):
 
     def assemble(self, pieces: list[HeldState]) -> HeldState:
         """The whole state from the pieces of one checkpoint step (each rank's piece)."""
-        if not pieces:
-            raise ValueError("no pieces to assemble")
-        steps = {p.holding.step for p in pieces}
-        if len(steps) != 1:
-            raise ValueError(f"pieces of different steps {sorted(steps)}")
-        tensors: dict[str, torch.Tensor] = {}
-        for piece in pieces:
-            for key, t in piece.tensors.items():
-                tensors.setdefault(key, t)
-        absent = [s.name for s in self.specs if s.numel and s.name not in tensors]
-        if absent:
-            raise ValueError(f"{len(absent)} keys are in no piece, e.g. {absent[0]}")
-        return HeldState(Holding(step=steps.pop(), shards=1, index=0), tensors)
+        return assemble_union(pieces, self.specs)
 
     # -- adoption: the base engine's, with expert groups -------------------------------
 
@@ -442,22 +432,8 @@ class ExpertEngine(Engine):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every key whole on every rank, from its hosts (collective; tests and benches)."""
-        plan, world = self.expert_plan, self.world
-        holdings = [
-            Holding(self.completed_steps, plan.ranks, r, groups=plan.groups(r))
-            for r in range(plan.ranks)
-        ]
-        needs = [needed_ranges(1, 0, self.specs) for _ in range(plan.ranks)]
-        transfer = plan_transfer(holdings, needs, self.specs)
-        device = world.device.device
-        target = {
-            s.name: torch.empty(s.numel, dtype=getattr(torch, s.dtype), device=device)
-            for s in self.specs
-        }
-        mine = HeldState(holdings[world.rank], self.local_tensors())
-        specs = {s.name: s for s in self.specs}
-        execute_transfer(transfer, world, mine, target, needs[world.rank], specs)
-        return target
+        plan = self.expert_plan
+        return gather_whole(self, [plan.groups(r) for r in range(plan.ranks)])
 
     def expert_bytes(self) -> int:
         """Bytes of expert parameters and optimizer state this rank holds."""

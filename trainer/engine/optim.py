@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from bulkhead.api.spec import OptimizerConfig
 
 
-def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module | Iterable[nn.Parameter], cfg: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """The spec's optimizer over a module's parameters (or the given ones)."""
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
     if cfg.name == "sgd":
-        return torch.optim.SGD(
-            model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-    )
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
 def lr_at(step: int, cfg: OptimizerConfig) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from bulkhead.api.spec import zero_shard_group_size
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.engine.experts_plan import ExpertPlan, plan_experts
+from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, plan_pipelines
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ class ParallelPlan:
     zero: ZeroPlan
     # Lazarus expert parallelism: the experts each rank hosts (None: every rank holds all).
     experts: ExpertPlan | None = None
+    # Oobleck pipelines: the stage (units) each rank runs (None: every rank holds all).
+    pipelines: PipelineLayout | None = None
+
+    @property
+    def per_rank_state(self) -> bool:
+        """Whether every rank holds its own mix of the state (experts, pipeline stages)."""
+        return self.experts is not None or self.pipelines is not None
 
     @property
     def world_size(self) -> int:
@@ -77,11 +85,13 @@ class ParallelPlan:
 
     def state_copies(self) -> int:
         """How many workers hold each piece of training state."""
+        if self.pipelines is not None:
+            return self.pipelines.copies
         return self.zero.replicas
 
     def checkpoint_shard(self, rank: int) -> str:
         """The checkpoint shard id rank ``rank`` snapshots (equal ids = identical bytes)."""
-        if self.experts is not None:  # every rank holds its own mix of experts
+        if self.per_rank_state:
             return shard_id(self.world_size, rank)
         if not self.zero.sharded:
             return shard_id(1, 0)
@@ -92,7 +102,7 @@ class ParallelPlan:
 
     def persists(self, rank: int) -> bool:
         """One holder of each checkpoint shard persists it: the one in replica group 0."""
-        if self.experts is not None:
+        if self.per_rank_state:
             return True
         return self.zero.replica_index(rank) == 0 if self.zero.sharded else rank == 0
 
@@ -115,6 +125,8 @@ class ParallelPlan:
         if self.experts is not None:
             lines[-1] = "dense parameters data parallel; experts placed by Lazarus:"
             lines += self.experts.describe()
+        if self.pipelines is not None:
+            lines[-1:] = self.pipelines.describe(self.workers)
         return lines
 
 
@@ -201,6 +213,21 @@ def make_plan(
         max_failures=p.max_failures,
         zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures),
         experts=_expert_plan(len(workers), cfg),
+        pipelines=_pipeline_plan(len(workers), cfg),
+    )
+
+
+def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
+    pp = cfg.parallelism.pipeline
+    if pp is None:
+        return None
+    return plan_pipelines(
+        ranks,
+        cfg.model,
+        pp,
+        cfg.parallelism.max_failures,
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
     )
 
 

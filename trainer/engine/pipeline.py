@@ -1,0 +1,359 @@
+"""Oobleck pipelines: every rank runs one stage of one pipeline, pipelines side by side.
+
+Model. The GPT is built on the meta device and a rank gives storage only to the units of
+its stage (``pipeline_plan``: embedding, blocks, head), so it holds its stage alone. The
+head's weight is the token embedding's, so the first and the last stage both hold it.
+
+Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
+pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
+activations from the stage before, the last computes the loss; backward receives the
+output's gradient and sends the input's gradient back. Sends do not block; receives
+block inside gloo: a dead neighbour fails them at once (its connection resets), and a
+hung one is cut off by the runtime's abort monitor once a newer generation exists
+(``World.abort``), as for FSDP2's waits. Every micro-batch's loss is weighted by its share
+of the global batch, so the gradients summed over the pipelines are the data-parallel
+gradient.
+
+Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
+its unit, one per pipeline (the tied embedding over every first and last stage), in rank
+order so every holder takes the same step: one uneven all-to-all per step.
+
+State: a unit's parameters and optimizer slots form the key group ``unit/<u>`` (the tied
+embedding ``unit/tied``); a rank holds its stage's groups. After a membership change the
+base engine's transfer plan brings every rank the units of its new stage from surviving
+holders; a unit no survivor holds makes the adoption incomplete (checkpoint fallback).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.data import ByteDataset, step_positions
+from bulkhead.trainer.engine.engine import (
+    Engine,
+    HeldState,
+    _materialize_optimizer,
+    assemble_union,
+    gather_whole,
+)
+from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.pipeline_plan import (
+    TIED,
+    PipelineLayout,
+    StagePlan,
+    schedule,
+    unit_group,
+)
+from bulkhead.trainer.engine.plan import ParallelPlan
+from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.model import GPT
+
+
+def group_of(param: str, n_layers: int) -> str:
+    """The key group of a parameter name of ``GPT``."""
+    if param.startswith("tok_emb."):
+        return TIED
+    if param.startswith("pos_emb."):
+        return unit_group(0)
+    if param.startswith("blocks."):
+        return unit_group(int(param.split(".")[1]) + 1)
+    return unit_group(n_layers + 1)  # ln_f, head
+
+
+def _unit_modules(model: GPT, unit: int) -> list[nn.Module]:
+    n = len(model.blocks)
+    if unit == 0:
+        return [model.tok_emb, model.pos_emb]
+    if unit <= n:
+        return [model.blocks[unit - 1]]
+    return [model.ln_f, model.tok_emb]  # the head's weight is the embedding's
+
+
+def _slot_shapes(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
+    """(slot, shaped like its parameter, dtype) of every optimizer slot, from a dummy."""
+    dummy = nn.Parameter(torch.zeros(2))
+    optimizer = make_optimizer([dummy], cfg.optimizer)
+    dummy.grad = torch.zeros(2)
+    optimizer.step()
+    slots = optimizer.state[dummy]
+    return [
+        (name, t.numel() == 2, str(t.dtype).removeprefix("torch."))
+        for name, t in sorted(slots.items())
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+@dataclass
+class _Pass:
+    """What a forward pass keeps for its backward."""
+
+    inputs: torch.Tensor | None  # received activations (None on the first stage)
+    outputs: torch.Tensor  # activations sent on, or the weighted loss on the last stage
+    aux: torch.Tensor | None  # weighted balance loss of this stage's MoE blocks
+
+
+class PipelineEngine(Engine):
+    """The engine of a plan with pipelines (see the module docstring)."""
+
+    @classmethod
+    def build(
+        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
+    ) -> PipelineEngine:
+        """The stage's units only; their initialization (seeded, like every layout) is left
+        to ``adopt`` for a fresh start, since any other start overwrites them."""
+        if plan.world_size != world.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
+        layout = plan.pipelines
+        assert layout is not None
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        device = world.device.device
+        units = layout.units(world.rank)
+        for unit in units:
+            for module in _unit_modules(model, unit):
+                if next(module.parameters()).is_meta:
+                    module.to_empty(device=device)
+        model.head.weight = model.tok_emb.weight  # to_empty unties shared parameters
+        world.seal()
+        held = [p for p in model.parameters() if not p.is_meta]
+        optimizer = make_optimizer(held, cfg.optimizer)
+        _materialize_optimizer(model, optimizer)
+        engine = cls(plan, world, cfg, model, optimizer, None, None)
+        engine.initialized = False
+        return engine
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.specs = self._all_specs
+
+    @property
+    def layout(self) -> PipelineLayout:
+        assert self.plan.pipelines is not None
+        return self.plan.pipelines
+
+    @property
+    def stage(self) -> StagePlan | None:
+        return self.layout.stage(self.world.rank)
+
+    # -- state as keys -----------------------------------------------------------------
+
+    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        """The stage's keys (whole, in their unit's group); ``specs`` lists every key of
+        the model, held here or not."""
+        n = self.cfg.model.n_layers
+        entries = [
+            (replace(spec, shardable=False, group=group_of(spec.name.split("/")[1], n)), t)
+            for spec, t in super()._state_entries()
+            if not t.is_meta
+        ]
+        everything = {}
+        slots = _slot_shapes(self.cfg)
+        for name, p in self.model.named_parameters():
+            group = group_of(name, n)
+            rows = p.shape[0] if p.dim() else 1
+            dtype = str(p.dtype).removeprefix("torch.")
+            everything[f"param/{name}"] = KeySpec(f"param/{name}", p.numel(), rows, dtype,
+                                                  False, group)  # fmt: skip
+            for slot, like_param, slot_dtype in slots:
+                key = f"optim/{name}/{slot}"
+                numel, key_rows = (p.numel(), rows) if like_param else (1, 1)
+                everything[key] = KeySpec(key, numel, key_rows, slot_dtype, False, group)
+        self._all_specs = [everything[k] for k in sorted(everything)]
+        held = {spec.name for spec, _ in entries}
+        if not held <= everything.keys():
+            raise AssertionError(f"keys outside the model's: {sorted(held - everything.keys())}")
+        return entries
+
+    @property
+    def holding(self) -> Holding:
+        if not self.adopted:
+            return NOTHING
+        return Holding(
+            step=self.completed_steps,
+            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
+            index=self.world.rank,
+            groups=self.layout.groups(self.world.rank),
+        )
+
+    def _all_groups(self) -> list[str]:
+        return [unit_group(u) for u in range(self.layout.num_units)] + [TIED]
+
+    def _groups_of(self, held: HeldState) -> frozenset[str]:
+        specs = {s.name: s for s in self.specs}
+        return frozenset(specs[k].group for k in held.tensors if k in specs)
+
+    def assemble(self, pieces: list[HeldState]) -> HeldState:
+        return assemble_union(pieces, self.specs)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank, from its holders (collective; tests and benches)."""
+        return gather_whole(self, [self.layout.groups(r) for r in range(self.world.world_size)])
+
+    # -- adoption: the base engine's, with unit groups ---------------------------------
+
+    def _holdings(self, held: HeldState | None) -> list[Holding]:
+        groups = self._all_groups()
+        mine = held.holding if held is not None else NOTHING
+        have = self._groups_of(held) if held is not None else frozenset()
+        row = [*mine.encode(), *(int(g in have) for g in groups)]
+        encoded = torch.tensor(row, dtype=torch.int64, device=self.world.device.device)
+        gathered = self.world.all_gather(encoded).cpu().tolist()
+        return [
+            Holding(
+                *values[:3],
+                groups=frozenset(g for g, bit in zip(groups, values[3:], strict=True) if bit),
+            )
+            for values in gathered
+        ]
+
+    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
+        return [
+            needed_ranges(1, 0, self.specs, self.layout.groups(r)) for r in range(len(holdings))
+        ]
+
+    def _source(self, held: HeldState | None) -> HeldState | None:
+        """``held`` with its holding listing the groups it really has."""
+        if held is None:
+            return None
+        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def _neighbour(self, offset: int) -> int:
+        stage = self.stage
+        assert stage is not None
+        return self.layout.stages[stage.pipeline][stage.index + offset].rank
+
+    def _stage_forward(
+        self, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(output activations or logits, summed balance loss, language-model loss)."""
+        model, n = self.model, self.cfg.model.n_layers
+        assert isinstance(model, GPT)
+        if stage.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = model.drop(model.tok_emb(x) + model.pos_emb(pos))
+        aux = x.new_zeros(())
+        for unit in range(max(stage.start, 1), min(stage.stop, n + 1)):
+            x, block_aux = model.blocks[unit - 1](x)
+            aux = aux + block_aux
+        if not stage.last:
+            return x, aux, None
+        assert targets is not None
+        logits = model.head(model.ln_f(x))
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, aux, lm
+
+    def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
+        stage = self.stage
+        if stage is None:  # idle: holds nothing, only joins the agreement
+            return 0.0, 0.0, 0.0
+        cfg, world = self.cfg, self.world
+        gb = cfg.global_batch_size
+        positions = step_positions(step, gb)
+        batches = self.layout.batches(stage.pipeline)
+        aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
+        device = world.device.device
+        shape = (cfg.model.seq_len, cfg.model.d_model)
+        dtype = next(p for p in self.model.parameters() if not p.is_meta).dtype
+        self.model.train()
+        passes: dict[int, _Pass] = {}
+        sending: list[tuple[dist.Work, torch.Tensor]] = []
+        lm_sum = aux_sum = compute = 0.0
+        with world.guard("pipeline"):
+            for kind, i in schedule(self.layout.schedule, stage.stages, stage.index,
+                                    len(batches)):  # fmt: skip
+                samples = batches[i]
+                weight = len(samples) / gb
+                if kind == "F":
+                    # The first stage needs the tokens, the last the targets.
+                    batch = dataset.batch([positions[j] for j in samples])
+                    targets = batch.targets.to(device) if stage.last else None
+                    inputs = None
+                    if stage.first:
+                        x = batch.inputs.to(device)
+                    else:
+                        inputs = torch.empty((len(samples), *shape), dtype=dtype, device=device)
+                        dist.recv(inputs, self._neighbour(-1))
+                        x = inputs.requires_grad_(True)
+                    started = time.perf_counter()
+                    out, aux, lm = self._stage_forward(stage, x, targets)
+                    compute += time.perf_counter() - started
+                    aux_sum += float(aux) * len(samples)
+                    weighted_aux = aux * (aux_coef * weight) if aux.requires_grad else None
+                    if lm is not None:
+                        lm_sum += float(lm) * len(samples)
+                        out = lm * weight
+                    else:
+                        sent = out.detach()
+                        sending.append((dist.isend(sent, self._neighbour(1)), sent))
+                    passes[i] = _Pass(inputs, out, weighted_aux)
+                else:
+                    done = passes.pop(i)
+                    if stage.last:
+                        grads: list[torch.Tensor | None] = [None]
+                    else:
+                        grad = torch.empty_like(done.outputs)
+                        dist.recv(grad, self._neighbour(1))
+                        grads = [grad]
+                    outputs = [done.outputs]
+                    if done.aux is not None:
+                        outputs.append(done.aux)
+                        grads.append(None)
+                    started = time.perf_counter()
+                    torch.autograd.backward(outputs, grads)
+                    compute += time.perf_counter() - started
+                    if done.inputs is not None:
+                        assert done.inputs.grad is not None
+                        sent = done.inputs.grad
+                        sending.append((dist.isend(sent, self._neighbour(-1)), sent))
+            for work, _ in sending:
+                work.wait()
+        return lm_sum, aux_sum, compute
+
+    def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
+        """Each key's gradient summed over its unit's holders, in rank order; returns this
+        rank's share of the squared global norm (each gradient counted once)."""
+        world, layout = self.world, self.layout
+        n = self.cfg.model.n_layers
+        grads = {
+            name: p.grad
+            for name, p in sorted(self.model.named_parameters())
+            if not p.is_meta and p.grad is not None
+        }
+        holders = {g: layout.holders(g) for g in self._all_groups()}
+        owners = {name: holders[group_of(name, n)] for name in grads}
+        # To each peer, in key order, the gradients of every key both hold.
+        sends: dict[int, list[torch.Tensor]] = {}
+        for name, g in grads.items():
+            for peer in owners[name]:
+                if peer != world.rank:
+                    sends.setdefault(peer, []).append(g.reshape(-1))
+        received = world.exchange(
+            {peer: torch.cat(parts) for peer, parts in sends.items()},
+            {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
+            torch.float32 if not grads else next(iter(grads.values())).dtype,
+        )
+        cursor = dict.fromkeys(received, 0)
+        norm_sq = 0.0
+        for name, g in grads.items():
+            total = torch.zeros_like(g)
+            for peer in owners[name]:  # in rank order: every holder sums alike
+                if peer == world.rank:
+                    total += g
+                else:
+                    piece = received[peer][cursor[peer] : cursor[peer] + g.numel()]
+                    total += piece.view_as(g)
+                    cursor[peer] += g.numel()
+            g.copy_(total)
+            if owners[name][0] == world.rank:
+                norm_sq += float(total.double().pow(2).sum())
+        return norm_sq

@@ -1,0 +1,222 @@
+"""Oobleck pipelines of one generation: which rank runs which stage of which pipeline.
+
+A pipeline stage holds a contiguous range of *units*: 0 is the embedding (token and
+position), 1..L the decoder blocks, L+1 the head (final norm and output projection,
+whose weight is the token embedding's: the first and the last stage of every pipeline
+both hold it). The planners of ``trainer.planning`` give the fastest template (stage
+layout) for every worker count; ``plan_pipelines`` instantiates at least f + 1 of them
+over the generation's ranks, in rank order, and splits the global batch's micro-batches
+among them so they finish together. Every unit is thus held by one rank of every
+pipeline, f + 1 copies: any f losses leave a holder of each.
+
+The costs are the analytic model of ``planning.costs`` for a device of one GPU per
+worker: pure, so every rank computes the same plan with no byte exchanged. When the
+workers are too few for f + 1 pipelines of ``minStages``, fewer pipelines run (fewer
+copies, said in ``describe``); a rank no template can use stays idle (it holds nothing
+and only joins the step's agreement).
+
+No torch here: ``bulkhead plan`` and the tests import it freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bulkhead.trainer.config import ModelSizes, PipelineParallelism
+from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
+from bulkhead.trainer.planning.errors import PlanError
+from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
+from bulkhead.trainer.planning.templates import TemplateSet, generate_templates
+
+# One GPU per worker (one trainer process per pod); the analytic costs only rank layouts.
+PLANNING_DEVICE = GpuSpec(gpus_per_node=1)
+TIED = "unit/tied"  # the key group of the token embedding, which the head also uses
+
+
+def unit_group(unit: int) -> str:
+    """The key group of one unit's parameters and optimizer state."""
+    return f"unit/{unit}"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: units [start, stop) of pipeline ``pipeline`` on rank ``rank``."""
+
+    pipeline: int
+    index: int  # position in its pipeline
+    stages: int  # stages of its pipeline
+    start: int
+    stop: int
+    rank: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The pipelines of one generation; identical on every rank."""
+
+    num_units: int
+    schedule: str  # "1F1B" | "GPipe"
+    stages: tuple[tuple[StagePlan, ...], ...]  # per pipeline, its stages in order
+    microbatches: tuple[tuple[int, int], ...]  # per pipeline: (first global micro-batch, count)
+    micro_batch_size: int
+    global_batch_size: int
+    copies: int  # pipelines: holders of every unit
+    requested_copies: int  # maxFailures + 1
+    predicted_iteration_s: float
+
+    idle: tuple[int, ...] = ()  # ranks no template uses: they hold nothing
+
+    def stage(self, rank: int) -> StagePlan | None:
+        """Rank ``rank``'s stage (None: idle)."""
+        return next((s for p in self.stages for s in p if s.rank == rank), None)
+
+    def units(self, rank: int) -> range:
+        s = self.stage(rank)
+        return range(s.start, s.stop) if s is not None else range(0)
+
+    def groups(self, rank: int) -> frozenset[str]:
+        """The key groups rank ``rank`` holds."""
+        units = self.units(rank)
+        out = {unit_group(u) for u in units}
+        if 0 in units or self.num_units - 1 in units:
+            out.add(TIED)
+        return frozenset(out)
+
+    def holders(self, group: str) -> tuple[int, ...]:
+        """Ranks holding ``group``, ascending."""
+        ranks = sorted(s.rank for p in self.stages for s in p)
+        return tuple(r for r in ranks if group in self.groups(r))
+
+    def batches(self, pipeline: int) -> list[list[int]]:
+        """Pipeline ``pipeline``'s micro-batches as sample offsets into the global batch."""
+        first, count = self.microbatches[pipeline]
+        mbs, gb = self.micro_batch_size, self.global_batch_size
+        return [list(range(j * mbs, min((j + 1) * mbs, gb))) for j in range(first, first + count)]
+
+    def describe(self, workers: tuple[str, ...] | None = None) -> list[str]:
+        def name(rank: int) -> str:
+            return workers[rank] if workers is not None else f"rank {rank}"
+
+        sizes = "+".join(str(len(p)) for p in self.stages)
+        survive = self.copies - 1
+        lines = [
+            f"Oobleck pipelines: {len(self.stages)} ({sizes} stages, {self.schedule}); every "
+            f"layer on {self.copies} worker(s) (survives {survive} loss(es))"
+        ]
+        if self.copies < self.requested_copies:
+            lines.append(
+                f"fewer copies than maxFailures + 1 = {self.requested_copies}: too few "
+                "workers for that many pipelines"
+            )
+        for p, stages in enumerate(self.stages):
+            samples = sum(len(b) for b in self.batches(p))
+            parts = " | ".join(f"{name(s.rank)} units {s.start}-{s.stop - 1}" for s in stages)
+            lines.append(
+                f"pipeline {p}: {len(stages)} stage(s), {self.microbatches[p][1]} micro-batch(es) "
+                f"= {samples} samples: {parts}"
+            )
+        if self.idle:
+            lines.append(f"idle (no template uses them): {', '.join(name(r) for r in self.idle)}")
+        return lines
+
+
+def template_set(
+    model: ModelSizes, pp: PipelineParallelism, ranks: int, micro_batch_size: int
+) -> TemplateSet:
+    """Templates for every pipeline length the spec allows on ``ranks`` workers."""
+    units = model.n_layers + 2
+    lo = min(pp.min_stages, ranks, units)
+    hi = min(pp.max_stages or units, ranks, units)
+    hi = max(hi, lo)
+    layers = estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
+    found = generate_templates(layers, PLANNING_DEVICE, hi)
+    kept = tuple(t for t in found.templates if lo <= t.num_nodes <= hi)
+    if not kept:
+        raise PlanError(f"no pipeline template of {lo}..{hi} stages fits the model")
+    return TemplateSet(kept, found.num_layers, found.gpus_per_node)
+
+
+def plan_pipelines(
+    ranks: int,
+    model: ModelSizes,
+    pp: PipelineParallelism,
+    max_failures: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+) -> PipelineLayout:
+    """The pipelines of a generation of ``ranks`` workers (see the module docstring).
+
+    Fault tolerance comes first: the most copies (up to f + 1) that some number of the
+    workers can form, then as many workers as can be used at that many copies.
+    """
+    templates = template_set(model, pp, ranks, micro_batch_size)
+    microbatches = -(-global_batch_size // micro_batch_size)
+    names = [str(r) for r in range(ranks)]
+    chosen: Instantiation | None = None
+    for f in range(min(max_failures, microbatches - 1), -1, -1):
+        for used in range(ranks, 0, -1):
+            try:
+                chosen = instantiate(templates, names[:used], f, microbatches)
+            except PlanError:
+                continue
+            break
+        if chosen is not None:
+            break
+    if chosen is None:
+        raise PlanError(f"{ranks} workers cannot form any pipeline of the allowed lengths")
+    stages, batches, cursor = [], [], 0
+    for p, pipe in enumerate(chosen.pipelines):
+        stages.append(
+            tuple(
+                StagePlan(p, i, pipe.template.num_stages, s.layer_start, s.layer_end, ranks_[0])
+                for i, (s, ranks_) in enumerate(
+                    zip(pipe.template.stages, pipe.stage_ranks, strict=True)
+                )
+            )
+        )
+        batches.append((cursor, pipe.microbatches))
+        cursor += pipe.microbatches
+    used_ranks = {s.rank for p in stages for s in p}
+    return PipelineLayout(
+        num_units=templates.num_layers,
+        schedule=pp.schedule,
+        stages=tuple(stages),
+        microbatches=tuple(batches),
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        copies=len(stages),
+        requested_copies=max_failures + 1,
+        predicted_iteration_s=chosen.iteration_time_s,
+        idle=tuple(r for r in range(ranks) if r not in used_ranks),
+    )
+
+
+def schedule(kind: str, stages: int, index: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order of one stage's forward ("F", i) and backward ("B", i) passes.
+
+    1F1B: ``stages - index - 1`` warm-up forwards (the passes in flight downstream), then
+    one forward and one backward alternately, then the remaining backwards. GPipe: every
+    forward, then every backward in reverse. Sends never block and receives follow the
+    order the neighbouring stage produces, so no stage waits on a pass not yet scheduled.
+    """
+    if kind == "GPipe":
+        return [("F", i) for i in range(microbatches)] + [
+            ("B", i) for i in reversed(range(microbatches))
+        ]
+    warmup = min(stages - index - 1, microbatches)
+    ops = [("F", i) for i in range(warmup)]
+    forward, backward = warmup, 0
+    while forward < microbatches:
+        ops += [("F", forward), ("B", backward)]
+        forward += 1
+        backward += 1
+    ops += [("B", i) for i in range(backward, microbatches)]
+    return ops
