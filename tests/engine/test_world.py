@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from bulkhead.trainer.engine.failfast import (
     own_socket_fds,
     parse_proc_net_tcp,
 )
-from bulkhead.trainer.engine.world import open_world, park_default_world
+from bulkhead.trainer.engine.world import CollectiveError, open_world, park_default_world
 
 PROC_NET_TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -103,6 +104,23 @@ def test_parking_forgets_the_registry_and_the_next_world_forms() -> None:
     finally:
         second.close()
     assert not dist.is_initialized()
+
+
+def test_a_failed_rendezvous_leaves_the_next_world_named_as_in_a_fresh_process() -> None:
+    # A rank whose rendezvous timed out (a member of its generation was dead) must name
+    # the next world's groups as a newcomer's fresh process does, or both wait on
+    # different store keys until they time out.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=1),
+                          wait_for_workers=False)  # fmt: skip
+    device = pick_device(cuda_available=False)
+    with pytest.raises(CollectiveError, match="rendezvous failed"):
+        open_world(1, 0, ["w0", "w1"], ["n0", "n1"], store, device, timeout_s=1)
+    assert not dist.is_initialized()
+    world = open_world(2, 0, ["w0"], ["n0"], store, device, timeout_s=10)
+    try:
+        assert c10d._get_default_group().group_name == "0"  # a fresh process's first name
+    finally:
+        world.close()
 
 
 def test_device_choice_and_the_nccl_environment() -> None:

@@ -332,8 +332,10 @@ def open_world(
             timeout=timedelta(seconds=timeout_s),
         )
     except (RuntimeError, ValueError, dist.DistError) as exc:
-        if dist.is_initialized():
-            park_default_world()
+        # Also when nothing was registered: a failed init still counted a group, and the
+        # next world's groups must be named as a fresh process names them (a newcomer and
+        # this rank would otherwise wait on different store keys until they time out).
+        park_default_world()
         raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
     return World(
         generation=generation,

@@ -265,9 +265,10 @@ class ElasticTrainer:
         for line in plan.describe():
             log.info("plan: %s", line)
         held = self.held
+        restored = None
         if view.restore_from_checkpoint:  # the manager knows no replica survived
-            held = self._restore(engine, "the manager asked for a checkpoint") or held
-        adoption = engine.adopt(held)
+            restored = self._restore(engine, "the manager asked for a checkpoint")
+        adoption = engine.adopt(restored or held)
         if not adoption.complete:
             # Every rank computed the same transfer plan, so all of them come here together.
             keys = len(adoption.missing)
@@ -289,7 +290,7 @@ class ElasticTrainer:
                 adoption = engine.adopt(None)
             self._state_source = "checkpoint"
         else:
-            self._state_source = adoption.source
+            self._state_source = "checkpoint" if restored is not None else adoption.source
         self._adoption = adoption
         if self.samples_log is not None and world.rank == 0:
             self.samples_log.reconcile(engine.completed_steps, view.generation, world.world_size)
