@@ -35,6 +35,23 @@ def test_plan_moe_job_with_failures_writes_json(tmp_path: Path) -> None:
     assert data["reconfiguration"]["lostNodes"]
 
 
+def test_plan_of_a_pipeline_job_says_which_units_move_after_a_kill(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        cli, ["plan", str(EXAMPLES / "local-pipeline.yaml"), "--fail", "1", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Oobleck pipelines: 2 (3+2 stages" in result.output
+    data = json.loads(out.read_text())
+    assert [len(p["stages"]) for p in data["engine"]["pipelines"]] == [3, 2]
+    assert [len(p["stages"]) for p in data["engineAfterFailure"]["pipelines"]] == [2, 2]
+    # w0 (first stage, units 0-2) is lost: its successor at the head of the pipeline, w1,
+    # fetches those units from w3, the other pipeline's first stage.
+    fetched = {(f["worker"], f["unit"]): f["holders"] for f in data["engineFetches"]}
+    assert fetched[("w1", 0)] == ["w3"]
+    assert all(holders for holders in fetched.values())
+
+
 def test_plan_resolves_presets() -> None:
     result = CliRunner().invoke(cli, ["plan", str(EXAMPLES / "local-moe.yaml"), "--nodes", "4"])
     assert result.exit_code == 0, result.output

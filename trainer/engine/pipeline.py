@@ -287,10 +287,10 @@ class PipelineEngine(Engine):
                     started = time.perf_counter()
                     out, aux, lm = self._stage_forward(stage, x, targets)
                     compute += time.perf_counter() - started
-                    aux_sum += float(aux) * len(samples)
+                    aux_sum += aux.item() * len(samples)
                     weighted_aux = aux * (aux_coef * weight) if aux.requires_grad else None
                     if lm is not None:
-                        lm_sum += float(lm) * len(samples)
+                        lm_sum += lm.item() * len(samples)
                         out = lm * weight
                     else:
                         sent = out.detach()

@@ -220,3 +220,34 @@ def schedule(kind: str, stages: int, index: int, microbatches: int) -> list[tupl
         backward += 1
     ops += [("B", i) for i in range(backward, microbatches)]
     return ops
+
+
+@dataclass(frozen=True)
+class UnitFetch:
+    """After a membership change, ``worker`` needs ``unit``, which it did not hold; the
+    surviving ``holders`` have it (none: it comes from the checkpoint)."""
+
+    worker: str
+    unit: int
+    holders: tuple[str, ...]
+
+
+def unit_fetches(
+    old: PipelineLayout,
+    old_workers: tuple[str, ...],
+    new: PipelineLayout,
+    new_workers: tuple[str, ...],
+) -> list[UnitFetch]:
+    """What moves when ``old``'s survivors (those in ``new_workers``) form ``new``."""
+    survivors = set(new_workers)
+    held = {w: set(old.units(r)) for r, w in enumerate(old_workers)}
+    fetches = []
+    for rank, worker in enumerate(new_workers):
+        for unit in new.units(rank):
+            if unit in held.get(worker, set()):
+                continue
+            holders = tuple(
+                w for r, w in enumerate(old_workers) if w in survivors and unit in old.units(r)
+            )
+            fetches.append(UnitFetch(worker, unit, holders))
+    return fetches

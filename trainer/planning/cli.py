@@ -17,6 +17,7 @@ from rich.table import Table
 
 from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.trainer.config import resolve_model, train_config
+from bulkhead.trainer.engine.pipeline_plan import unit_fetches
 from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
@@ -97,7 +98,9 @@ def transfers_table(transfers: Any) -> Table:
 
 
 def engine_plan_table(plan: ParallelPlan, title: str) -> Table:
-    """Every rank's batch share and place in the ZeRO mesh."""
+    """Every rank's batch share and place in the ZeRO mesh, or its pipeline stage."""
+    if plan.pipelines is not None:
+        return _stages_table(plan, title)
     table = Table(title=f"{title}: " + "; ".join(plan.describe()[1:]))
     for col in ("rank", "worker", "samples", "shard", "replica group", "checkpoint shard",
                 "persists"):  # fmt: skip
@@ -116,6 +119,44 @@ def engine_plan_table(plan: ParallelPlan, title: str) -> Table:
     return table
 
 
+def _stages_table(plan: ParallelPlan, title: str) -> Table:
+    layout = plan.pipelines
+    assert layout is not None
+    table = Table(title=f"{title}: {plan.describe()[1]}")
+    for col in ("rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples"):
+        table.add_column(col)
+    for rank in _rows(list(range(plan.world_size))):
+        if rank is None:
+            table.add_row("...", "", "", "", "", "", "")
+            continue
+        stage = layout.stage(rank)
+        if stage is None:
+            table.add_row(str(rank), plan.workers[rank], "idle", "", "", "", "")
+            continue
+        batches = layout.batches(stage.pipeline)
+        table.add_row(
+            str(rank), plan.workers[rank], str(stage.pipeline),
+            f"{stage.index + 1}/{stage.stages}", f"{stage.start}-{stage.stop - 1}",
+            str(len(batches)), str(sum(len(b) for b in batches)),
+        )  # fmt: skip
+    return table
+
+
+def fetches_table(before: ParallelPlan, after: ParallelPlan) -> tuple[Table, list[Any]]:
+    """The units each survivor fetches after the change, and from which holders."""
+    assert before.pipelines is not None and after.pipelines is not None
+    fetches = unit_fetches(before.pipelines, before.workers, after.pipelines, after.workers)
+    table = Table(title="What moves: units (parameters and optimizer state) fetched in process")
+    for col in ("worker", "unit", "from one of"):
+        table.add_column(col)
+    for f in _rows(fetches):
+        if f is None:
+            table.add_row("...", "", "")
+            continue
+        table.add_row(f.worker, str(f.unit), ", ".join(f.holders) or "no survivor: checkpoint")
+    return table, fetches
+
+
 def engine_plan_dict(plan: ParallelPlan) -> dict[str, Any]:
     z = plan.zero
     return {
@@ -126,6 +167,17 @@ def engine_plan_dict(plan: ParallelPlan) -> dict[str, Any]:
             "replicas": z.replicas,
             "hpz": z.hpz,
         },
+        "pipelines": [
+            {
+                "stages": [
+                    {"worker": plan.workers[s.rank], "units": [s.start, s.stop]} for s in stages
+                ],
+                "microbatches": plan.pipelines.microbatches[p][1],
+            }
+            for p, stages in enumerate(plan.pipelines.stages)
+        ]
+        if plan.pipelines is not None
+        else None,
         "ranks": [
             {
                 "rank": r,
@@ -199,8 +251,19 @@ def plan(
         after = make_plan(2, survivors, survivors, cfg)
         console.print(engine_plan_table(after, f"The engine after losing {fail} worker(s)"))
         out["engineAfterFailure"] = engine_plan_dict(after)
-    console.print("[dim]Oobleck pipelines and Lazarus expert placement below are plans only: "
-                  "this version does not train them yet.[/dim]")  # fmt: skip
+        if trained.pipelines is not None and after.pipelines is not None:
+            table, fetches = fetches_table(trained, after)
+            console.print(table)
+            lost = sorted({f.unit for f in fetches if not f.holders})
+            console.print(
+                f"units to fetch: {len(fetches)}; units with no surviving holder "
+                f"(restored from the checkpoint): {lost or 'none'}"
+            )
+            out["engineFetches"] = [
+                {"worker": f.worker, "unit": f.unit, "holders": list(f.holders)} for f in fetches
+            ]
+    console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
+                  "(the engine above runs one worker per GPU).[/dim]")  # fmt: skip
     try:
         layers = estimate_layer_costs(model, gpu, batch.micro_batch_size)
         templates = generate_templates(layers, gpu, n)
