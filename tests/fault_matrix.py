@@ -126,6 +126,27 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "kill -9 or hang of a pipeline stage",
+        "the survivors re-instantiate pipelines from the templates and fetch the layers "
+        "they now own from surviving holders, in process; no step lost",
+        (
+            "tests/local/test_pipeline_job.py::"
+            "test_a_killed_middle_stage_and_a_hung_stage_are_recovered_in_process",
+            "tests/engine/test_pipeline_engine.py::"
+            "test_a_killed_middle_stage_costs_no_step_and_pipelines_are_reinstantiated",
+        ),
+    ),
+    Fault(
+        "every holder of some state lost (more than maxFailures)",
+        "the survivors restore the newest checkpoint in place and the Recovered Event says so",
+        (
+            "tests/local/test_pipeline_job.py::"
+            "test_losing_both_first_stages_restores_the_checkpoint_and_says_so",
+            "tests/engine/test_expert_engine.py::"
+            "test_losing_every_replica_of_an_expert_falls_back_to_the_checkpoint",
+        ),
+    ),
+    Fault(
         "network partition of one worker",
         "every worker probes its peers after the failed collective; the worker most "
         "members cannot reach is evicted and replaced, the rest go on in process",
