@@ -1,9 +1,12 @@
 """bulkhead.trainer: the PyTorch engine that survives the loss of workers in process.
 
 config (one TrainConfig from the job spec) -> model / moe (GPT decoder, MoE feed-forward)
-and data (byte-level text, sample order a pure function of seed and position) -> runtime/
-(per-generation gloo groups, state broadcast from the newest replica, the elastic loop) ->
-worker (the ``bulkhead-worker`` entry point). checkpoint/ is the checkpoint engine and its
-sidecar ``bulkhead-checkpointd``; planning/ holds the pure planners (pipeline templates,
-expert placement), importable without torch; straggler scores compute-time outliers.
+and data (byte-level text, sample order a pure function of seed and position) -> engine/
+(one registered world per membership generation, the generation's parallel plan, the
+layouts that train it: data parallel, ZeRO on FSDP2, Oobleck pipelines, Lazarus experts;
+state moved between holders by one transfer plan) -> runtime/ (the elastic loop) ->
+worker (the ``bulkhead-worker`` entry point). checkpoint/ is the checkpoint engine and
+its sidecar ``bulkhead-checkpointd``; planning/ holds the pure planners (pipeline
+templates, expert placement), importable without torch; straggler scores compute-time
+outliers.
 """
