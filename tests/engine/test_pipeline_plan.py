@@ -110,3 +110,15 @@ def test_a_schedule_runs_each_pass_once_and_backward_after_forward(
         after = schedule(kind, stages, index + 1, microbatches)
         assert [i for op, i in ops if op == "F"] == [i for op, i in after if op == "F"]
         assert [i for op, i in ops if op == "B"] == [i for op, i in after if op == "B"]
+
+
+def test_busy_times_are_scaled_by_planned_work_so_stages_compare() -> None:
+    # Stages differ in units and micro-batches by design: a straggler check on raw busy
+    # times would flag the busiest stage (it did: 0.66 for a 3-unit stage of 5 batches).
+    layout = plan(5)
+    works = [layout.work(r) for r in range(5)]
+    assert max(works) > 1.5 * min(works)
+    scaled = [layout.work(r) * layout.work_scale(r) for r in range(5)]
+    assert max(scaled) == pytest.approx(min(scaled))
+    idle = plan(5, max_stages=2)
+    assert idle.work_scale(idle.idle[0]) == 0.0  # no evidence: never a straggler

@@ -317,7 +317,8 @@ class PipelineEngine(Engine):
                         sending.append((dist.isend(sent, self._neighbour(-1)), sent))
             for work, _ in sending:
                 work.wait()
-        return lm_sum, aux_sum, compute
+        # Busy time per planned work, so stages of different sizes compare (stragglers).
+        return lm_sum, aux_sum, compute * self.layout.work_scale(world.rank)
 
     def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
         """Each key's gradient summed over its unit's holders, in rank order; returns this

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bulkhead.trainer.config import ModelSizes, PipelineParallelism
-from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
+from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
 from bulkhead.trainer.planning.templates import TemplateSet, generate_templates
@@ -71,8 +71,10 @@ class PipelineLayout:
     copies: int  # pipelines: holders of every unit
     requested_copies: int  # maxFailures + 1
     predicted_iteration_s: float
-
     idle: tuple[int, ...] = ()  # ranks no template uses: they hold nothing
+    # Planned seconds of forward + backward of one micro-batch through each unit (the
+    # planner's analytic costs): what a stage's busy time is compared against.
+    unit_seconds: tuple[float, ...] = ()
 
     def stage(self, rank: int) -> StagePlan | None:
         """Rank ``rank``'s stage (None: idle)."""
@@ -81,6 +83,22 @@ class PipelineLayout:
     def units(self, rank: int) -> range:
         s = self.stage(rank)
         return range(s.start, s.stop) if s is not None else range(0)
+
+    def work(self, rank: int) -> float:
+        """Planned busy seconds of rank ``rank`` in one step (0 when idle)."""
+        stage = self.stage(rank)
+        if stage is None or not self.unit_seconds:
+            return 0.0
+        per_batch = sum(self.unit_seconds[u] for u in range(stage.start, stage.stop))
+        return per_batch * self.microbatches[stage.pipeline][1]
+
+    def work_scale(self, rank: int) -> float:
+        """Factor that makes rank ``rank``'s busy time comparable with the other ranks':
+        stages differ in work by design (units, micro-batches), so a straggler check on
+        raw times would flag the busiest stage. 0 for an idle rank (no evidence)."""
+        mine = self.work(rank)
+        planned = [self.work(s.rank) for p in self.stages for s in p]
+        return sum(planned) / len(planned) / mine if mine > 0 else 0.0
 
     def groups(self, rank: int) -> frozenset[str]:
         """The key groups rank ``rank`` holds."""
@@ -128,6 +146,11 @@ class PipelineLayout:
         return lines
 
 
+def unit_costs(model: ModelSizes, micro_batch_size: int) -> list[LayerCost]:
+    """The planner's costs of the units, one micro-batch each."""
+    return estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
+
+
 def template_set(
     model: ModelSizes, pp: PipelineParallelism, ranks: int, micro_batch_size: int
 ) -> TemplateSet:
@@ -136,7 +159,7 @@ def template_set(
     lo = min(pp.min_stages, ranks, units)
     hi = min(pp.max_stages or units, ranks, units)
     hi = max(hi, lo)
-    layers = estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
+    layers = unit_costs(model, micro_batch_size)
     found = generate_templates(layers, PLANNING_DEVICE, hi)
     kept = tuple(t for t in found.templates if lo <= t.num_nodes <= hi)
     if not kept:
@@ -196,6 +219,7 @@ def plan_pipelines(
         requested_copies=max_failures + 1,
         predicted_iteration_s=chosen.iteration_time_s,
         idle=tuple(r for r in range(ranks) if r not in used_ranks),
+        unit_seconds=tuple(c.compute_s for c in unit_costs(model, micro_batch_size)),
     )
 
 
