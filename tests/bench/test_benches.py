@@ -27,6 +27,14 @@ EXPECTED_KEYS = {
         "detection_latency_max_s",
     },
     "recovery": {"bulkhead_recovery_s", "torchrun_recovery_s", "ratio"},
+    "pipeline": {
+        "bubble_measured",
+        "bubble_theory",
+        "reconfigure_s",
+        "restart_s",
+        "predicted_iteration_s",
+        "measured_iteration_s",
+    },
 }
 
 

@@ -140,3 +140,16 @@ def test_losing_every_holder_of_a_unit_falls_back_to_the_checkpoint(tmp_path: Pa
     assert max(survivor.losses) == 9
     ref = reference(10, tmp_path / "ref")
     assert_same_state(survivor, ref, rtol=1e-4, atol=ADAM_ATOL)
+
+
+def test_a_rank_no_template_uses_stays_idle_and_the_rest_train_like_data_parallel(
+    tmp_path: Path,
+) -> None:
+    pp = {"minStages": 2, "maxStages": 2}  # 5 workers: 2 + 2, one left over
+    plan = make_plan(1, workers(5), workers(5), config(pipeline=pp))
+    assert plan.pipelines is not None and plan.pipelines.idle == (4,)
+    out = run_scenario(config(pipeline=pp, **SGD), [Phase((0, 1, 2, 3, 4), 8)], tmp_path / "pp")
+    ref = reference(8, tmp_path / "ref", **SGD)
+    assert out[4].adoptions == [(1, "fresh", 0)]
+    assert_same_losses(out[0].losses, ref.losses)
+    assert_same_state(out[0], ref, rtol=1e-4, atol=1e-5)

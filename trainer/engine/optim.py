@@ -14,7 +14,9 @@ def make_optimizer(
     model: nn.Module | Iterable[nn.Parameter], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
     """The spec's optimizer over a module's parameters (or the given ones)."""
-    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    params: list = list(model.parameters() if isinstance(model, nn.Module) else model)
+    if not params:  # a rank holding nothing (an idle pipeline rank) still steps, emptily
+        params = [{"params": []}]
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
