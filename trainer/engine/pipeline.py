@@ -7,8 +7,9 @@ head's weight is the token embedding's, so the first and the last stage both hol
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
 activations from the stage before, the last computes the loss; backward receives the
-output's gradient and sends the input's gradient back. Sends do not block; receives
-block inside gloo: a dead neighbour fails them at once (its connection resets), and a
+output's gradient and sends the input's gradient back. Sends do not block; each
+receive is posted one pass ahead (the transfer overlaps the current pass) and its wait
+blocks inside gloo: a dead neighbour fails it at once (its connection resets), and a
 hung one is cut off by the runtime's abort monitor once a newer generation exists
 (``World.abort``), as for FSDP2's waits. Every micro-batch's loss is weighted by its share
 of the global batch, so the gradients summed over the pipelines are the data-parallel
@@ -27,6 +28,7 @@ holders; a unit no survivor holds makes the adoption incomplete (checkpoint fall
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -98,6 +100,34 @@ class _Pass:
     inputs: torch.Tensor | None  # received activations (None on the first stage)
     outputs: torch.Tensor  # activations sent on, or the weighted loss on the last stage
     aux: torch.Tensor | None  # weighted balance loss of this stage's MoE blocks
+
+
+class _Inbox:
+    """What one neighbour sends, in the order it sends it, each receive posted one ahead:
+    the next transfer lands while this stage computes, instead of after it asks."""
+
+    def __init__(
+        self, peer: int, order: list[int], shape: Callable[[int], tuple[int, ...]],
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.peer, self.order, self.shape = peer, order, shape
+        self.dtype, self.device = dtype, device
+        self.posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self.cursor = 0
+        self._post()
+
+    def _post(self) -> None:
+        if self.cursor < len(self.order):
+            i = self.order[self.cursor]
+            buf = torch.empty(self.shape(i), dtype=self.dtype, device=self.device)
+            self.posted[i] = (dist.irecv(buf, self.peer), buf)
+            self.cursor += 1
+
+    def take(self, i: int) -> torch.Tensor:
+        work, buf = self.posted.pop(i)
+        work.wait()
+        self._post()
+        return buf
 
 
 class PipelineEngine(Engine):
@@ -262,15 +292,25 @@ class PipelineEngine(Engine):
         batches = self.layout.batches(stage.pipeline)
         aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
         device = world.device.device
-        shape = (cfg.model.seq_len, cfg.model.d_model)
         dtype = next(p for p in self.model.parameters() if not p.is_meta).dtype
         self.model.train()
         passes: dict[int, _Pass] = {}
         sending: list[tuple[dist.Work, torch.Tensor]] = []
         lm_sum = aux_sum = compute = 0.0
+        ops = schedule(self.layout.schedule, stage.stages, stage.index, len(batches))
+
+        def shape(i: int) -> tuple[int, ...]:
+            return (len(batches[i]), cfg.model.seq_len, cfg.model.d_model)
+
         with world.guard("pipeline"):
-            for kind, i in schedule(self.layout.schedule, stage.stages, stage.index,
-                                    len(batches)):  # fmt: skip
+            activations = grads_in = None
+            if not stage.first:
+                order = [i for kind, i in ops if kind == "F"]
+                activations = _Inbox(self._neighbour(-1), order, shape, dtype, device)
+            if not stage.last:
+                order = [i for kind, i in ops if kind == "B"]
+                grads_in = _Inbox(self._neighbour(1), order, shape, dtype, device)
+            for kind, i in ops:
                 samples = batches[i]
                 weight = len(samples) / gb
                 if kind == "F":
@@ -278,11 +318,10 @@ class PipelineEngine(Engine):
                     batch = dataset.batch([positions[j] for j in samples])
                     targets = batch.targets.to(device) if stage.last else None
                     inputs = None
-                    if stage.first:
+                    if activations is None:
                         x = batch.inputs.to(device)
                     else:
-                        inputs = torch.empty((len(samples), *shape), dtype=dtype, device=device)
-                        dist.recv(inputs, self._neighbour(-1))
+                        inputs = activations.take(i)
                         x = inputs.requires_grad_(True)
                     started = time.perf_counter()
                     out, aux, lm = self._stage_forward(stage, x, targets)
@@ -298,12 +337,9 @@ class PipelineEngine(Engine):
                     passes[i] = _Pass(inputs, out, weighted_aux)
                 else:
                     done = passes.pop(i)
-                    if stage.last:
-                        grads: list[torch.Tensor | None] = [None]
-                    else:
-                        grad = torch.empty_like(done.outputs)
-                        dist.recv(grad, self._neighbour(1))
-                        grads = [grad]
+                    grads: list[torch.Tensor | None] = [
+                        None if grads_in is None else grads_in.take(i)
+                    ]
                     outputs = [done.outputs]
                     if done.aux is not None:
                         outputs.append(done.aux)
