@@ -61,7 +61,11 @@ def rebuild(
     members = {m.worker: m for m in status.membership.members}
     newest = _newest_incarnations([*live, *members], config.workers)
     unseen: set[str] = set()  # started by the previous manager, neither running nor members
-    for index, incarnation in (started or {}).items():
+    # The previous manager started incarnation 0 of every slot when it opened the job
+    # (drivers record only the later ones): a slot whose first worker is gone without a
+    # trace must not get its id again.
+    started = {i: 0 for i in range(config.workers)} | dict(started or {})
+    for index, incarnation in started.items():
         if 0 <= index < config.workers and incarnation > newest.get(index, -1):
             unseen.add(worker_id(job, index, incarnation))
             newest[index] = incarnation

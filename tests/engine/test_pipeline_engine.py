@@ -33,6 +33,7 @@ def config(
     pipeline: dict | None = None,
     gb: int = 16,
     micro: int = 2,
+    preset: str = "tiny",
     **trainer: object,
 ) -> TrainConfig:
     parallelism = {"pipeline": pipeline} if pipeline is not None else {}
@@ -40,7 +41,7 @@ def config(
         {
             "workers": workers,
             "trainer": {
-                "model": {"preset": "tiny"},
+                "model": {"preset": preset},
                 "batch": {"globalBatchSize": gb, "microBatchSize": micro},
                 "steps": 100,
                 "parallelism": parallelism,
@@ -55,10 +56,10 @@ def config(
 PP = {"minStages": 2}
 
 
-def reference(steps: int, tmp: Path, **trainer: object) -> Outcome:
+def reference(steps: int, tmp: Path, preset: str = "tiny", **trainer: object) -> Outcome:
     """One process, data parallel."""
-    return run_scenario(config(workers=1, max_failures=0, **trainer), [Phase((0,), steps)],
-                        tmp)[0]  # fmt: skip
+    cfg = config(workers=1, max_failures=0, preset=preset, **trainer)
+    return run_scenario(cfg, [Phase((0,), steps)], tmp)[0]
 
 
 def assert_same_state(result: Outcome, ref: Outcome, rtol: float, atol: float) -> None:
@@ -92,11 +93,17 @@ def test_five_workers_run_pipelines_of_three_and_two_stages() -> None:
     assert samples == list(range(16))
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_heterogeneous_pipelines_equal_data_parallel(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "preset"),
+    [("1F1B", "tiny"), ("GPipe", "tiny"), ("1F1B", "tiny-moe")],  # MoE: its balance loss too
+)
+def test_heterogeneous_pipelines_equal_data_parallel(
+    tmp_path: Path, schedule: str, preset: str
+) -> None:
     pp = {**PP, "schedule": schedule}
-    out = run_scenario(config(pipeline=pp), [Phase((0, 1, 2, 3, 4), 20)], tmp_path / "pp")
-    ref = reference(20, tmp_path / "ref")
+    cfg = config(pipeline=pp, preset=preset)
+    out = run_scenario(cfg, [Phase((0, 1, 2, 3, 4), 20)], tmp_path / "pp")
+    ref = reference(20, tmp_path / "ref", preset=preset)
     assert out[0].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref, rtol=1e-4, atol=ADAM_ATOL)

@@ -83,6 +83,17 @@ def test_started_incarnations_are_never_reused() -> None:
     assert state.generation == 5
 
 
+def test_a_first_incarnation_gone_without_a_trace_is_not_reused() -> None:
+    # The previous manager evicted job-w0-0 (node fault) and was killed before recording
+    # job-w0-1; the status lists only the survivor. Incarnation 0 of every slot was started
+    # when the job opened, so the replacement is job-w0-1, never a second job-w0-0.
+    status = _status("job-w1-0")
+    live = {"job-w1-0": "n1"}
+    state, decisions = rebuild("job", make_spec(workers=2), status, live, 0.0)
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w0-1"]
+    assert "job-w0-0" in state.dead
+
+
 def test_started_incarnations_older_than_live_workers_change_nothing() -> None:
     status = _status("job-w0-2", "job-w1-0")
     live = {"job-w0-2": "n0", "job-w1-0": "n1"}
