@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -643,3 +643,42 @@ def gather_whole(engine: Engine, groups: list[frozenset[str]]) -> dict[str, torc
     specs = {s.name: s for s in engine.specs}
     execute_transfer(transfer, world, mine, target, needs[world.rank], specs)
     return target
+
+
+class GroupedEngine(Engine):
+    """Base of layouts where each rank holds whole keys of some key groups (experts,
+    pipeline stages): ``_groups(rank)`` says which; holding, adoption source, checkpoint
+    assembly and gathering follow from it."""
+
+    def _groups(self, rank: int) -> frozenset[str]:
+        raise NotImplementedError
+
+    @property
+    def holding(self) -> Holding:
+        if not self.adopted:
+            return NOTHING
+        return Holding(
+            step=self.completed_steps,
+            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
+            index=self.world.rank,
+            groups=self._groups(self.world.rank),
+        )
+
+    def _groups_of(self, held: HeldState) -> frozenset[str]:
+        """The groups ``held`` really has keys of."""
+        specs = {s.name: s for s in self.specs}
+        return frozenset(specs[k].group for k in held.tensors if k in specs and specs[k].group)
+
+    def _source(self, held: HeldState | None) -> HeldState | None:
+        """``held`` with its holding listing the groups it really has."""
+        if held is None:
+            return None
+        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
+
+    def assemble(self, pieces: list[HeldState]) -> HeldState:
+        """The whole state from the pieces of one checkpoint step (each rank's piece)."""
+        return assemble_union(pieces, self.specs)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank, from its holders (collective; tests and benches)."""
+        return gather_whole(self, [self._groups(r) for r in range(self.world.world_size)])

@@ -41,12 +41,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.engine.dispatch import DispatchLayout
 from bulkhead.trainer.engine.engine import (
-    Engine,
+    GroupedEngine,
     HeldState,
     _materialize_optimizer,
-    assemble_union,
     execute_transfer,
-    gather_whole,
 )
 from bulkhead.trainer.engine.experts_plan import (
     ExpertPlan,
@@ -171,7 +169,7 @@ def _renumber(key: str, block: int, expert: int) -> str:
     return f"{kind}/blocks.{block}{_EXPERTS}{expert}.{rest}"
 
 
-class ExpertEngine(Engine):
+class ExpertEngine(GroupedEngine):
     """The engine of a plan with expert placement (see the module docstring)."""
 
     collective_forward = True  # every pass all-to-alls: all ranks run the same passes
@@ -197,6 +195,9 @@ class ExpertEngine(Engine):
         optimizer = make_optimizer(model, cfg.optimizer)
         _materialize_optimizer(model, optimizer)
         return cls(plan, world, cfg, model, optimizer, None, None)
+
+    def _groups(self, rank: int) -> frozenset[str]:
+        return self.expert_plan.groups(rank)
 
     @property
     def expert_plan(self) -> ExpertPlan:
@@ -238,25 +239,6 @@ class ExpertEngine(Engine):
         self._interrupted: HeldState | None = None  # state kept when a migration failed
         self.rebalances: list[Rebalance] = []  # what each rebalance did, for events
 
-    @property
-    def holding(self) -> Holding:
-        if not self.adopted:
-            return NOTHING
-        return Holding(
-            step=self.completed_steps,
-            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
-            index=self.world.rank,
-            groups=self.expert_plan.groups(self.world.rank),
-        )
-
-    def _groups_of(self, held: HeldState) -> frozenset[str]:
-        specs = {s.name: s for s in self.specs}
-        return frozenset(specs[k].group for k in held.tensors if k in specs and specs[k].group)
-
-    def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """The whole state from the pieces of one checkpoint step (each rank's piece)."""
-        return assemble_union(pieces, self.specs)
-
     # -- adoption: the base engine's, with expert groups -------------------------------
 
     def _holdings(self, held: HeldState | None) -> list[Holding]:
@@ -286,12 +268,6 @@ class ExpertEngine(Engine):
             self._settled = True
         plan = self.expert_plan
         return [needed_ranges(1, 0, self.specs, plan.groups(r)) for r in range(len(holdings))]
-
-    def _source(self, held: HeldState | None) -> HeldState | None:
-        """``held`` with its holding listing the groups it really has."""
-        if held is None:
-            return None
-        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
 
     def _rehost(self, plan: ExpertPlan) -> None:
         """Host ``plan``'s experts; a new optimizer (its state comes by transfer)."""
@@ -429,11 +405,6 @@ class ExpertEngine(Engine):
         if self._interrupted is not None:
             return self._interrupted
         return super().held_state()
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every key whole on every rank, from its hosts (collective; tests and benches)."""
-        plan = self.expert_plan
-        return gather_whole(self, [plan.groups(r) for r in range(plan.ranks)])
 
     def expert_bytes(self) -> int:
         """Bytes of expert parameters and optimizer state this rank holds."""

@@ -39,11 +39,9 @@ from torch import nn
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
 from bulkhead.trainer.engine.engine import (
-    Engine,
+    GroupedEngine,
     HeldState,
     _materialize_optimizer,
-    assemble_union,
-    gather_whole,
 )
 from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
 from bulkhead.trainer.engine.optim import make_optimizer
@@ -130,7 +128,7 @@ class _Inbox:
         return buf
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(GroupedEngine):
     """The engine of a plan with pipelines (see the module docstring)."""
 
     @classmethod
@@ -169,6 +167,9 @@ class PipelineEngine(Engine):
         assert self.plan.pipelines is not None
         return self.plan.pipelines
 
+    def _groups(self, rank: int) -> frozenset[str]:
+        return self.layout.groups(rank)
+
     @property
     def stage(self) -> StagePlan | None:
         return self.layout.stage(self.world.rank)
@@ -202,30 +203,8 @@ class PipelineEngine(Engine):
             raise AssertionError(f"keys outside the model's: {sorted(held - everything.keys())}")
         return entries
 
-    @property
-    def holding(self) -> Holding:
-        if not self.adopted:
-            return NOTHING
-        return Holding(
-            step=self.completed_steps,
-            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
-            index=self.world.rank,
-            groups=self.layout.groups(self.world.rank),
-        )
-
     def _all_groups(self) -> list[str]:
         return [unit_group(u) for u in range(self.layout.num_units)] + [TIED]
-
-    def _groups_of(self, held: HeldState) -> frozenset[str]:
-        specs = {s.name: s for s in self.specs}
-        return frozenset(specs[k].group for k in held.tensors if k in specs)
-
-    def assemble(self, pieces: list[HeldState]) -> HeldState:
-        return assemble_union(pieces, self.specs)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every key whole on every rank, from its holders (collective; tests and benches)."""
-        return gather_whole(self, [self.layout.groups(r) for r in range(self.world.world_size)])
 
     # -- adoption: the base engine's, with unit groups ---------------------------------
 
@@ -248,12 +227,6 @@ class PipelineEngine(Engine):
         return [
             needed_ranges(1, 0, self.specs, self.layout.groups(r)) for r in range(len(holdings))
         ]
-
-    def _source(self, held: HeldState | None) -> HeldState | None:
-        """``held`` with its holding listing the groups it really has."""
-        if held is None:
-            return None
-        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
 
     # -- the step ----------------------------------------------------------------------
 
