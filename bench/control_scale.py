@@ -94,13 +94,15 @@ def _host(index: int) -> str:
 def _endpoint_main(conn: Connection, workers: int) -> None:
     """The real endpoint and session; answers the controller's commands on ``conn``."""
     _raise_fd_limit()
+    from bulkhead.operator.control import run_event_loop  # the operator's own loop
+
     profile = os.environ.get("BULKHEAD_BENCH_PROFILE")  # a path: cProfile the endpoint
     if not profile:
-        asyncio.run(_endpoint(conn, workers))
+        run_event_loop(_endpoint(conn, workers))
         return
     import cProfile
 
-    cProfile.runctx("asyncio.run(_endpoint(conn, workers))", globals(), locals(), profile)
+    cProfile.runctx("run_event_loop(_endpoint(conn, workers))", globals(), locals(), profile)
 
 
 class _NullDriver:

@@ -23,11 +23,12 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Generator
-from typing import Annotated, Any
+from collections.abc import Coroutine, Generator
+from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qs
 
 import uvicorn
+import uvloop
 from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -345,6 +346,19 @@ def tune_gc_for_connections() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run a control-plane process's loop on uvloop (libuv) rather than asyncio's.
+
+    With thousands of open long polls the endpoint's cost is per answer, not per byte:
+    the event loop and the HTTP parser (``ControlServer`` uses httptools, also C) were
+    most of it on the pure-Python stack (bench/control_scale.py, docs/control-plane.md).
+    """
+    return uvloop.run(main)
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without its own signal handlers: the embedding process decides on shutdown."""
 
@@ -369,6 +383,7 @@ class ControlServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http="httptools",  # C parser: a third of the pure-Python h11 cost per answer
             timeout_graceful_shutdown=shutdown_timeout_s,
         )
         self._server = _QuietServer(config)

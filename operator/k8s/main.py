@@ -28,7 +28,7 @@ import click
 import httpx
 import kopf
 
-from bulkhead.operator.control import ControlServer, create_control_app
+from bulkhead.operator.control import ControlServer, create_control_app, run_event_loop
 from bulkhead.operator.k8s.handlers import build_registry, kopf_settings
 from bulkhead.operator.k8s.kube import KubeClient, KubeError, load_credentials
 from bulkhead.operator.k8s.leader import ElectionSettings, LeaderElector, route_to
@@ -248,7 +248,7 @@ def main(namespaces: tuple[str, ...], **options: Any) -> None:
     configure_logging(settings)
     log.info("starting: %s", settings.model_dump(exclude={"kubeconfig", "agent_report_token"}))
     try:
-        asyncio.run(serve(settings))
+        run_event_loop(serve(settings))
     except LeadershipLost as exc:
         log.error("%s", exc)
         sys.exit(1)

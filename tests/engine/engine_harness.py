@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from processes import preloaded_context
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import open_dataset
@@ -159,7 +159,7 @@ def run_scenario(
     fallback for an adoption that finds some key with no surviving holder.
     """
     tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_context()
     q = ctx.Queue()
     server = ctx.Process(target=_store_server, args=(q,), daemon=True)
     server.start()

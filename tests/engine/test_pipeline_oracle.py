@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from engine_harness import free_port
+from processes import preloaded_context
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -188,7 +188,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def run_both(tmp: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_context()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp))) for r in range(2)]
     try:

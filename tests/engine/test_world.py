@@ -26,7 +26,13 @@ from bulkhead.trainer.engine.failfast import (
     own_socket_fds,
     parse_proc_net_tcp,
 )
-from bulkhead.trainer.engine.world import CollectiveError, open_world, park_default_world
+from bulkhead.trainer.engine.world import (
+    CollectiveError,
+    await_listener,
+    check_in,
+    open_world,
+    park_default_world,
+)
 
 PROC_NET_TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -113,6 +119,8 @@ def test_a_failed_rendezvous_leaves_the_next_world_named_as_in_a_fresh_process()
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=1),
                           wait_for_workers=False)  # fmt: skip
     device = pick_device(cuda_available=False)
+    store.set("gen1/checked-in/1", "1")  # rank 1 checked in, then died before the init
+    store.add("gen1/arrivals", 1)
     with pytest.raises(CollectiveError, match="rendezvous failed"):
         open_world(1, 0, ["w0", "w1"], ["n0", "n1"], store, device, timeout_s=1)
     assert not dist.is_initialized()
@@ -121,6 +129,25 @@ def test_a_failed_rendezvous_leaves_the_next_world_named_as_in_a_fresh_process()
         assert c10d._get_default_group().group_name == "0"  # a fresh process's first name
     finally:
         world.close()
+
+
+def test_a_rendezvous_with_a_dead_member_ends_when_a_newer_generation_exists() -> None:
+    # The manager published generation 2 after generation 1's rank 1 died: the survivor
+    # gives up generation 1 at once instead of waiting out the collective timeout.
+    store = dist.HashStore()
+    device = pick_device(cuda_available=False)
+    newer = threading.Event()
+    threading.Timer(0.2, newer.set).start()
+    with pytest.raises(CollectiveError, match="abandoned: a newer generation exists"):
+        open_world(1, 0, ["w0", "w1"], ["n0", "n1"], store, device, timeout_s=60,
+                   should_abandon=newer.is_set)  # fmt: skip
+    assert not dist.is_initialized()
+    # A member that arrives after the others gave up does not go on alone.
+    with pytest.raises(CollectiveError, match="abandoned: a newer generation exists"):
+        check_in(dist.PrefixStore("gen1", store), 1, 1, 2, timeout_s=60)
+    # Without a newer generation, the timeout names who never came.
+    with pytest.raises(CollectiveError, match=r"rank\(s\) \[1, 2\] did not check in"):
+        open_world(3, 0, ["w0", "w1", "w2"], ["n0"] * 3, store, device, timeout_s=0.3)
 
 
 def test_device_choice_and_the_nccl_environment() -> None:
@@ -154,3 +181,30 @@ def test_abort_monitor_fires_once_and_survives_a_broken_predicate() -> None:
     assert monitor.fired.wait(10)
     monitor.stop()
     assert aborted == [1]
+
+
+def test_waiting_for_a_dead_coordinators_store_ends_when_a_newer_generation_exists() -> None:
+    with socket.socket() as closed:  # a port nobody listens on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    newer = threading.Event()
+    threading.Timer(0.2, newer.set).start()
+    with pytest.raises(CollectiveError, match="abandoned: a newer generation exists"):
+        await_listener("127.0.0.1", port, 1, timeout_s=60, should_abandon=newer.is_set)
+    with pytest.raises(CollectiveError, match=r"unreachable for 0\.2s"):
+        await_listener("127.0.0.1", port, 1, timeout_s=0.2)
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        await_listener("127.0.0.1", live.getsockname()[1], 1, timeout_s=5)  # returns at once
+
+
+def test_once_every_member_checked_in_nobody_gives_up() -> None:
+    # Rank 1 is in; rank 0 arrives last while a newer generation exists: the rendezvous is
+    # already complete, so rank 0 goes on to the init as rank 1 does (neither is stranded
+    # in the library's wait for a member that left).
+    store = dist.HashStore()
+    store.set("checked-in/1", "1")
+    store.add("arrivals", 1)
+    check_in(store, 1, 0, 2, timeout_s=60, should_abandon=lambda: True)
+    assert store.get("outcome") == b"go"

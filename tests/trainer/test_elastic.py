@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_harness import Manager, read_lines, tiny_spec, worker_main
+from processes import preloaded_context
 
 pytestmark = pytest.mark.slow
 
-CTX = mp.get_context("spawn")
+CTX = preloaded_context()
 OPEN_ENDED = 100_000  # total steps while the test still has faults to inject
 
 

@@ -18,6 +18,7 @@ as exceptions, which ``guard`` turns into ``CollectiveError``.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -308,6 +309,51 @@ def park_default_world() -> None:
     world.group_count = 0
 
 
+def check_in(
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    should_abandon: Callable[[], bool] = _never,
+) -> None:
+    """Wait until every member of the generation has checked in, or give up at once when
+    a newer generation exists.
+
+    ``init_process_group`` waits on the store in the library, unabandonable: a member that
+    died after the generation was published would hold every survivor there for the whole
+    collective timeout, although the manager has already published the next generation.
+    Checking in first, polled, leaves the library's waits only live members to wait for.
+
+    The outcome is one store value, decided once (compare-and-set): the last member in
+    writes ``go``, a member giving up writes why (abandoned, or who is missing). Either every
+    member goes on to the init or none does, so no member is left waiting in the library
+    for one that gave up a moment after everyone had checked in.
+    """
+    store.set(f"checked-in/{rank}", b"1")
+    if store.add("arrivals", 1) == world_size:
+        _decide(store, "go")
+    deadline = time.monotonic() + timeout_s
+    pause = _FIRST_POLL_S
+    while not store.check(["outcome"]):
+        if should_abandon():
+            _decide(store, "abandoned: a newer generation exists")
+        elif time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
+            _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_POLL_S)
+    outcome = store.get("outcome").decode()
+    if outcome != "go":
+        raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
+
+
+def _decide(store: dist.Store, outcome: str) -> None:
+    """Write the rendezvous' outcome unless a member already did (then theirs stands)."""
+    store.compare_set("outcome", "", outcome)
+
+
 def open_world(
     generation: int,
     rank: int,
@@ -322,11 +368,18 @@ def open_world(
     """Init the registered world of ``generation`` on ``store`` (under prefix gen<G>)."""
     if dist.is_initialized():  # a previous world that was not closed: never reuse it
         park_default_world()
+    scoped = dist.PrefixStore(f"gen{generation}", store)
+    try:
+        check_in(scoped, generation, rank, len(workers), timeout_s, should_abandon)
+    except CollectiveError:
+        raise
+    except (RuntimeError, ValueError, dist.DistError) as exc:  # the store went away
+        raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
     before = set(own_socket_fds())
     try:
         dist.init_process_group(
             device.backend,
-            store=dist.PrefixStore(f"gen{generation}", store),
+            store=scoped,
             rank=rank,
             world_size=len(workers),
             timeout=timedelta(seconds=timeout_s),
@@ -346,9 +399,45 @@ def open_world(
         device=device,
         should_abandon=should_abandon,
         abandon_after_s=abandon_after_s,
-        store=dist.PrefixStore(f"gen{generation}", store),
+        store=scoped,
         sockets_before=before,
     )
+
+
+def await_listener(
+    host: str,
+    port: int,
+    generation: int,
+    timeout_s: float,
+    should_abandon: Callable[[], bool] = _never,
+) -> None:
+    """Wait until the coordinator's store accepts connections, or give up at once when a
+    newer generation exists.
+
+    The TCPStore client retries its connect inside the library for the whole timeout: a
+    coordinator that died after the generation was published would hold every survivor
+    there, past the next generation the manager has already published.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = _FIRST_POLL_S
+    while True:
+        try:
+            probe = socket.create_connection((host, port), timeout=min(1.0, timeout_s))
+        except OSError as exc:
+            if should_abandon():
+                raise CollectiveError(
+                    f"generation {generation}: rendezvous abandoned: a newer generation exists"
+                ) from exc
+            if time.monotonic() > deadline:
+                raise CollectiveError(
+                    f"generation {generation}: store at {host}:{port} unreachable for "
+                    f"{timeout_s:g}s: {exc}"
+                ) from exc
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_POLL_S)
+        else:
+            probe.close()
+            return
 
 
 def form_world(
@@ -367,6 +456,7 @@ def form_world(
             store: dist.Store = host.store
         else:
             coord_host, _, port = view.coordinator.rpartition(":")
+            await_listener(coord_host, int(port), view.generation, timeout_s, should_abandon)
             store = dist.TCPStore(
                 coord_host,
                 int(port),
@@ -376,6 +466,8 @@ def form_world(
                 wait_for_workers=False,
             )
     except (RuntimeError, ValueError, dist.DistError) as exc:
+        if isinstance(exc, CollectiveError):
+            raise
         raise CollectiveError(
             f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
         ) from exc
