@@ -142,6 +142,13 @@ def test_a_rendezvous_with_a_dead_member_ends_when_a_newer_generation_exists() -
         open_world(1, 0, ["w0", "w1"], ["n0", "n1"], store, device, timeout_s=60,
                    should_abandon=newer.is_set)  # fmt: skip
     assert not dist.is_initialized()
+    # A member late by more than the polling phase: the survivor waits in the store
+    # between looks and still gives up when the newer generation appears.
+    later = threading.Event()
+    threading.Timer(1.5, later.set).start()
+    with pytest.raises(CollectiveError, match="abandoned: a newer generation exists"):
+        open_world(2, 0, ["w0", "w1"], ["n0", "n1"], store, device, timeout_s=60,
+                   should_abandon=later.is_set)  # fmt: skip
     # A member that arrives after the others gave up does not go on alone.
     with pytest.raises(CollectiveError, match="abandoned: a newer generation exists"):
         check_in(dist.PrefixStore("gen1", store), 1, 1, 2, timeout_s=60)

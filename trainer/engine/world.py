@@ -17,11 +17,11 @@ as exceptions, which ``guard`` turns into ``CollectiveError``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 # Polling an in-flight collective: start fine-grained (steps take milliseconds), back off.
 _FIRST_POLL_S = 0.0002
 _MAX_POLL_S = 0.02
+# A rendezvous check-in polls for this long, then waits in the store in slices this long.
+_CHECK_IN_POLL_S = 1.0
+_CHECK_IN_WAIT_S = 0.5
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
 
@@ -234,7 +237,7 @@ class World:
             self._fail(f"{what}: {exc}", abandoned=False)
             raise CollectiveError(f"generation {self.generation}: {what} failed: {exc}") from exc
 
-    @contextmanager
+    @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Turn a communication failure inside library code (FSDP2) into CollectiveError."""
         try:
@@ -333,17 +336,24 @@ def check_in(
     store.set(f"checked-in/{rank}", b"1")
     if store.add("arrivals", 1) == world_size:
         _decide(store, "go")
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     pause = _FIRST_POLL_S
     while not store.check(["outcome"]):
+        now = time.monotonic()
         if should_abandon():
             _decide(store, "abandoned: a newer generation exists")
-        elif time.monotonic() > deadline:
+        elif now > deadline:
             missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
             _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
-        else:
-            time.sleep(pause)
+        elif now - started < _CHECK_IN_POLL_S:
+            time.sleep(pause)  # members usually arrive within milliseconds of each other
             pause = min(pause * 2, _MAX_POLL_S)
+        else:
+            # A member is late: wait in the store server rather than poll it (thousands
+            # of ranks polling one store would load it), looking up between waits.
+            with contextlib.suppress(dist.DistStoreError):
+                store.wait(["outcome"], timedelta(seconds=min(_CHECK_IN_WAIT_S, timeout_s)))
     outcome = store.get("outcome").decode()
     if outcome != "go":
         raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
