@@ -664,6 +664,10 @@ class GroupedEngine(Engine):
             groups=self._groups(self.world.rank),
         )
 
+    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
+        """Every rank needs the whole keys of its groups."""
+        return [needed_ranges(1, 0, self.specs, self._groups(r)) for r in range(len(holdings))]
+
     def _groups_of(self, held: HeldState) -> frozenset[str]:
         """The groups ``held`` really has keys of."""
         specs = {s.name: s for s in self.specs}

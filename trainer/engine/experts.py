@@ -266,8 +266,7 @@ class ExpertEngine(GroupedEngine):
         if not self._settled:  # once per generation: later adoptions keep the placement
             self._rehost(settle(self.expert_plan, self._have))
             self._settled = True
-        plan = self.expert_plan
-        return [needed_ranges(1, 0, self.specs, plan.groups(r)) for r in range(len(holdings))]
+        return super()._needs(holdings)
 
     def _rehost(self, plan: ExpertPlan) -> None:
         """Host ``plan``'s experts; a new optimizer (its state comes by transfer)."""

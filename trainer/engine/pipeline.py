@@ -43,7 +43,7 @@ from bulkhead.trainer.engine.engine import (
     HeldState,
     _materialize_optimizer,
 )
-from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.pipeline_plan import (
     TIED,
@@ -221,11 +221,6 @@ class PipelineEngine(GroupedEngine):
                 groups=frozenset(g for g, bit in zip(groups, values[3:], strict=True) if bit),
             )
             for values in gathered
-        ]
-
-    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        return [
-            needed_ranges(1, 0, self.specs, self.layout.groups(r)) for r in range(len(holdings))
         ]
 
     # -- the step ----------------------------------------------------------------------

@@ -475,9 +475,9 @@ def form_world(
                 timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
+    except CollectiveError:
+        raise
     except (RuntimeError, ValueError, dist.DistError) as exc:
-        if isinstance(exc, CollectiveError):
-            raise
         raise CollectiveError(
             f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
         ) from exc
