@@ -28,6 +28,9 @@ from bulkhead.operator.lifecycle.types import (
     Tick,
 )
 
+# How many past generations' members the state keeps (``LifecycleState.recent_generations``).
+RECENT_GENERATIONS = 4
+
 
 class PolicyActions:
     """One application of the policy: rewrites its copy of the state, collects decisions."""
@@ -199,9 +202,11 @@ class PolicyActions:
             total_steps=self.cfg.total_steps,
         )
         first = s.generation == 0
+        recent = (*s.recent_generations, (view.generation, frozenset(m.worker for m in members)))
         self.state = replace(
             s,
             membership=view,
+            recent_generations=recent[-RECENT_GENERATIONS:],
             restarting=False,
             deadline=None,
             phase="Running"

@@ -322,20 +322,24 @@ class _Policy(PolicyActions):
 
     def on_complete(self, ev: CompletionReported) -> None:
         r = ev.report
-        if r.worker not in self.state.member_ids():
+        s = self.state
+        members = s.members_of(r.generation)
+        if r.worker not in s.member_ids() and (members is None or r.worker not in members):
             return
-        if r.generation == self.state.generation:
+        if members is not None:
             self.on_persist_report(r)
         last = self.cfg.total_steps - 1
-        if r.step != last or r.generation != self.state.generation:
+        if r.step != last or members is None:
             self.event(
                 "CompletionIgnored",
                 f"{r.worker} reported completion at step {r.step} of generation "
                 f"{r.generation}; the job ends at step {last} of generation "
-                f"{self.state.generation}",
+                f"{s.generation}",
                 warning=True,
             )
             return
+        # The last step is done, in whichever generation: one a join replaced while it
+        # trained finished it all the same (its members never saw the new generation).
         loss = r.loss if r.loss is not None else self.state.loss
         self.state = replace(
             self.state,
@@ -347,13 +351,15 @@ class _Policy(PolicyActions):
         self.succeed_if_all_finished()
 
     def succeed_if_all_finished(self) -> None:
-        """Succeeded once every current member finished the last step."""
+        """Succeeded once every member of the current generation, or of a recent one,
+        finished the last step (a join may have replaced the generation that did)."""
         s = self.state
-        members = s.member_ids()
-        # The length test first: a completion report per worker must not cost O(members).
-        if s.terminal or not members or len(s.finished) < len(members):
+        if s.terminal:
             return
-        if not members <= s.finished:
+        generations = [s.member_ids(), *(ids for _, ids in s.recent_generations)]
+        # The length test first: a completion report per worker must not cost O(members).
+        done = s.finished
+        if not any(ids and len(done) >= len(ids) and ids <= done for ids in generations):
             return
         view = s.membership.model_copy(update={"state": "succeeded"})
         message = f"completed {self.cfg.total_steps} steps"

@@ -295,6 +295,9 @@ class LifecycleState:
     # Workers that finished the last step (reported it, or exited 0 after it): the job has
     # succeeded once every current member is here.
     finished: frozenset[str] = frozenset()
+    # The member ids of the last few generations: the last step completed by a generation
+    # that a join replaced while it trained (its members never see the new one) still counts.
+    recent_generations: tuple[tuple[int, frozenset[str]], ...] = ()
     evicted_nodes: tuple[str, ...] = ()
     pending_recoveries: tuple[PendingRecovery, ...] = ()
     recoveries: tuple[RecoveryDone, ...] = ()
@@ -333,6 +336,15 @@ class LifecycleState:
 
     def members(self) -> list[str]:
         return [m.worker for m in self.membership.members]
+
+    def members_of(self, generation: int) -> frozenset[str] | None:
+        """The member ids of a current or recent generation; None when too old to know."""
+        if generation == self.generation:
+            return self.member_ids()
+        for number, ids in self.recent_generations:
+            if number == generation:
+                return ids
+        return None
 
     def member_ids(self) -> frozenset[str]:
         """The current members' ids as a set (memoized per published view)."""

@@ -97,11 +97,15 @@ class Sim:
         )
         return self.feed(FaultReported(report))
 
-    def complete(self, step: int, workers: list[str] | None = None) -> list[Decision]:
-        """Completion reports from ``workers`` (default: every member)."""
+    def complete(
+        self, step: int, workers: list[str] | None = None, generation: int | None = None
+    ) -> list[Decision]:
+        """Completion reports from ``workers`` (default: every member) of ``generation``
+        (default: the current one)."""
         decisions: list[Decision] = []
+        generation = generation if generation is not None else self.state.generation
         for worker in workers if workers is not None else self.state.members():
-            report = CompletionReport(worker=worker, generation=self.state.generation, step=step)
+            report = CompletionReport(worker=worker, generation=generation, step=step)
             decisions += self.feed(CompletionReported(report))
         return decisions
 

@@ -289,6 +289,40 @@ def test_success_needs_every_member_at_the_last_step() -> None:
     assert sim.state.phase == "Succeeded" and "100 steps" in ok.message
 
 
+def test_the_last_step_of_a_generation_a_join_replaced_still_completes_the_job() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    sim.exit("job-w3-0")  # generation 2: three survivors; the replacement starts
+    trained_last_step = sim.state.members()
+    sim.progress(98)
+    # The replacement joins (generation 3) while generation 2 trains its last step.
+    sim.feed(WorkerRegistered("job-w3-1", "n", "h:33"))
+    assert sim.state.generation == 3
+    # A report of another step from the old generation is still not the end.
+    early = sim.complete(42, trained_last_step[:1], generation=2)
+    assert any(getattr(d, "reason", "") == "CompletionIgnored" for d in early)
+    assert _of(Succeed, sim.complete(99, trained_last_step[:2], generation=2)) == []
+    # The last one exits 0 after the last step before its report arrives: the job is done,
+    # without the newcomer, which never trained.
+    (ok,) = _of(Succeed, sim.exit(trained_last_step[2], code=WorkerExit.DONE))
+    assert sim.state.phase == "Succeeded" and "100 steps" in ok.message
+    assert sim.state.restarts == 0
+
+
+def test_completion_from_a_forgotten_generation_is_ignored() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    for step, slot in enumerate((1, 2, 3)):  # generation 1 is no longer remembered
+        sim.progress(90 + step)
+        sim.exit(sim.wid(slot))
+        sim.feed(WorkerRegistered(sim.wid(slot), "n", f"h:{slot}"))
+    assert sim.state.generation == 7 and "job-w0-0" in sim.state.members()
+    decisions = sim.complete(99, ["job-w0-0"], generation=1)
+    assert _of(Succeed, decisions) == []
+    assert any(getattr(d, "reason", "") == "CompletionIgnored" for d in decisions)
+
+
 def test_exit_zero_after_the_last_step_is_not_a_loss() -> None:
     sim = Sim()
     sim.start_and_register_all()
