@@ -19,6 +19,7 @@ from multiprocessing.context import BaseContext
 PRELOAD = [
     "torch",
     "torch.distributed.fsdp",
+    "torch._dynamo",  # what a first DDP or FSDP2 wrap imports (import_lazy_dependencies)
     "bulkhead.trainer.config",
     "bulkhead.trainer.data",
     "bulkhead.trainer.engine.engine",

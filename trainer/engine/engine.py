@@ -58,6 +58,17 @@ from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 log = logging.getLogger(__name__)
 
 
+def import_lazy_dependencies() -> None:
+    """Import now what building an engine imports on first use.
+
+    The first DDP or FSDP2 wrap of a process imports ``torch._dynamo`` (1.0-1.4 s of CPU
+    here). A worker calls this before it registers: a replacement that paid it while
+    forming its first generation held every survivor in that generation's rendezvous for
+    as long (1.4 s of the 2.7 s a join cost the survivors, measured).
+    """
+    import torch._dynamo  # noqa: F401
+
+
 class NonFiniteLoss(ArithmeticError):
     """The global loss became NaN or infinite."""
 

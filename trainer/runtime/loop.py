@@ -36,6 +36,7 @@ from bulkhead.trainer.engine.engine import (
     NonFiniteLoss,
     StepResult,
     describe_adoption,
+    import_lazy_dependencies,
 )
 from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
@@ -146,6 +147,8 @@ class ElasticTrainer:
 
     def run(self) -> None:
         """Train to the last step; raises Stopped, NoGeneration or a user error."""
+        # Registering may publish a generation at once: be ready to form it by then.
+        import_lazy_dependencies()
         try:
             self.client.register(
                 RegisterRequest(
