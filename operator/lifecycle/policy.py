@@ -356,6 +356,7 @@ class _Policy(PolicyActions):
         s = self.state
         if s.terminal:
             return
+        # The current members too: a state rebuilt after a manager restart remembers none.
         generations = [s.member_ids(), *(ids for _, ids in s.recent_generations)]
         # The length test first: a completion report per worker must not cost O(members).
         done = s.finished

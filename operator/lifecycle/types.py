@@ -295,8 +295,9 @@ class LifecycleState:
     # Workers that finished the last step (reported it, or exited 0 after it): the job has
     # succeeded once every current member is here.
     finished: frozenset[str] = frozenset()
-    # The member ids of the last few generations: the last step completed by a generation
-    # that a join replaced while it trained (its members never see the new one) still counts.
+    # The member ids of the last few generations this manager published (the current one
+    # included): the last step completed by a generation that a join replaced while it
+    # trained (its members never see the new one) still counts.
     recent_generations: tuple[tuple[int, frozenset[str]], ...] = ()
     evicted_nodes: tuple[str, ...] = ()
     pending_recoveries: tuple[PendingRecovery, ...] = ()
