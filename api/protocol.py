@@ -47,12 +47,18 @@ NODE_ENV = "BULKHEAD_NODE"
 ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
 JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
 RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
+# Set by the pod's launcher on each of its trainer processes (0..G-1); unset = the launcher,
+# or the only process of a one-process pod.
+LOCAL_RANK_ENV = "BULKHEAD_LOCAL_RANK"
 SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 # The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).
 CHECKPOINT_REPLICA_PORT = 29700
+# With G trainer processes per pod the sidecar serves each on its own port, from
+# CHECKPOINT_REPLICA_PORT up (process i on CHECKPOINT_REPLICA_PORT + i).
+CHECKPOINT_LOCAL_RANKS_ENV = "BULKHEAD_CHECKPOINT_LOCAL_RANKS"
 # The checkpoint sidecar's Prometheus port in a worker pod (off in local mode).
-CHECKPOINT_METRICS_PORT = 29701
+CHECKPOINT_METRICS_PORT = 29699
 CHECKPOINT_METRICS_PORT_ENV = "BULKHEAD_CHECKPOINT_METRICS_PORT"
 # Where a worker pod mounts spec.checkpoint.storage.pvc when no path is given: the operator
 # mounts it here and the checkpoint engine persists here (one definition for both).
@@ -106,7 +112,12 @@ class RegisterRequest(Model):
     node: str = Field("", max_length=253, description="Node (host) the worker runs on.")
     address: str = Field("", max_length=300, description="host:port this worker can serve on.")
     checkpoint_address: str = Field(
-        "", max_length=300, description="host:port of this worker's checkpoint sidecar (replicas)."
+        "",
+        max_length=4096,
+        description=(
+            "host:port of this worker's checkpoint sidecar (replicas); one per trainer "
+            "process, comma-separated in local-rank order, when the pod runs several."
+        ),
     )
     incarnation: int = Field(0, ge=0, description="Restarts of this worker id so far.")
 

@@ -325,33 +325,38 @@ class ParallelismConfig(SpecModel):
     )
 
 
-def _gpus_per_container(template: dict[str, Any]) -> list[tuple[int, int]]:
-    """(container index, nvidia.com/gpu count) for each container of a pod template."""
-    containers = (template.get("spec") or {}).get("containers") or []
-    out = []
-    for index, container in enumerate(containers):
-        resources = (container or {}).get("resources") or {}
-        counts = [
-            (resources.get(kind) or {}).get("nvidia.com/gpu") for kind in ("limits", "requests")
-        ]
-        found = [int(str(c)) for c in counts if c is not None and str(c).isdigit()]
-        if found:
-            out.append((index, max(found)))
-    return out
+TRAINER_CONTAINER = "trainer"
 
 
-def zero_shard_group_size(workers: int, max_failures: int) -> int:
-    """Shard group size for ``workers`` live workers that keeps ``max_failures + 1`` replicas.
+def trainer_gpus(template: dict[str, Any]) -> int:
+    """The nvidia.com/gpu count of a pod template's trainer container (the container named
+    ``trainer``, else the first, as the operator picks it); 0 when it asks for none."""
+    containers = [c or {} for c in (template.get("spec") or {}).get("containers") or []]
+    if not containers:
+        return 0
+    trainer = next((c for c in containers if c.get("name") == TRAINER_CONTAINER), containers[0])
+    resources = trainer.get("resources") or {}
+    counts = [(resources.get(kind) or {}).get("nvidia.com/gpu") for kind in ("limits", "requests")]
+    found = [int(str(c)) for c in counts if c is not None and str(c).isdigit()]
+    return max(found, default=0)
 
-    The largest divisor S of ``workers`` with ``workers / S >= max_failures + 1``: every
-    worker trains, the mesh is rectangular (replicas x S), and any ``max_failures`` losses
+
+def zero_shard_group_size(workers: int, max_failures: int, processes: int = 1) -> int:
+    """Shard group size, in processes, for ``workers`` live worker pods of ``processes``
+    trainer processes each that keeps ``max_failures + 1`` replicas.
+
+    ``processes`` times the largest divisor S of ``workers`` with ``workers / S >=
+    max_failures + 1``: every process trains, the mesh is rectangular (replicas x shard
+    size), a pod's processes share one shard group, so any ``max_failures`` pod losses
     leave at least one holder of every shard. 1 means no sharding (plain data parallel).
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     replicas = max_failures + 1
     fitting = [s for s in range(1, workers + 1) if workers % s == 0 and workers // s >= replicas]
-    return max(fitting, default=1)  # fewer workers than copies: every worker holds it all
+    # Fewer workers than copies: every pod holds it all (its processes may still shard it,
+    # but a pod's loss would then lose a whole copy with no other holder).
+    return max(fitting, default=1) * processes if fitting else 1
 
 
 class BatchConfig(SpecModel):
@@ -505,8 +510,20 @@ class TrainingJobSpec(SpecModel):
         ge=1,
         le=100_000,
         description=(
-            "Worker pods: one trainer process each, with at most one GPU (a node with 8 GPUs "
-            "hosts 8 workers; ranks are ordered node by node)."
+            "Worker pods, typically one per node. Each runs processesPerWorker trainer "
+            "processes (one per GPU); ranks are ordered worker by worker. maxFailures and "
+            "minWorkers count worker pods."
+        ),
+    )
+    processes_per_worker: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            "Trainer processes per worker pod, one per GPU: process i uses cuda:i. Default: "
+            "the trainer container's nvidia.com/gpu count, or 1 without GPUs. When the "
+            "container asks for GPUs this must equal their count. A pod is the unit of "
+            "failure: one of its processes failing replaces the whole pod."
         ),
     )
     min_workers: int = Field(
@@ -542,6 +559,11 @@ class TrainingJobSpec(SpecModel):
         },
     )
 
+    @property
+    def trainer_processes(self) -> int:
+        """Trainer processes per worker pod: processesPerWorker, else one per GPU, else 1."""
+        return self.processes_per_worker or trainer_gpus(self.template) or 1
+
     @model_validator(mode="after")
     def _cross_field(self) -> TrainingJobSpec:
         if self.min_workers > self.workers:
@@ -559,16 +581,29 @@ class TrainingJobSpec(SpecModel):
                 w=self.workers,
                 f=f,
             )
-        for index, gpus in _gpus_per_container(self.template):
-            if gpus > 1:
-                raise _rule(
-                    f"template.spec.containers[{index}].resources",
-                    "asks for {g} GPUs, but this version runs one trainer process per worker "
-                    "pod, which would leave {idle} of them idle: request 1 GPU per pod and "
-                    "set workers to nodes x GPUs per node",
-                    g=gpus,
-                    idle=gpus - 1,
-                )
+        gpus = trainer_gpus(self.template)
+        g = self.processes_per_worker
+        if g is not None and gpus and g != gpus:
+            raise _rule(
+                "processesPerWorker",
+                "must equal the trainer container's nvidia.com/gpu count ({gpus}: one process "
+                "per GPU), got {g}",
+                gpus=gpus,
+                g=g,
+            )
+        if self.trainer_processes > 1:
+            parallelism = self.trainer.parallelism
+            for name, value in (
+                ("pipeline", parallelism.pipeline),
+                ("experts", parallelism.experts),
+            ):
+                if value is not None:
+                    raise _rule(
+                        f"trainer.parallelism.{name}",
+                        "is not supported yet with {g} trainer processes per worker pod "
+                        "(it places state per process, not per pod): use processesPerWorker 1",
+                        g=self.trainer_processes,
+                    )
         experts = self.trainer.parallelism.experts
         if experts is not None:
             self._check_experts(experts, f)
@@ -585,11 +620,11 @@ class TrainingJobSpec(SpecModel):
             )
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
-            size = zero_shard_group_size(self.workers, f)
+            size = zero_shard_group_size(self.workers, f, self.trainer_processes)
             if size < 2:
                 raise _rule(
                     "trainer.parallelism.zero.stage",
-                    "ZeRO needs shard groups of >= 2 workers, but {w} workers kept in "
+                    "ZeRO needs shard groups of >= 2 processes, but {w} workers kept in "
                     "maxFailures + 1 = {r} replicas leave groups of 1 (use more workers, "
                     "a lower maxFailures, or stage 0)",
                     w=self.workers,

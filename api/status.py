@@ -26,13 +26,30 @@ class Condition(Model):
 class Member(Model):
     """One worker in the current generation."""
 
-    rank: int = Field(..., ge=0, description="torch.distributed rank in this generation.")
+    rank: int = Field(
+        ...,
+        ge=0,
+        description=(
+            "Position in this generation; with G trainer processes per worker, process i "
+            "holds torch.distributed rank G x position + i (ranks go node by node)."
+        ),
+    )
     worker: str = Field(..., min_length=1, description="Worker id (the pod name).")
     node: str = Field("", description="Node the worker runs on.")
     address: str = Field("", description="host:port the worker listens on, if any.")
     checkpoint_address: str = Field(
-        "", description="host:port of the worker's checkpoint sidecar, for peer replicas."
+        "",
+        description=(
+            "host:port of the worker's checkpoint sidecar, for peer replicas; with several "
+            "trainer processes, one per process, comma-separated in local-rank order."
+        ),
     )
+
+    def checkpoint_addresses(self, processes: int) -> list[str]:
+        """The sidecar address of each of this worker's ``processes`` trainer processes
+        ("" where none is known)."""
+        given = self.checkpoint_address.split(",") if self.checkpoint_address else []
+        return [given[i] if i < len(given) else "" for i in range(processes)]
 
 
 class Membership(Model):

@@ -150,7 +150,8 @@ class Parallelism:
 
     zero_stage: int = 0
     hpz: int = 1  # hpZ secondary partition size (1 = off)
-    max_failures: int = 0  # f: the state is kept on f + 1 workers
+    max_failures: int = 0  # f: the state is kept on f + 1 worker pods
+    processes_per_worker: int = 1  # G: ranks per worker pod, consecutive in rank order
     experts: ExpertParallelism | None = None
     pipeline: PipelineParallelism | None = None
 
@@ -204,6 +205,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
             zero_stage=trainer.parallelism.zero.stage,
             hpz=trainer.parallelism.zero.hpz_partition_size,
             max_failures=ft.max_failures,
+            processes_per_worker=spec.trainer_processes,
             experts=_expert_parallelism(spec, model),
             pipeline=_pipeline_parallelism(spec, model),
         ),

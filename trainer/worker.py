@@ -6,6 +6,8 @@ BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR, BULKHEAD_
 BULKHEAD_AGENT_URL and BULKHEAD_AGENT_TOKEN), runs the
 ``ElasticTrainer`` and maps the outcome to the exit codes the lifecycle manager reads:
 0 finished, 2 user error (never retried), 3 told to stop, anything else = replace me.
+When the job runs several trainer processes per pod, the first ``bulkhead-worker`` of the
+pod is their launcher (``trainer.pod``) and each process it starts has BULKHEAD_LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bulkhead.api.protocol import (
     INCARNATION_ENV,
     JOB_ENV,
     JOB_SPEC_ENV,
+    LOCAL_RANK_ENV,
     NODE_ENV,
     RUN_DIR_ENV,
     SHM_DIR_ENV,
@@ -37,7 +40,7 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.trainer.config import train_config
+from bulkhead.trainer.config import Timeouts, train_config
 from bulkhead.trainer.runtime.control import ControlClient
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class LaunchEnv:
     advertise_host: str
     spec_json: str
     run_dir: Path | None
+    local_rank: int | None = None  # set on the processes of a multi-process pod
 
 
 def read_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -77,6 +81,12 @@ def read_env(env: Mapping[str, str]) -> LaunchEnv:
     except ValueError:
         raise LaunchError(f"{INCARNATION_ENV} must be an integer") from None
     run_dir = env.get(RUN_DIR_ENV)
+    local_rank = None
+    if env.get(LOCAL_RANK_ENV):
+        try:
+            local_rank = int(env[LOCAL_RANK_ENV])
+        except ValueError:
+            raise LaunchError(f"{LOCAL_RANK_ENV} must be an integer") from None
     return LaunchEnv(
         control_url=env[ENDPOINT_ENV],
         token=env[TOKEN_ENV],
@@ -87,6 +97,7 @@ def read_env(env: Mapping[str, str]) -> LaunchEnv:
         advertise_host=env.get(ADVERTISE_HOST_ENV, "127.0.0.1"),
         spec_json=env[JOB_SPEC_ENV],
         run_dir=Path(run_dir) if run_dir else None,
+        local_rank=local_rank,
     )
 
 
@@ -110,7 +121,9 @@ def run(env: Mapping[str, str]) -> int:
         logging.basicConfig(level=logging.INFO)
         log.error("bad launch environment: %s", exc)
         return WorkerExit.USER_ERROR
-    _setup_logging(launch.worker)
+    _setup_logging(
+        launch.worker if launch.local_rank is None else f"{launch.worker}/{launch.local_rank}"
+    )
     from bulkhead.api.client import ControlClient as HttpControlClient
     from bulkhead.api.client import ControlError
 
@@ -130,6 +143,13 @@ def run(env: Mapping[str, str]) -> int:
         cfg = train_config(spec)
     except (ManifestError, ValueError) as exc:
         return user_error(exc)
+    processes = spec.trainer_processes
+    if processes > 1 and launch.local_rank is None:
+        return _run_pod_launcher(launch, env, processes, cfg.timeouts)
+    if launch.local_rank is not None and not 0 <= launch.local_rank < processes:
+        return user_error(
+            LaunchError(f"{LOCAL_RANK_ENV}={launch.local_rank}, but the pod runs {processes}")
+        )
 
     import torch
 
@@ -148,7 +168,11 @@ def run(env: Mapping[str, str]) -> int:
         if launch.run_dir is not None:
             samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)
         identity = WorkerIdentity(
-            launch.worker, launch.node, launch.incarnation, launch.advertise_host
+            launch.worker,
+            launch.node,
+            launch.incarnation,
+            launch.advertise_host,
+            local_rank=launch.local_rank or 0,
         )
         trainer = ElasticTrainer(
             cfg,
@@ -175,6 +199,26 @@ def run(env: Mapping[str, str]) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + signal.SIGINT
+
+
+def _run_pod_launcher(
+    launch: LaunchEnv, env: Mapping[str, str], processes: int, timeouts: Timeouts
+) -> int:
+    """This process is the pod's launcher: ``processes`` trainer processes behind a relay."""
+    from bulkhead.trainer.pod.launcher import run_pod
+    from bulkhead.trainer.pod.relay import PodRelay
+
+    log.info("launching %d trainer processes for %s", processes, launch.worker)
+    relay = PodRelay(
+        launch.control_url,
+        launch.token,
+        launch.job,
+        launch.worker,
+        processes,
+        poll_s=timeouts.membership_poll_s,
+    )
+    # Silent for half the hang timeout: what the manager's own silence rule waits for.
+    return run_pod(env, relay, silence_limit_s=timeouts.hang_s / 2)
 
 
 def _report_user_error(client: ControlClient, worker: str, generation: int, message: str) -> None:

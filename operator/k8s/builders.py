@@ -134,7 +134,13 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
         _field_env(protocol.ADVERTISE_HOST_ENV, "status.podIP"),
         _env_var(protocol.JOB_SPEC_ENV, json.dumps(ctx.spec.wire(), separators=(",", ":"))),
         _env_var(protocol.SHM_DIR_ENV, names.SHM_MOUNT),
-        _env_var(protocol.CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET),
+        # One trainer process: the sidecar's socket. Several: each has its own, in its
+        # rank's directory of the shared memory (the launcher and the sidecar agree on it).
+        *(
+            [_env_var(protocol.CHECKPOINT_SOCKET_ENV, names.CHECKPOINT_SOCKET)]
+            if ctx.spec.trainer_processes == 1
+            else [_env_var(protocol.CHECKPOINT_LOCAL_RANKS_ENV, str(ctx.spec.trainer_processes))]
+        ),
         # The node agent listens on its node's IP (hostPort); Kubernetes expands $(VAR)
         # from variables defined before it.
         _field_env(HOST_IP_ENV, "status.hostIP"),
@@ -203,8 +209,15 @@ def _checkpoint_sidecar(ctx: JobContext, worker_id: str, incarnation: int) -> di
             _env_var(protocol.CHECKPOINT_METRICS_PORT_ENV, str(protocol.CHECKPOINT_METRICS_PORT)),
         ],
         "ports": [
-            # Peers' sidecars push and fetch replicas here (the pod IP is in the membership).
-            {"name": "ckpt-replica", "containerPort": protocol.CHECKPOINT_REPLICA_PORT},
+            # Peers' sidecars push and fetch replicas here (the pod IP is in the membership):
+            # one port per trainer process, from CHECKPOINT_REPLICA_PORT up.
+            *(
+                {
+                    "name": "ckpt-replica" + (f"-{i}" if i else ""),
+                    "containerPort": protocol.CHECKPOINT_REPLICA_PORT + i,
+                }
+                for i in range(ctx.spec.trainer_processes)
+            ),
             # Snapshot, persist and restore timings, storage errors, newest step per tier:
             # scraped by the chart's worker PodMonitor.
             {"name": "ckpt-metrics", "containerPort": protocol.CHECKPOINT_METRICS_PORT},

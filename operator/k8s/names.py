@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bulkhead.api import protocol
 from bulkhead.api.spec import API_GROUP, API_VERSION, KIND
+from bulkhead.api.spec import TRAINER_CONTAINER as TRAINER_CONTAINER  # the spec counts its GPUs
 
 PREFIX = API_GROUP  # annotation / label / taint prefix: bulkhead.dev
 FINALIZER = f"{PREFIX}/finalizer"
@@ -36,7 +37,6 @@ TAINT_UNHEALTHY = f"{PREFIX}/unhealthy"
 TJ_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 TJ_KIND = KIND
 
-TRAINER_CONTAINER = "trainer"
 CHECKPOINT_CONTAINER = "checkpoint"
 SHM_VOLUME = "bulkhead-shm"
 SHM_MOUNT = "/bulkhead/shm"

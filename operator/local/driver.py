@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -41,10 +40,9 @@ from bulkhead.operator.driver import Observe
 from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local.rundir import RunRecorder
+from bulkhead.trainer.pod.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def default_worker_command() -> list[str]:
@@ -53,12 +51,6 @@ def default_worker_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-c", "from bulkhead.trainer.worker import main; main()"]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL me when the supervisor dies (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class SidecarLauncher(Protocol):
@@ -152,7 +144,7 @@ class LocalDriver:
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
@@ -197,7 +189,8 @@ class LocalDriver:
             return None
         if action == "hang":
             wp.hung = True
-            os.kill(wp.process.pid, signal.SIGSTOP)
+            # The whole pod freezes (its launcher and trainer processes), as a node would.
+            _killpg(wp.process.pid, signal.SIGSTOP)
         else:
             os.kill(wp.process.pid, signal.SIGKILL)
         return wp.ref

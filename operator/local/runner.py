@@ -192,7 +192,9 @@ class LocalRun:
             return None
         # Unique per run: two runs of the same job must never share snapshots.
         shm_root = self.options.shm_root or Path("/dev/shm") / f"bulkhead-{self.name}-{os.getpid()}"
-        return CheckpointSidecars(self.run_dir, shm_root, token)
+        return CheckpointSidecars(
+            self.run_dir, shm_root, token, local_ranks=self.spec.trainer_processes
+        )
 
     async def _wait_for_end(self, session: JobSession) -> bool:
         """True when the job ended by itself; False when stopped (signal or timeout)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.trainer.checkpoint.paths import default_socket, local_rank_shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class CheckpointSidecars:
         command: list[str] | None = None,
         ready_timeout_s: float = 60.0,
         drain_timeout_s: float = 30.0,
+        local_ranks: int = 1,
     ) -> None:
         self.run_dir = run_dir
         self.shm_root = shm_root
@@ -53,6 +55,9 @@ class CheckpointSidecars:
         self.command = command or default_sidecar_command()
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        # Trainer processes per worker: one sidecar process serves them all, one service
+        # (slots, socket, replica port) each in its own directory.
+        self.local_ranks = local_ranks
         self._procs: dict[int, asyncio.subprocess.Process] = {}
 
     def shm_dir(self, slot: int) -> Path:
@@ -61,15 +66,23 @@ class CheckpointSidecars:
     async def start(self, worker: WorkerRef) -> dict[str, str]:
         """The slot's sidecar (started now unless it still runs) and the worker's env."""
         shm_dir = self.shm_dir(worker.slot)
-        socket_path = shm_dir / "checkpointd.sock"
         running = self._procs.get(worker.slot)
         if running is None or running.returncode is not None:
-            await self._spawn(worker, shm_dir, socket_path)
-        return {SHM_DIR_ENV: str(shm_dir), CHECKPOINT_SOCKET_ENV: str(socket_path)}
+            await self._spawn(worker, shm_dir)
+        if self.local_ranks > 1:  # the launcher gives each process its rank's directory
+            return {SHM_DIR_ENV: str(shm_dir)}
+        return {SHM_DIR_ENV: str(shm_dir), CHECKPOINT_SOCKET_ENV: str(default_socket(shm_dir))}
 
-    async def _spawn(self, worker: WorkerRef, shm_dir: Path, socket_path: Path) -> None:
+    def _sockets(self, shm_dir: Path) -> list[Path]:
+        if self.local_ranks == 1:
+            return [default_socket(shm_dir)]
+        return [default_socket(local_rank_shm_dir(shm_dir, i)) for i in range(self.local_ranks)]
+
+    async def _spawn(self, worker: WorkerRef, shm_dir: Path) -> None:
         shm_dir.mkdir(parents=True, exist_ok=True)
-        socket_path.unlink(missing_ok=True)
+        sockets = self._sockets(shm_dir)
+        for socket_path in sockets:
+            socket_path.unlink(missing_ok=True)
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{worker.job}-w{worker.slot}-checkpointd.log"
@@ -78,8 +91,8 @@ class CheckpointSidecars:
                 *self.command,
                 "--shm-dir",
                 str(shm_dir),
-                "--socket",
-                str(socket_path),
+                "--local-ranks",
+                str(self.local_ranks),
                 "--listen",
                 "127.0.0.1:0",
                 env={**os.environ, TOKEN_ENV: self.token} if self.token else None,
@@ -90,7 +103,7 @@ class CheckpointSidecars:
             )
         self._procs[worker.slot] = process
         deadline = time.monotonic() + self.ready_timeout_s
-        while not socket_path.exists():
+        while not all(socket_path.exists() for socket_path in sockets):
             if process.returncode is not None:
                 raise RuntimeError(
                     f"checkpoint sidecar of slot {worker.slot} exited with code "

@@ -56,10 +56,10 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert sidecar["restartPolicy"] == "Always"
     assert sidecar["ports"] == [
         {"name": "ckpt-replica", "containerPort": 29700},
-        {"name": "ckpt-metrics", "containerPort": 29701},
+        {"name": "ckpt-metrics", "containerPort": 29699},
     ]
     sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert sidecar_env[protocol.CHECKPOINT_METRICS_PORT_ENV] == "29701"  # what the port serves
+    assert sidecar_env[protocol.CHECKPOINT_METRICS_PORT_ENV] == "29699"  # what the port serves
     shm = next(v for v in spec["volumes"] if v["name"] == names.SHM_VOLUME)
     assert shm["emptyDir"]["medium"] == "Memory"
     for container in (trainer, sidecar):

@@ -54,7 +54,7 @@ class ParallelPlan:
     """What every rank of one generation does; identical on every rank."""
 
     generation: int
-    workers: tuple[str, ...]  # by rank
+    workers: tuple[str, ...]  # by rank: the worker pod of each rank
     nodes: tuple[str, ...]  # by rank
     global_batch_size: int
     micro_batch_size: int
@@ -64,6 +64,7 @@ class ParallelPlan:
     experts: ExpertPlan | None = None
     # Oobleck pipelines: the stage (units) each rank runs (None: every rank holds all).
     pipelines: PipelineLayout | None = None
+    processes_per_worker: int = 1  # ranks per worker pod (consecutive)
 
     @property
     def per_rank_state(self) -> bool:
@@ -109,8 +110,14 @@ class ParallelPlan:
     def describe(self) -> list[str]:
         """Human-readable lines for logs, events and ``bulkhead plan``."""
         z = self.zero
+        g = self.processes_per_worker
+        who = (
+            f"{self.world_size // g} worker(s) x {g} processes"
+            if g > 1
+            else f"{self.world_size} worker(s)"
+        )
         lines = [
-            f"generation {self.generation}: {self.world_size} worker(s), global batch "
+            f"generation {self.generation}: {who}, global batch "
             f"{self.global_batch_size} (micro {self.micro_batch_size})"
         ]
         if z.sharded:
@@ -176,21 +183,27 @@ def shard_id(shards: int, index: int) -> str:
     return "dp" if shards <= 1 else f"zero{shards}-s{index}"
 
 
-def zero_plan(stage: int, hpz: int, workers: int, max_failures: int) -> ZeroPlan:
-    """The ZeRO mesh for ``workers`` live workers keeping ``max_failures + 1`` copies.
+def zero_plan(
+    stage: int, hpz: int, ranks: int, max_failures: int, processes_per_worker: int = 1
+) -> ZeroPlan:
+    """The ZeRO mesh for ``ranks`` live ranks (worker pods of ``processes_per_worker``
+    consecutive ranks each) keeping ``max_failures + 1`` copies, none two in one pod.
 
     With fewer workers than the spec asked for, the shard groups shrink (down to 1, plain
     data parallel) so the copies survive; hpZ shrinks to the largest size dividing them.
     """
     if stage == 0:
-        return ZeroPlan(stage=0, shard_size=1, replicas=workers, hpz=1)
-    size = zero_shard_group_size(workers, max_failures)
+        return ZeroPlan(stage=0, shard_size=1, replicas=ranks, hpz=1)
+    g = processes_per_worker
+    if ranks % g:
+        raise ValueError(f"{ranks} ranks are not whole worker pods of {g} processes")
+    size = zero_shard_group_size(ranks // g, max_failures, g)
     effective_hpz = math.gcd(hpz, size) if hpz > 1 else 1
     # h = S is plain ZeRO-3 (FSDP2 keeps no secondary copy then): only 1 < h < S is hpZ.
     return ZeroPlan(
         stage=stage,
         shard_size=size,
-        replicas=workers // size,
+        replicas=ranks // size,
         hpz=effective_hpz if 1 < effective_hpz < size else 1,
     )
 
@@ -198,7 +211,8 @@ def zero_plan(stage: int, hpz: int, workers: int, max_failures: int) -> ZeroPlan
 def make_plan(
     generation: int, workers: list[str], nodes: list[str], cfg: TrainConfig
 ) -> ParallelPlan:
-    """The plan of a generation whose members, in rank order, are ``workers`` on ``nodes``."""
+    """The plan of a generation whose ranks belong to ``workers`` on ``nodes`` (by rank; a
+    worker pod of G processes appears G times, at consecutive ranks)."""
     if len(workers) != len(nodes):
         raise ValueError(f"{len(workers)} workers but {len(nodes)} nodes")
     if not workers:
@@ -211,9 +225,10 @@ def make_plan(
         global_batch_size=cfg.global_batch_size,
         micro_batch_size=cfg.micro_batch_size,
         max_failures=p.max_failures,
-        zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures),
+        zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures, p.processes_per_worker),
         experts=_expert_plan(len(workers), cfg),
         pipelines=_pipeline_plan(len(workers), cfg),
+        processes_per_worker=p.processes_per_worker,
     )
 
 

@@ -92,11 +92,21 @@ def world_order(view: MembershipView) -> list[Member]:
     return sorted(view.members, key=lambda m: (m.node, m.rank))
 
 
-def member_rank(view: MembershipView, worker: str) -> int:
-    """``worker``'s rank in the world of generation ``view``."""
-    for rank, member in enumerate(world_order(view)):
+def rank_members(view: MembershipView, processes_per_worker: int = 1) -> list[Member]:
+    """The member (worker pod) of each world rank: a pod of G processes holds G consecutive
+    ranks, its local rank i at ``G * position + i``."""
+    return [m for m in world_order(view) for _ in range(processes_per_worker)]
+
+
+def member_rank(
+    view: MembershipView, worker: str, local_rank: int = 0, processes_per_worker: int = 1
+) -> int:
+    """The rank of process ``local_rank`` of ``worker`` in the world of generation ``view``."""
+    if not 0 <= local_rank < processes_per_worker:
+        raise ValueError(f"local rank {local_rank} outside 0..{processes_per_worker - 1}")
+    for position, member in enumerate(world_order(view)):
         if member.worker == worker:
-            return rank
+            return position * processes_per_worker + local_rank
     raise NotAMember(f"worker {worker} is not in generation {view.generation}")
 
 
@@ -458,9 +468,13 @@ def form_world(
     timeout_s: float,
     should_abandon: Callable[[], bool] = _never,
     abandon_after_s: float = 0.5,
+    processes_per_worker: int = 1,
 ) -> World:
-    """Join generation ``view``: rendezvous at its coordinator, init the registered world."""
-    rank = member_rank(view, worker)
+    """Join generation ``view``: rendezvous at its coordinator, init the registered world.
+
+    This process is local rank ``device.local_rank`` of ``worker``'s
+    ``processes_per_worker``; the coordinator's store is its local rank 0's."""
+    rank = member_rank(view, worker, device.local_rank, processes_per_worker)
     try:
         if view.coordinator == host.address:
             store: dist.Store = host.store
@@ -481,12 +495,12 @@ def form_world(
         raise CollectiveError(
             f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
         ) from exc
-    ordered = world_order(view)
+    by_rank = rank_members(view, processes_per_worker)
     world = open_world(
         view.generation,
         rank,
-        [m.worker for m in ordered],
-        [m.node for m in ordered],
+        [m.worker for m in by_rank],
+        [m.node for m in by_rank],
         store,
         device,
         timeout_s,

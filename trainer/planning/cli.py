@@ -242,12 +242,16 @@ def plan(
     console = Console()
     out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
     cfg = train_config(spec)
-    members = [f"w{i}" for i in range(spec.workers)]
-    trained = make_plan(1, members, members, cfg)
+    pods = [f"w{i}" for i in range(spec.workers)]
+
+    def ranks_of(workers: list[str]) -> list[str]:  # each pod's G processes, by rank
+        return [w for w in workers for _ in range(cfg.parallelism.processes_per_worker)]
+
+    trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
     console.print(engine_plan_table(trained, "What this version's engine trains"))
     out["engine"] = engine_plan_dict(trained)
     if fail:
-        survivors = members[fail:] or members[:1]
+        survivors = ranks_of(pods[fail:] or pods[:1])
         after = make_plan(2, survivors, survivors, cfg)
         console.print(engine_plan_table(after, f"The engine after losing {fail} worker(s)"))
         out["engineAfterFailure"] = engine_plan_dict(after)
@@ -263,7 +267,7 @@ def plan(
                 {"worker": f.worker, "unit": f.unit, "holders": list(f.holders)} for f in fetches
             ]
     console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
-                  "(the engine above runs one worker per GPU).[/dim]")  # fmt: skip
+                  "(the engine above runs one trainer process per GPU).[/dim]")  # fmt: skip
     try:
         layers = estimate_layer_costs(model, gpu, batch.micro_batch_size)
         templates = generate_templates(layers, gpu, n)

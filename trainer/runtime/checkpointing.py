@@ -40,21 +40,42 @@ log = logging.getLogger(__name__)
 MAX_PEERS = 64
 
 
-def ring_successor(ordered: list[Member], position: int) -> str | None:
-    """The sidecar to send the snapshots of ``ordered[position]`` to: the next member
-    (wrapping) on another node, so a lost node's state survives elsewhere; failing that,
-    the next member with a sidecar of its own. None when no other sidecar is known."""
+def ring_successor(
+    ordered: list[Member], position: int, processes_per_worker: int = 1
+) -> str | None:
+    """The sidecar to send the snapshots of ``ordered[position]`` (one entry per rank, with
+    that rank's own sidecar address) to: the next rank (wrapping) on another node, so a lost
+    node's state survives elsewhere, preferring the same local rank so every sidecar of a
+    pod receives about one replica; failing that, the next rank with a sidecar of its own.
+    None when no other sidecar is known."""
     me = ordered[position]
     following = ordered[position + 1 :] + ordered[:position]
     others = [m for m in following if m.checkpoint_address not in ("", me.checkpoint_address)]
     elsewhere = [m for m in others if not me.node or m.node != me.node]
-    chosen = (elsewhere or others)[:1]
+    g = processes_per_worker
+    away = {id(m) for m in elsewhere}
+    same_local = [
+        m
+        for offset, m in enumerate(following, start=position + 1)
+        if (offset - position) % g == 0 and id(m) in away
+    ]
+    chosen = (same_local or elsewhere or others)[:1]
     return chosen[0].checkpoint_address if chosen else None
+
+
+def rank_sidecars(view: MembershipView, processes_per_worker: int = 1) -> list[Member]:
+    """Each world rank's member, carrying that rank's own sidecar address."""
+    return [
+        member.model_copy(update={"checkpoint_address": address})
+        for member in world_order(view)
+        for address in member.checkpoint_addresses(processes_per_worker)
+    ]
 
 
 def topology_for(view: MembershipView, plan: ParallelPlan, rank: int) -> Topology:
     """World rank ``rank``'s place in the checkpoints of generation ``view`` under ``plan``."""
-    ordered = world_order(view)
+    g = plan.processes_per_worker
+    ordered = rank_sidecars(view, g)
     mine = ordered[rank].checkpoint_address
     before = ordered[:rank][::-1] + ordered[rank + 1 :][::-1]
     peers = tuple(dict.fromkeys(m.checkpoint_address for m in before if m.checkpoint_address))
@@ -63,7 +84,7 @@ def topology_for(view: MembershipView, plan: ParallelPlan, rank: int) -> Topolog
         shard=plan.checkpoint_shard(rank),
         shards=plan.checkpoint_shards(),
         persist=plan.persists(rank),
-        replicate_to=ring_successor(ordered, rank),
+        replicate_to=ring_successor(ordered, rank, g),
         peers=tuple(p for p in peers if p != mine)[:MAX_PEERS],
         plan={"shards": list(plan.checkpoint_shards()), "layout": plan.describe()},
     )

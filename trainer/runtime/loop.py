@@ -100,10 +100,11 @@ class Checkpointer(Protocol):
 
 @dataclass(frozen=True)
 class WorkerIdentity:
-    worker: str
+    worker: str  # the worker pod: the member this process is one rank of
     node: str
     incarnation: int
     advertise_host: str
+    local_rank: int = 0  # which of the pod's trainer processes (and GPUs) this one is
 
 
 class ElasticTrainer:
@@ -124,7 +125,7 @@ class ElasticTrainer:
         self.samples_log = samples_log
         self.checkpointer = checkpointer
         self.node_agent = node_agent
-        self.device: DeviceChoice = pick_device()
+        self.device: DeviceChoice = pick_device(identity.local_rank)
         activate(self.device)
         # This rank's state between generations: its last engine's, or nothing (new member).
         self.held: HeldState | None = None
@@ -226,6 +227,7 @@ class ElasticTrainer:
                 self.cfg.timeouts.collective_s,
                 should_abandon=lambda: self._newer_generation_seen(view),
                 abandon_after_s=self.cfg.timeouts.abandon_after_s,
+                processes_per_worker=self.cfg.parallelism.processes_per_worker,
             )
         except CollectiveError as exc:
             self._report_collective_error(exc, view)

@@ -1,0 +1,32 @@
+"""A stand-in trainer process of a multi-process pod (the real one needs torch): it checks in
+with its pod's relay, then does what ``POD_CHILD_BEHAVIOURS`` (one per local rank) says:
+``exit:N`` exits with code N, ``poll`` long-polls membership until killed, ``stop``
+SIGSTOPs itself (a wedged process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from bulkhead.api.client import ControlClient
+from bulkhead.api.protocol import LOCAL_RANK_ENV, RegisterRequest
+
+
+def main() -> None:
+    rank = int(os.environ[LOCAL_RANK_ENV])
+    behaviour = os.environ["POD_CHILD_BEHAVIOURS"].split(",")[rank]
+    client = ControlClient.from_env()
+    assert client.worker is not None
+    client.register(RegisterRequest(worker=client.worker, address=f"127.0.0.1:{7100 + rank}"))
+    client.membership(after=0, timeout_s=0)
+    if behaviour.startswith("exit:"):
+        sys.exit(int(behaviour.removeprefix("exit:")))
+    if behaviour == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while True:
+        client.membership(after=10_000, timeout_s=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""The pod relay and launcher of a multi-process worker pod, against a real control endpoint.
+
+The G trainer processes of a pod speak the control protocol to their pod's relay; the
+manager sees one member per pod: one registration (once all G are ready, with every
+process's sidecar), one poller, one report of a fault all G saw. The launcher fails the
+pod as a whole when one process exits with an error or falls silent. Real HTTP, real
+processes (small Python programs stand in for the trainer processes, which need torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from control_harness import Harness
+
+from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.protocol import (
+    CHECKPOINT_SOCKET_ENV,
+    ENDPOINT_ENV,
+    JOB_ENV,
+    LOCAL_RANK_ENV,
+    SHM_DIR_ENV,
+    TOKEN_ENV,
+    WORKER_ENV,
+    CompletionReport,
+    FaultReport,
+    ProgressReport,
+    RegisterRequest,
+    WorkerExit,
+)
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.pod.launcher import PodLauncher, _ServingRelay, child_env
+from bulkhead.trainer.pod.relay import PodRelay
+
+JOB = "pods"
+POD_CHILD = [sys.executable, str(Path(__file__).with_name("pod_child.py"))]
+
+
+def _spec(workers: int = 2) -> TrainingJobSpec:
+    return TrainingJobSpec.model_validate(
+        {
+            "workers": workers,
+            "processesPerWorker": 2,
+            "minWorkers": 1,
+            "trainer": {"steps": 5},
+            "faultTolerance": {"maxFailures": 1, "hangTimeoutSeconds": 60},
+        }
+    )
+
+
+@pytest.fixture
+def harness():
+    with Harness(JOB, _spec()) as h:
+        yield h
+
+
+class Pod:
+    """A relay served for pod ``worker`` and a control client per local rank."""
+
+    def __init__(self, h: Harness, worker: str, poll_s: float = 5.0, port: int = 7000) -> None:
+        self.worker = worker
+        self.port = port  # of its store and (from 29700 + port) sidecars
+        self.relay = PodRelay(h.url, h.token, JOB, worker, 2, poll_s=poll_s)
+        self.serving = _ServingRelay(self.relay)
+        self.serving.start()
+        self.url = f"http://127.0.0.1:{self.serving.port}"
+        self.clients = [
+            ControlClient(f"{self.url}/local/{i}", h.token, JOB, worker, retries=1)
+            for i in range(2)
+        ]
+
+    def register(self, rank: int) -> None:
+        self.clients[rank].register(
+            RegisterRequest(
+                worker=self.worker,
+                node=f"node-{self.worker}",
+                address=f"127.0.0.1:{self.port}" if rank == 0 else "",
+                checkpoint_address=f"127.0.0.1:{22700 + self.port + rank}",
+            )
+        )
+
+    def close(self) -> None:
+        self.serving.should_exit = True
+        for client in self.clients:
+            client.close()
+
+
+@pytest.fixture
+def pods(harness: Harness):
+    made = [Pod(harness, f"{JOB}-w{slot}-0", port=7000 + 10 * slot) for slot in range(2)]
+    yield made
+    for pod in made:
+        pod.close()
+
+
+def _events(h: Harness, reason: str) -> list[str]:
+    return [message for r, message, _ in h.driver.events if r == reason]
+
+
+def test_a_pod_registers_once_all_its_processes_are_ready(harness: Harness, pods) -> None:
+    h = harness
+    a, b = pods
+    a.register(0)
+    b.register(0)
+    b.register(1)
+    # Pod b registered; pod a, one process short, did not, so no generation forms.
+    assert b.relay.registered.wait(10) and b.relay.registration.ok
+    assert a.relay.registration is None
+    assert h.session.status.membership.generation == 0
+    a.register(1)
+    view = a.clients[1].membership(after=0, timeout_s=10)
+    assert view.generation == 1
+    assert [m.worker for m in view.members] == [a.worker, b.worker]
+    # The pod's address is local rank 0's store; its sidecars are every process's.
+    first = view.members[0]
+    assert first.address == "127.0.0.1:7000"
+    assert first.checkpoint_address == "127.0.0.1:29700,127.0.0.1:29701"
+    assert first.checkpoint_addresses(2) == ["127.0.0.1:29700", "127.0.0.1:29701"]
+    # Every process of both pods sees the same view through its relay.
+    for pod in pods:
+        for client in pod.clients:
+            assert client.membership(after=0, timeout_s=10).generation == 1
+
+
+def test_a_fault_all_processes_saw_is_reported_once(harness: Harness, pods) -> None:
+    h = harness
+    for pod in pods:
+        for rank in range(2):
+            pod.register(rank)
+    a = pods[0]
+    assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    report = FaultReport(worker=a.worker, generation=1, kind="collective_error", message="x")
+    answers = []
+    threads = [
+        threading.Thread(target=lambda c=c: answers.append(c.fault(report))) for c in a.clients
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert len(answers) == 2 and answers[0] == answers[1]
+    assert len([m for m in _events(h, "FaultReported") if a.worker in m]) == 1
+    # A completion both processes report is one completion of the pod.
+    done = CompletionReport(worker=a.worker, generation=1, step=4)
+    assert a.clients[0].complete(done) == a.clients[1].complete(done)
+
+
+def test_the_pod_reports_the_oldest_persisted_step_of_its_processes(harness: Harness, pods) -> None:
+    for pod in pods:
+        for rank in range(2):
+            pod.register(rank)
+    a = pods[0]
+    assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    seen: list[int | None] = []
+    original = a.relay.forward
+
+    async def recording(rank: int, route: str, body: bytes):
+        seen.append(json.loads(body).get("persistedStep"))
+        return await original(rank, route, body)
+
+    a.relay.forward = recording  # type: ignore[method-assign]
+    a.clients[1].progress(ProgressReport(worker=a.worker, generation=1, step=3, persisted_step=2))
+    a.clients[0].progress(ProgressReport(worker=a.worker, generation=1, step=3, persisted_step=3))
+    assert seen == [2, 2]  # rank 1 has persisted only step 2: the pod has
+
+
+def test_bad_requests_are_refused_with_the_reason(harness: Harness, pods) -> None:
+    a = pods[0]
+    with httpx.Client(base_url=a.url) as http:
+        unauthorized = http.post(f"/local/0/v1/jobs/{JOB}/register", json={"worker": a.worker})
+        assert unauthorized.status_code == 401
+        auth = {"Authorization": f"Bearer {harness.token}"}
+        beyond = http.post(f"/local/2/v1/jobs/{JOB}/register", json={}, headers=auth)
+        assert beyond.status_code == 404
+        other = http.post(
+            f"/local/0/v1/jobs/{JOB}/register", json={"worker": "someone-else"}, headers=auth
+        )
+        assert other.status_code == 422 and "not this pod" in other.json()["error"]
+    with pytest.raises(ControlRequestError) as refused:
+        a.clients[0].membership(after=-1, timeout_s=1)
+    assert refused.value.status_code == 422
+
+
+def test_a_process_that_stops_polling_is_silent(harness: Harness, pods) -> None:
+    a = pods[0]
+    a.register(0)
+    a.register(1)
+    poller = threading.Thread(target=lambda: a.clients[0].membership(after=5, timeout_s=5))
+    poller.start()
+    later = time.monotonic() + 1.0
+
+    def silent_ranks() -> list[int]:
+        return [rank for rank, _ in a.relay.silent(limit_s=0.5, now=later)]
+
+    # Rank 0 has an open poll (alive however long ago it asked); rank 1 has said nothing
+    # since it registered, a second ago as seen from ``later``.
+    harness.wait_for(lambda: silent_ranks() == [1], timeout=5)
+    a.relay.forget(1)  # an exited process is no longer watched
+    assert silent_ranks() == []
+    poller.join(10)
+
+
+def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() -> None:
+    env = {SHM_DIR_ENV: "/dev/shm/pod", CHECKPOINT_SOCKET_ENV: "/dev/shm/pod/checkpointd.sock"}
+    got = child_env(env, 1, "http://127.0.0.1:5000")
+    assert got[LOCAL_RANK_ENV] == "1"
+    assert got[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/1"
+    assert got[SHM_DIR_ENV] == "/dev/shm/pod/rank-1"
+    assert got[CHECKPOINT_SOCKET_ENV] == "/dev/shm/pod/rank-1/checkpointd.sock"
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def _launch(h: Harness, worker: str, behaviours: list[str], silence_s: float = 30.0) -> int:
+    env = {
+        **os.environ,
+        ENDPOINT_ENV: h.url,
+        TOKEN_ENV: h.token,
+        JOB_ENV: JOB,
+        WORKER_ENV: worker,
+        "POD_CHILD_BEHAVIOURS": ",".join(behaviours),
+    }
+    relay = PodRelay(h.url, h.token, JOB, worker, len(behaviours), poll_s=2.0)
+    launcher = PodLauncher(env, relay, silence_s, command=POD_CHILD)
+    code = launcher.run()
+    assert all(child.poll() is not None for child in launcher.children), "a process outlived"
+    return code
+
+
+def _other_pod(h: Harness) -> threading.Thread:
+    """Pod w1 registered and polling, so that generation 1 forms."""
+    pod = Pod(h, f"{JOB}-w1-0", port=7010)
+    pod.register(0)
+    pod.register(1)
+
+    def poll() -> None:
+        try:
+            pod.clients[0].membership(after=0, timeout_s=20)
+        finally:
+            pod.close()
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_pod_ends_when_every_process_finished(harness: Harness) -> None:
+    _other_pod(harness)
+    assert _launch(harness, f"{JOB}-w0-0", ["exit:0", "exit:0"]) == WorkerExit.DONE
+
+
+def test_one_process_failing_fails_the_pod_and_kills_the_others(harness: Harness) -> None:
+    _other_pod(harness)
+    started = time.monotonic()
+    code = _launch(harness, f"{JOB}-w0-0", ["poll", "exit:7"])
+    assert code == 1  # not a WorkerExit code: infrastructure, replace the pod
+    assert time.monotonic() - started < 20  # the polling sibling was killed, not awaited
+
+
+def test_a_user_error_in_one_process_is_the_pods(harness: Harness) -> None:
+    _other_pod(harness)
+    assert _launch(harness, f"{JOB}-w0-0", ["poll", "exit:2"]) == WorkerExit.USER_ERROR
+
+
+def test_a_stopped_process_fails_the_pod_after_the_silence_limit(harness: Harness) -> None:
+    _other_pod(harness)
+    started = time.monotonic()
+    code = _launch(harness, f"{JOB}-w0-0", ["poll", "stop"], silence_s=1.5)
+    assert code == 1
+    assert 1.5 <= time.monotonic() - started < 20
+
+
+def test_sigterm_stops_every_process(harness: Harness) -> None:
+    _other_pod(harness)
+    env = {
+        **os.environ,
+        ENDPOINT_ENV: harness.url,
+        TOKEN_ENV: harness.token,
+        JOB_ENV: JOB,
+        WORKER_ENV: f"{JOB}-w0-0",
+        "POD_CHILD_BEHAVIOURS": "poll,poll",
+    }
+    relay = PodRelay(harness.url, harness.token, JOB, f"{JOB}-w0-0", 2, poll_s=2.0)
+    launcher = PodLauncher(env, relay, 30.0, command=POD_CHILD)
+    threading.Timer(3.0, launcher.terminate).start()
+    assert launcher.run() == WorkerExit.STOPPED
+    codes = [child.returncode for child in launcher.children]
+    assert codes == [-signal.SIGTERM, -signal.SIGTERM] or codes == [
+        WorkerExit.STOPPED,
+        WorkerExit.STOPPED,
+    ], codes

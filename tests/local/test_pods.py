@@ -1,0 +1,138 @@
+"""``bulkhead run examples/local-pods.yaml``: worker pods of two trainer processes each.
+
+Real ``bulkhead-worker`` launchers, each starting two real trainer processes (torch, gloo,
+CPU) behind its pod relay, with checkpoint sidecars serving both. Three pods of two
+processes train ZeRO-2 exactly as six one-process workers train data parallel; a pod
+killed whole, and later one process of another pod stopped (SIGSTOP, as a wedged GPU
+process), are both recovered in process by the other pods with no step lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from local_harness import (
+    BULKHEAD,
+    assert_samples_exact,
+    processes_of_job,
+    read_jsonl,
+    run_cli,
+    wait_no_processes,
+)
+from waiting import wait_until
+
+from bulkhead.api.protocol import LOCAL_RANK_ENV, WORKER_ENV
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-pods.yaml"
+NAME = "local-pods"
+
+
+def _job(tmp: Path, name: str = NAME, **spec: object) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    for key, value in spec.items():
+        target = doc["spec"]
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss, as rank 0 reported them."""
+    return {
+        m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["loss"] is not None
+    }
+
+
+def test_pods_of_two_processes_train_as_data_parallel_does(tmp_path: Path) -> None:
+    steps = 12
+    pods = tmp_path / "pods"
+    proc = run_cli(str(_job(tmp_path)), "--steps", str(steps), "--run-dir", str(pods),
+                   "--no-checkpoint-sidecar", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plans = [
+        e["message"] for e in read_jsonl(pods / "events.jsonl") if e["reason"] == "PlanApplied"
+    ]
+    assert "3 worker(s) x 2 processes" in plans[0], plans
+    assert "ZeRO-2: 3 replica group(s) x 2 shard(s)" in plans[0], plans
+    reference = tmp_path / "dp"
+    dp_job = _job(tmp_path, "local-dp", workers=6, processesPerWorker=1, minWorkers=1,
+                  **{"trainer.parallelism.zero.stage": 0})  # fmt: skip
+    proc = run_cli(str(dp_job), "--steps", str(steps), "--run-dir", str(reference),
+                   "--no-checkpoint-sidecar", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ours, theirs = _losses(pods), _losses(reference)
+    common = sorted(ours.keys() & theirs.keys())
+    # The reporter sends the newest step when it is busy, so a run may skip a few.
+    assert len(common) >= steps // 2, (ours, theirs)
+    for step in common:
+        a, b = ours[step], theirs[step]
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: pods {a} vs data parallel {b}"
+    assert wait_no_processes(NAME) == [] and wait_no_processes("local-dp") == []
+
+
+def _trainer_process(job: str, worker_suffix: str, local_rank: int) -> psutil.Process:
+    for proc in processes_of_job(job):
+        env = proc.environ()
+        if env.get(LOCAL_RANK_ENV) == str(local_rank) and env.get(WORKER_ENV, "").endswith(
+            worker_suffix
+        ):
+            return proc
+    raise LookupError(f"no process {local_rank} of a pod ending in {worker_suffix}")
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(read_jsonl(path)) if path.exists() else 0
+
+
+def test_a_killed_pod_and_a_stopped_process_are_recovered_in_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 90
+    job = _job(tmp_path, **{"faultTolerance.hangTimeoutSeconds": 8,
+                            "faultTolerance.collectiveTimeoutSeconds": 6})  # fmt: skip
+    run = subprocess.Popen(
+        [BULKHEAD, "run", str(job), "--steps", str(steps), "--run-dir", str(run_dir),
+         "--chaos", "kill:worker=1@step=15", "--no-live"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # After the kill has been recovered, stop one process of pod 2 (not the launcher):
+        # its launcher fails the pod after half the hang timeout of silence.
+        wait_until(lambda: _steps_done(run_dir) >= 40, "step 40", timeout=240, every=0.2)
+        stopped = _trainer_process(NAME, "-w2-0", local_rank=1)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == steps
+    assert summary["restarts"] == 0
+    assert summary["lost_steps"] == 0
+    assert len(summary["recoveries"]) == 2, summary["recoveries"]
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e["message"] for e in events if e["reason"] == "WorkerLost"]
+    assert any("local-pods-w1-0" in m and "SIGKILL" in m for m in lost), lost
+    assert any("local-pods-w2-0" in m and "code 1" in m for m in lost), lost
+    recovered = [e["message"] for e in events if e["reason"] == "Recovered"]
+    assert all("0 steps redone" in m for m in recovered), recovered
+    said = [e["message"] for e in events if e["reason"] == "FaultReported"]
+    assert any("local-pods-w2-0 reported internal_error: local rank 1" in m and "silent for" in m
+               for m in said), said  # fmt: skip
+    assert_samples_exact(run_dir, steps)
+    assert wait_no_processes(NAME) == []

@@ -1,0 +1,267 @@
+"""The launcher of a multi-process worker pod: G trainer processes, one per GPU, one member.
+
+``bulkhead-worker`` becomes this launcher when the job runs more than one trainer process
+per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It:
+
+- serves the pod relay (``relay.PodRelay``) on 127.0.0.1 and starts the G processes, each
+  with ``BULKHEAD_LOCAL_RANK=i`` (so it takes ``cuda:i`` and rank G x position + i), the
+  relay as its control endpoint and its own checkpoint sidecar directory;
+- fails the pod as a whole, because the manager replaces pods, not processes: when one
+  process exits with an error, or falls silent (no poll for half the hang timeout: it is
+  stopped or wedged), the others are killed and the launcher exits with that process's code
+  (``WorkerExit``, else 1), so the other pods recover in process and a new pod replaces
+  this one;
+- exits 0 once every process finished, and 3 when told to stop (SIGTERM) or refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import uvicorn
+
+from bulkhead.api.protocol import (
+    CHECKPOINT_SOCKET_ENV,
+    ENDPOINT_ENV,
+    LOCAL_RANK_ENV,
+    SHM_DIR_ENV,
+    WorkerExit,
+)
+from bulkhead.trainer.checkpoint.paths import local_rank_shm_dir
+from bulkhead.trainer.pod.relay import PodRelay, relay_app
+
+log = logging.getLogger(__name__)
+
+EXIT_INFRASTRUCTURE = 1
+_TICK_S = 0.1
+# How long the processes get to end after SIGTERM before they are killed.
+TERM_GRACE_S = 10.0
+
+
+def child_command() -> list[str]:
+    """A trainer process: ``bulkhead-worker`` of this interpreter."""
+    return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import main; main()"]
+
+
+def child_env(env: Mapping[str, str], local_rank: int, relay_url: str) -> dict[str, str]:
+    """Process ``local_rank``'s environment: the pod's, with its rank, the relay as its
+    control endpoint and its own shared-memory directory and sidecar socket."""
+    out = {**env, LOCAL_RANK_ENV: str(local_rank), ENDPOINT_ENV: f"{relay_url}/local/{local_rank}"}
+    if env.get(SHM_DIR_ENV):
+        shm = local_rank_shm_dir(Path(env[SHM_DIR_ENV]), local_rank)
+        out[SHM_DIR_ENV] = str(shm)
+        out[CHECKPOINT_SOCKET_ENV] = str(shm / "checkpointd.sock")
+    return out
+
+
+class _RelayServer(uvicorn.Server):
+    """uvicorn in a thread of the launcher: no signal handlers (the launcher owns them)."""
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
+class PodLauncher:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        relay: PodRelay,
+        silence_limit_s: float,
+        command: list[str] | None = None,
+    ) -> None:
+        self.env = dict(env)
+        self.relay = relay
+        self.silence_limit_s = silence_limit_s
+        self.command = command or child_command()
+        self.children: list[subprocess.Popen[bytes]] = []
+        self._terminated = threading.Event()
+
+    def run(self) -> int:
+        """Run the pod to its end; returns the launcher's exit code."""
+        server = self._serve_relay()
+        try:
+            self._spawn(f"http://127.0.0.1:{server.port}")
+            return self._supervise()
+        finally:
+            self._kill_all()
+            server.should_exit = True
+
+    def terminate(self) -> None:
+        """SIGTERM: stop the processes (they exit 3) and end."""
+        self._terminated.set()
+
+    # ------------------------------------------------------------ relay
+
+    def _serve_relay(self) -> _ServingRelay:
+        serving = _ServingRelay(self.relay)
+        serving.start()
+        return serving
+
+    # ------------------------------------------------------------ processes
+
+    def _spawn(self, relay_url: str) -> None:
+        for rank in range(self.relay.processes):
+            child = subprocess.Popen(
+                self.command,
+                env=child_env(self.env, rank, relay_url),
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
+            log.info("started local rank %d (pid %d)", rank, child.pid)
+            self.children.append(child)
+
+    def _supervise(self) -> int:
+        finished: set[int] = set()
+        while True:
+            if self._terminated.is_set():
+                log.info("told to stop: stopping %d process(es)", len(self.children))
+                self._terminate_all()
+                return WorkerExit.STOPPED
+            for rank, child in enumerate(self.children):
+                code = child.poll()
+                if code is None or rank in finished:
+                    continue
+                if code == WorkerExit.DONE:
+                    finished.add(rank)
+                    self.relay.forget(rank)
+                    continue
+                if code in (WorkerExit.USER_ERROR, WorkerExit.STOPPED):
+                    log.info("local rank %d exited with %s: ending the pod", rank, _describe(code))
+                    return code  # the process said why itself (a user error, a stop)
+                return self._fail(f"local rank {rank} exited with {_describe(code)}")
+            if len(finished) == len(self.children):
+                log.info("all %d processes finished", len(finished))
+                return WorkerExit.DONE
+            refused = self.relay.registration
+            if refused is not None and self.relay.registered.is_set() and not refused.ok:
+                return self._refused(refused.status, refused.message)
+            silent = self.relay.silent(self.silence_limit_s)
+            if silent:
+                rank, quiet = silent[0]
+                return self._fail(
+                    f"local rank {rank} (pid {self.children[rank].pid}) silent for {quiet:.0f}s "
+                    "(no membership poll): stopped or wedged"
+                )
+            time.sleep(_TICK_S)
+
+    def _fail(self, why: str) -> int:
+        """One process failed: the pod fails as a whole (the others are killed on return)."""
+        log.error("%s: failing the pod", why)
+        self._kill_all()  # before the report: the other pods stop waiting on this one now
+        self.relay.report_pod_failure(f"{why}; the pod is replaced")
+        return EXIT_INFRASTRUCTURE
+
+    def _refused(self, status: int, message: str) -> int:
+        if status == 0:
+            log.error("could not register the pod: %s", message)
+            return EXIT_INFRASTRUCTURE
+        view = self.relay.view
+        if view is not None and view.state == "succeeded":
+            log.info("not admitted (the job already succeeded): %s", message)
+            return WorkerExit.DONE
+        log.info("not admitted: HTTP %d: %s", status, message)
+        return WorkerExit.STOPPED
+
+    def _terminate_all(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(max(0.0, deadline - time.monotonic()))
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(5)
+
+
+class _ServingRelay:
+    """The relay's uvicorn server on 127.0.0.1 (a free port) in a daemon thread."""
+
+    def __init__(self, relay: PodRelay, ready_timeout_s: float = 30.0) -> None:
+        self.relay = relay
+        self.ready_timeout_s = ready_timeout_s
+        config = uvicorn.Config(
+            relay_app(relay),
+            host="127.0.0.1",
+            port=0,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            loop="asyncio",
+        )
+        self._server = _RelayServer(config)
+        self._thread = threading.Thread(target=self._run, name="pod-relay", daemon=True)
+        self.port = 0
+
+    def _run(self) -> None:
+        import asyncio
+
+        async def main() -> None:
+            await self.relay.start()
+            try:
+                await self._server.serve()
+            finally:
+                await self.relay.stop()
+
+        asyncio.run(main())
+
+    def start(self) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the pod relay did not start")
+            time.sleep(0.01)
+        sockets = [s for server in self._server.servers for s in server.sockets]
+        self.port = sockets[0].getsockname()[1]
+        log.info("pod relay on 127.0.0.1:%d", self.port)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._server.should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._server.should_exit = value
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL me when my parent dies (Linux), so a launcher or
+    supervisor that was killed leaves no process behind."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_pod(env: Mapping[str, str], relay: PodRelay, silence_limit_s: float) -> int:
+    """Run the launcher with SIGTERM wired to a clean stop; returns the exit code."""
+    launcher = PodLauncher(env, relay, silence_limit_s)
+    signal.signal(signal.SIGTERM, lambda *_: launcher.terminate())
+    return launcher.run()
