@@ -20,7 +20,7 @@ from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.engine.engine import HeldState
 from bulkhead.trainer.engine.layout import Holding
 from bulkhead.trainer.engine.plan import ParallelPlan, zero_plan
-from bulkhead.trainer.engine.world import member_rank, world_order
+from bulkhead.trainer.engine.world import member_rank, rank_members, world_order
 from bulkhead.trainer.runtime.checkpointing import (
     EngineCheckpointer,
     ring_successor,
@@ -64,17 +64,47 @@ def test_world_ranks_go_node_by_node() -> None:
     assert topology.shard == "zero2-s0" and topology.replicate_to == "a:1"
 
 
-def _plan(view: MembershipView, stage: int = 0, max_failures: int = 1) -> ParallelPlan:
-    n = len(view.members)
+def _plan(
+    view: MembershipView, stage: int = 0, max_failures: int = 1, processes: int = 1
+) -> ParallelPlan:
+    by_rank = rank_members(view, processes)
     return ParallelPlan(
         generation=view.generation,
-        workers=tuple(m.worker for m in view.members),
-        nodes=tuple(m.node for m in view.members),
+        workers=tuple(m.worker for m in by_rank),
+        nodes=tuple(m.node for m in by_rank),
         global_batch_size=8,
         micro_batch_size=2,
         max_failures=max_failures,
-        zero=zero_plan(stage, 1, n, max_failures),
+        zero=zero_plan(stage, 1, len(by_rank), max_failures, processes),
+        processes_per_worker=processes,
     )
+
+
+def test_pods_of_several_processes_hold_consecutive_ranks_and_a_sidecar_each() -> None:
+    # Three pods of two processes; each process has its own sidecar service and port.
+    view = MembershipView(
+        generation=5,
+        members=[
+            Member(rank=r, worker=f"w{r}", node=f"n{r}", address=f"n{r}:7",
+                   checkpoint_address=f"n{r}:29700,n{r}:29701")
+            for r in range(3)
+        ],
+    )  # fmt: skip
+    assert [member_rank(view, "w1", i, 2) for i in range(2)] == [2, 3]
+    with pytest.raises(ValueError):
+        member_rank(view, "w1", 2, 2)
+    assert [m.worker for m in rank_members(view, 2)] == ["w0", "w0", "w1", "w1", "w2", "w2"]
+    plan = _plan(view, stage=2, processes=2)
+    # ZeRO shards inside a pod and keeps a copy on every pod: a lost pod loses one copy.
+    assert (plan.zero.shard_size, plan.zero.replicas) == (2, 3)
+    topologies = [topology_for(view, plan, r) for r in range(6)]
+    assert [t.shard for t in topologies] == ["zero2-s0", "zero2-s1"] * 3
+    assert [t.persist for t in topologies] == [True, True, False, False, False, False]
+    # Each process replicates to the same local rank of the next pod, on another node.
+    assert [t.replicate_to for t in topologies] == [
+        "n1:29700", "n1:29701", "n2:29700", "n2:29701", "n0:29700", "n0:29701",
+    ]  # fmt: skip
+    assert "n1:29701" not in topologies[3].peers and len(topologies[3].peers) == 5
 
 
 def test_topology_lists_peers_nearest_predecessor_first_and_rank_0_persists() -> None:

@@ -11,11 +11,12 @@ from bulkhead.trainer.config import train_config
 from bulkhead.trainer.engine.plan import make_plan, shard_id, state_bytes_per_rank, zero_plan
 
 
-def _cfg(stage: int, hpz: int = 1, workers: int = 4, f: int = 1, gb: int = 8):
+def _cfg(stage: int, hpz: int = 1, workers: int = 4, f: int = 1, gb: int = 8, processes=None):
     return train_config(
         TrainingJobSpec.model_validate(
             {
                 "workers": workers,
+                "processesPerWorker": processes,
                 "trainer": {
                     "model": {"preset": "tiny"},
                     "batch": {"globalBatchSize": gb, "microBatchSize": 2},
@@ -39,6 +40,31 @@ def test_shard_groups_divide_the_workers_and_keep_f_plus_1_copies(workers: int, 
         )
     else:
         assert size == 1
+
+
+@given(st.integers(1, 64), st.integers(0, 4), st.integers(1, 8))
+def test_shard_groups_of_pods_hold_whole_pods(workers: int, f: int, g: int) -> None:
+    """With G processes per pod, a shard group is whole pods, so a pod's loss costs one
+    copy of its shards only, and f pod losses leave a holder of every shard."""
+    plan = zero_plan(3, 1, workers * g, f, g)
+    if workers < f + 1:
+        assert not plan.sharded
+        return
+    assert plan.shard_size % g == 0
+    assert plan.replicas >= f + 1
+    assert plan.shard_size == zero_shard_group_size(workers, f) * g
+    for pod in range(workers):
+        groups = {plan.replica_index(pod * g + i) for i in range(g)}
+        assert len(groups) == 1, "a pod's processes would span shard groups"
+
+
+def test_pods_are_whole_in_the_plan() -> None:
+    with pytest.raises(ValueError, match="whole worker pods"):
+        zero_plan(2, 1, 5, 1, 2)
+    cfg = _cfg(2, workers=2, f=1, processes=2)
+    plan = make_plan(1, ["a", "a", "b", "b"], ["n1", "n1", "n2", "n2"], cfg)
+    assert (plan.zero.shard_size, plan.zero.replicas) == (2, 2)
+    assert plan.describe()[0].startswith("generation 1: 2 worker(s) x 2 processes")
 
 
 def test_zero_plan_meshes() -> None:

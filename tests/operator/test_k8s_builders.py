@@ -177,3 +177,22 @@ def test_worker_pods_run_with_least_privilege():
     assert trainer["securityContext"]["runAsUser"] == 2000
     assert trainer["securityContext"]["readOnlyRootFilesystem"] is True
     assert custom["spec"]["securityContext"]["runAsUser"] == 2000
+
+
+def test_a_pod_of_eight_gpus_runs_eight_processes_each_with_its_sidecar_port():
+    template = {
+        "spec": {
+            "containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 8}}}]
+        }
+    }
+    ctx = _ctx(template=template)
+    assert ctx.spec.trainer_processes == 8  # one trainer process per GPU, by default
+    pod = builders.build_worker_pod(ctx, "llm-w0-0", slot=0, incarnation=0)
+    trainer = pod["spec"]["containers"][0]
+    sidecar = pod["spec"]["initContainers"][-1]
+    # Each process's socket is in its rank's directory: the launcher and sidecar agree.
+    assert protocol.CHECKPOINT_SOCKET_ENV not in _env(trainer)
+    assert _env(sidecar)[protocol.CHECKPOINT_LOCAL_RANKS_ENV] == "8"
+    replica_ports = [p["containerPort"] for p in sidecar["ports"] if "replica" in p["name"]]
+    assert replica_ports == list(range(29700, 29708))
+    assert len({p["name"] for p in sidecar["ports"]}) == len(sidecar["ports"])
