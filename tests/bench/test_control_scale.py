@@ -1,4 +1,5 @@
-"""bench/control_scale.py --quick: 1,024 simulated workers against the real endpoint.
+"""bench/control_scale.py --quick: 1,024 trainer processes (128 pods of 8 behind their
+relays) simulated against the real endpoint.
 
 Shape and sanity only (benchmarks are not timed assertions): one row with exactly the
 promised keys, every worker saw both generations (the bench raises otherwise), and the
@@ -16,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {
     "workers",
+    "pods",
     "register_all_s",
     "first_generation_all_s",
     "next_generation_all_s",
@@ -37,7 +39,8 @@ def test_control_scale_quick(tmp_path: Path) -> None:
     assert [row["workers"] for row in rows] == [1024]
     (row,) = rows
     assert set(row) == KEYS
-    for key in KEYS - {"workers"}:
+    assert row["pods"] == 128  # 8 trainer processes per pod behind one relay, by default
+    for key in KEYS - {"workers", "pods"}:
         assert isinstance(row[key], int | float) and math.isfinite(row[key]), key
         assert row[key] >= 0, key
     # Every worker registered and saw generation 1, and every survivor generation 2: the
@@ -48,3 +51,4 @@ def test_control_scale_quick(tmp_path: Path) -> None:
     assert 1 <= row["steady_requests_per_s"] < 1024
     assert 0 < row["rss_mb"] < 4096
     assert "per-request costs" in proc.stdout and "before" in proc.stdout
+    assert "pod relay, 8 processes" in proc.stdout  # the relay's fan-out, measured

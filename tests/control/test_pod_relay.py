@@ -37,7 +37,7 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.trainer.pod.launcher import PodLauncher, _ServingRelay, child_env
+from bulkhead.trainer.pod.launcher import PodLauncher, ServingRelay, child_env
 from bulkhead.trainer.pod.relay import PodRelay
 
 JOB = "pods"
@@ -69,7 +69,7 @@ class Pod:
         self.worker = worker
         self.port = port  # of its store and (from 29700 + port) sidecars
         self.relay = PodRelay(h.url, h.token, JOB, worker, 2, poll_s=poll_s)
-        self.serving = _ServingRelay(self.relay)
+        self.serving = ServingRelay(self.relay)
         self.serving.start()
         self.url = f"http://127.0.0.1:{self.serving.port}"
         self.clients = [
@@ -88,7 +88,7 @@ class Pod:
         )
 
     def close(self) -> None:
-        self.serving.should_exit = True
+        self.serving.stop()
         for client in self.clients:
             client.close()
 

@@ -463,7 +463,7 @@ def await_listener(
 def form_world(
     view: MembershipView,
     worker: str,
-    host: StoreHost,
+    host: StoreHost | None,
     device: DeviceChoice,
     timeout_s: float,
     should_abandon: Callable[[], bool] = _never,
@@ -473,10 +473,11 @@ def form_world(
     """Join generation ``view``: rendezvous at its coordinator, init the registered world.
 
     This process is local rank ``device.local_rank`` of ``worker``'s
-    ``processes_per_worker``; the coordinator's store is its local rank 0's."""
+    ``processes_per_worker``; the coordinator's store is its local rank 0's (``host``:
+    this process's store, None for the other local ranks, which host none)."""
     rank = member_rank(view, worker, device.local_rank, processes_per_worker)
     try:
-        if view.coordinator == host.address:
+        if host is not None and view.coordinator == host.address:
             store: dist.Store = host.store
         else:
             coord_host, _, port = view.coordinator.rpartition(":")

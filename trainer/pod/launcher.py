@@ -92,7 +92,7 @@ class PodLauncher:
             return self._supervise()
         finally:
             self._kill_all()
-            server.should_exit = True
+            server.stop()
 
     def terminate(self) -> None:
         """SIGTERM: stop the processes (they exit 3) and end."""
@@ -100,8 +100,8 @@ class PodLauncher:
 
     # ------------------------------------------------------------ relay
 
-    def _serve_relay(self) -> _ServingRelay:
-        serving = _ServingRelay(self.relay)
+    def _serve_relay(self) -> ServingRelay:
+        serving = ServingRelay(self.relay)
         serving.start()
         return serving
 
@@ -190,7 +190,7 @@ class PodLauncher:
                 child.wait(5)
 
 
-class _ServingRelay:
+class ServingRelay:
     """The relay's uvicorn server on 127.0.0.1 (a free port) in a daemon thread."""
 
     def __init__(self, relay: PodRelay, ready_timeout_s: float = 30.0) -> None:
@@ -232,13 +232,10 @@ class _ServingRelay:
         self.port = sockets[0].getsockname()[1]
         log.info("pod relay on 127.0.0.1:%d", self.port)
 
-    @property
-    def should_exit(self) -> bool:
-        return self._server.should_exit
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        self._server.should_exit = value
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and the relay's upstream poll; wait for it."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
 
 
 def _describe(code: int) -> str:

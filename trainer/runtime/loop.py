@@ -129,7 +129,13 @@ class ElasticTrainer:
         activate(self.device)
         # This rank's state between generations: its last engine's, or nothing (new member).
         self.held: HeldState | None = None
-        self.store_host = StoreHost(identity.advertise_host, cfg.timeouts.collective_s)
+        # The pod's store (its address is the pod's, for rendezvous and partition probes)
+        # is local rank 0's; the pod's other processes only ever connect to stores.
+        self.store_host = (
+            StoreHost(identity.advertise_host, cfg.timeouts.collective_s)
+            if identity.local_rank == 0
+            else None
+        )
         # Each thread that blocks on the control endpoint has its own client.
         self.watcher = MembershipWatcher(connect(), cfg.timeouts.membership_poll_s)
         self.reporter = Reporter(connect())
@@ -155,7 +161,7 @@ class ElasticTrainer:
                 RegisterRequest(
                     worker=self.me.worker,
                     node=self.me.node,
-                    address=self.store_host.address,
+                    address=self.store_host.address if self.store_host else "",
                     checkpoint_address=self._checkpoint_address(),
                     incarnation=self.me.incarnation,
                 )
@@ -170,7 +176,12 @@ class ElasticTrainer:
             finally:
                 self.watcher.stop()
             raise Stopped(f"not admitted: {exc}") from exc
-        log.info("registered as %s, store at %s", self.me.worker, self.store_host.address)
+        log.info(
+            "registered as %s (local rank %d), store at %s",
+            self.me.worker,
+            self.me.local_rank,
+            self.store_host.address if self.store_host else "local rank 0's",
+        )
         self.watcher.start()
         self.reporter.start()
         try:
