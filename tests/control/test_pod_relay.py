@@ -298,3 +298,9 @@ def test_sigterm_stops_every_process(harness: Harness) -> None:
         WorkerExit.STOPPED,
         WorkerExit.STOPPED,
     ], codes
+
+
+def test_a_pod_the_manager_refuses_stops_its_processes(harness: Harness) -> None:
+    # No slot of the job has this id (a pod the manager already replaced, say).
+    code = _launch(harness, f"{JOB}-w7-3", ["poll", "poll"])
+    assert code == WorkerExit.STOPPED

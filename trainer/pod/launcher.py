@@ -140,9 +140,10 @@ class PodLauncher:
             if len(finished) == len(self.children):
                 log.info("all %d processes finished", len(finished))
                 return WorkerExit.DONE
-            refused = self.relay.registration
-            if refused is not None and self.relay.registered.is_set() and not refused.ok:
-                return self._refused(refused.status, refused.message)
+            if self.relay.registered.is_set():  # then the outcome is final
+                outcome = self.relay.registration
+                if outcome is not None and not outcome.ok:
+                    return self._refused(outcome.status, outcome.message)
             silent = self.relay.silent(self.silence_limit_s)
             if silent:
                 rank, quiet = silent[0]
