@@ -46,6 +46,19 @@ FAULTS: tuple[Fault, ...] = (
         ("tests/local/test_end_to_end.py::test_hung_worker_is_detected_and_replaced",),
     ),
     Fault(
+        "one trainer process of a multi-GPU pod dies or stops answering",
+        "its pod fails as a whole (the launcher kills the others and says why); the other "
+        "pods continue in process; a new pod replaces it",
+        (
+            "tests/local/test_pods.py::"
+            "test_a_killed_pod_and_a_stopped_process_are_recovered_in_process",
+            "tests/control/test_pod_relay.py::"
+            "test_one_process_failing_fails_the_pod_and_kills_the_others",
+            "tests/control/test_pod_relay.py::"
+            "test_a_stopped_process_fails_the_pod_after_the_silence_limit",
+        ),
+    ),
+    Fault(
         "worker pod deleted",
         "treated as a worker exit; replaced in process",
         (
@@ -163,7 +176,8 @@ def table() -> str:
     """The README table: one row per fault."""
     rows = ["| fault | what happens | covered by |", "| --- | --- | --- |"]
     for f in FAULTS:
-        tests = ", ".join(f"`{t.split('::')[0].removeprefix('tests/')}`" for t in f.tests)
+        files = dict.fromkeys(t.split("::")[0].removeprefix("tests/") for t in f.tests)
+        tests = ", ".join(f"`{name}`" for name in files)
         rows.append(f"| {f.fault} | {f.outcome} | {tests or '—'} |")
     return "\n".join(rows)
 

@@ -63,7 +63,7 @@ def _ready_pods(cluster: Cluster, namespace: str) -> int:
     )
 
 
-def _job_manifest(name: str, namespace: str, steps: int) -> str:
+def _job_manifest(name: str, namespace: str, steps: int, gpus: int) -> str:
     return textwrap.dedent(f"""\
         apiVersion: v1
         kind: PersistentVolume
@@ -95,7 +95,7 @@ def _job_manifest(name: str, namespace: str, steps: int) -> str:
               containers:
                 - name: trainer
                   image: ghcr.io/bulkhead-dev/bulkhead:0.1.0
-                  resources: {{limits: {{nvidia.com/gpu: 1}}}}
+                  resources: {{limits: {{nvidia.com/gpu: {gpus}}}}}
           trainer:
             model: {{preset: tiny}}
             batch: {{globalBatchSize: 12, microBatchSize: 4}}
@@ -116,13 +116,16 @@ def _job_manifest(name: str, namespace: str, steps: int) -> str:
 class Job:
     """One TrainingJob in its own namespace, seen through kubectl as a user would."""
 
-    def __init__(self, cluster: Cluster, runner: PodRunner, steps: int = 120) -> None:
+    def __init__(
+        self, cluster: Cluster, runner: PodRunner, steps: int = 120, gpus: int = 1
+    ) -> None:
         self.cluster, self.runner = cluster, runner
         self.name = "tiny"
         self.namespace = f"train-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", self.namespace)
         cluster.wait_for_service_account(self.namespace, "default")
-        cluster.kubectl("apply", "-f", "-", input=_job_manifest(self.name, self.namespace, steps))
+        manifest = _job_manifest(self.name, self.namespace, steps, gpus)
+        cluster.kubectl("apply", "-f", "-", input=manifest)
 
     def get(self) -> dict[str, Any]:
         return self.cluster.get_json("tj", self.name, "-n", self.namespace)
@@ -211,15 +214,27 @@ def _schedulable(cluster: Cluster, name: str) -> bool:
     return ready and not node["spec"].get("taints") and not node["spec"].get("unschedulable")
 
 
-@pytest.fixture
-def job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
+def _new_job(installed: Cluster, pod_runner: PodRunner, gpus: int) -> Iterator[Job]:
     """A new job once every GPU node is schedulable again (an earlier test may have failed
     one): each test needs a spare node for its replacement."""
     installed.wait_for(lambda: all(_schedulable(installed, n) for n in GPU_NODES),
                        "every GPU node schedulable", TIMEOUT)  # fmt: skip
-    created = Job(installed, pod_runner)
+    created = Job(installed, pod_runner, gpus=gpus)
     yield created
     installed.kubectl("delete", "namespace", created.namespace, "--wait=false", check=False)
+
+
+@pytest.fixture
+def job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
+    """Worker pods of one GPU: one trainer process each."""
+    yield from _new_job(installed, pod_runner, gpus=1)
+
+
+@pytest.fixture
+def two_gpu_job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
+    """Worker pods of two GPUs: a launcher, two trainer processes behind its pod relay, and
+    a sidecar serving both (2 local ranks, two replica ports)."""
+    yield from _new_job(installed, pod_runner, gpus=2)
 
 
 def test_gpu_fault_evicts_the_node_and_training_goes_on(job: Job) -> None:
@@ -268,9 +283,14 @@ def test_gpu_fault_evicts_the_node_and_training_goes_on(job: Job) -> None:
         job.cluster.kubectl("uncordon", node, check=False)
 
 
-def test_sigkilled_worker_is_replaced_in_process(job: Job) -> None:
+def test_sigkilled_worker_is_replaced_in_process(two_gpu_job: Job) -> None:
+    """A pod of two trainer processes killed (its launcher: both processes die with it)."""
+    job = two_gpu_job
     victim = job.running_worker()
     job.wait_step(15)
+    (member,) = [m for m in job.status()["membership"]["members"]
+                 if m["worker"] == victim["metadata"]["name"]]  # fmt: skip
+    assert len(member["checkpointAddress"].split(",")) == 2, member  # a sidecar per process
     pid = int((job.pod_dir(victim) / "trainer.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     job.wait(
