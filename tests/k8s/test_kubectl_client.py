@@ -67,7 +67,7 @@ def test_every_example_applies(
         ("trainingjob.spec.faultTolerance.backoff", "Growth of the wait per restart."),
         ("trainingjob.spec.trainer.optimizer", "Peak learning rate."),
         ("trainingjob.status", "Newest step with a checkpoint snapshot"),
-        ("trainingjob.status.membership.members", "torch.distributed rank in this generation."),
+        ("trainingjob.status.membership.members", "holds torch.distributed rank G x position + i"),
     ],
 )
 def test_explain_describes_every_field(
