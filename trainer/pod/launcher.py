@@ -70,6 +70,8 @@ class _RelayServer(uvicorn.Server):
 
 
 class PodLauncher:
+    """Starts a pod's trainer processes behind its relay and ends the pod as one."""
+
     def __init__(
         self,
         env: Mapping[str, str],
@@ -86,7 +88,8 @@ class PodLauncher:
 
     def run(self) -> int:
         """Run the pod to its end; returns the launcher's exit code."""
-        server = self._serve_relay()
+        server = ServingRelay(self.relay)
+        server.start()
         try:
             self._spawn(f"http://127.0.0.1:{server.port}")
             return self._supervise()
@@ -97,13 +100,6 @@ class PodLauncher:
     def terminate(self) -> None:
         """SIGTERM: stop the processes (they exit 3) and end."""
         self._terminated.set()
-
-    # ------------------------------------------------------------ relay
-
-    def _serve_relay(self) -> ServingRelay:
-        serving = ServingRelay(self.relay)
-        serving.start()
-        return serving
 
     # ------------------------------------------------------------ processes
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 import httpx
 from pydantic import ValidationError
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 MAX_POLL_S = 300.0
 # After an upstream failure, the relay's poller waits this long before it asks again.
 RETRY_S = 0.5
+# Faults and completions sent once for the pod: the answers of this many are kept.
+MAX_REMEMBERED_REPORTS = 256
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class PodRelay:
         worker: str,
         processes: int,
         poll_s: float,
-        connect: Callable[[str | None], ControlClient] | None = None,
+        timeout_s: float = 10.0,
     ) -> None:
         self.job = job
         self.worker = worker
@@ -90,10 +92,8 @@ class PodRelay:
         self.poll_s = poll_s
         self._token = token
         self._upstream_url = upstream_url.rstrip("/")
-        self._connect = connect or (
-            lambda who: ControlClient(upstream_url, token, job, who, retries=5)
-        )
-        self._prefix = f"{API_PREFIX}/{job}"
+        self._timeout_s = timeout_s  # of each request to the manager, as a trainer's
+        self._prefix = f"{API_PREFIX}/{quote(job, safe='')}"
         self._checked_in: dict[int, RegisterRequest] = {}
         self._lock = threading.Lock()
         self.registration: RegistrationOutcome | None = None
@@ -122,7 +122,7 @@ class PodRelay:
         self._http = httpx.AsyncClient(
             base_url=self._upstream_url,
             headers={"Authorization": f"Bearer {self._token}"},
-            timeout=30.0,
+            timeout=self._timeout_s,
         )
         self._poll_client = self._connect(None)  # names the pod once it is registered
         self._poller = threading.Thread(target=self._poll_upstream, name="relay-poll", daemon=True)
@@ -134,6 +134,11 @@ class PodRelay:
             self._poll_client.close()  # ends a poll in flight: the poller sees it is closing
         if self._http is not None:
             await self._http.aclose()
+
+    def _connect(self, worker: str | None) -> ControlClient:
+        return ControlClient(
+            self._upstream_url, self._token, self.job, worker, timeout_s=self._timeout_s
+        )
 
     # ------------------------------------------------------------ liveness
 
@@ -329,6 +334,8 @@ class PodRelay:
             pending = self._once.get(key)
             if pending is None:
                 pending = self._once[key] = asyncio.ensure_future(self.forward(rank, route, body))
+                while len(self._once) > MAX_REMEMBERED_REPORTS:  # the oldest first
+                    self._once.pop(next(iter(self._once)))
             self._seen(rank)
             status, answer = await asyncio.shield(pending)
             if status >= 500:  # not answered: the next report of it is sent again
