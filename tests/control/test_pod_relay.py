@@ -137,6 +137,14 @@ def test_a_fault_all_processes_saw_is_reported_once(harness: Harness, pods) -> N
             pod.register(rank)
     a = pods[0]
     assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    forwarded: list[str] = []
+    original = a.relay.forward
+
+    async def counting(rank: int, route: str, body: bytes):
+        forwarded.append(route)
+        return await original(rank, route, body)
+
+    a.relay.forward = counting  # type: ignore[method-assign]
     report = FaultReport(worker=a.worker, generation=1, kind="collective_error", message="x")
     answers = []
     threads = [
@@ -147,10 +155,12 @@ def test_a_fault_all_processes_saw_is_reported_once(harness: Harness, pods) -> N
     for thread in threads:
         thread.join(20)
     assert len(answers) == 2 and answers[0] == answers[1]
-    assert len([m for m in _events(h, "FaultReported") if a.worker in m]) == 1
+    assert forwarded == ["faults"]  # one report reached the manager, for both processes
+    h.wait_for(lambda: any(a.worker in m for m in _events(h, "FaultReported")))
     # A completion both processes report is one completion of the pod.
     done = CompletionReport(worker=a.worker, generation=1, step=4)
     assert a.clients[0].complete(done) == a.clients[1].complete(done)
+    assert forwarded == ["faults", "complete"]
 
 
 def test_the_pod_reports_the_oldest_persisted_step_of_its_processes(harness: Harness, pods) -> None:
