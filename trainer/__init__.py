@@ -5,7 +5,8 @@ and data (byte-level text, sample order a pure function of seed and position) ->
 (one registered world per membership generation, the generation's parallel plan, the
 layouts that train it: data parallel, ZeRO on FSDP2, Oobleck pipelines, Lazarus experts;
 state moved between holders by one transfer plan) -> runtime/ (the elastic loop) ->
-worker (the ``bulkhead-worker`` entry point). checkpoint/ is the checkpoint engine and
+worker (the ``bulkhead-worker`` entry point; in a pod of G GPUs, pod/ is its launcher of
+G trainer processes and their relay to the manager). checkpoint/ is the checkpoint engine and
 its sidecar ``bulkhead-checkpointd``; planning/ holds the pure planners (pipeline
 templates, expert placement), importable without torch; straggler scores compute-time
 outliers.
