@@ -4,8 +4,9 @@ Both sides train the job of ``bench/goodput-job.yaml`` on this machine: the same
 (``build_model`` of the job's ``TrainConfig``), data, global and micro batch, worker count
 and checkpoint interval.
 
-- bulkhead: ``bulkhead run bench/goodput-job.yaml`` (local mode, checkpoint sidecars on,
-  snapshots every ``checkpoint.intervalSteps``, progress reported every step);
+- bulkhead: ``bulkhead run bench/goodput-job.yaml --warm-spare`` (local mode, checkpoint
+  sidecars on, snapshots every ``checkpoint.intervalSteps``, progress reported every step,
+  a replacement started from a spare process; ``--no-warm-spare`` starts it cold);
 - baseline: ``torchrun --max-restarts`` of ``bench/ddp_baseline.py``, plain
   ``DistributedDataParallel`` on gloo with ``torch.distributed.checkpoint.async_save`` at
   the same interval, resuming from the newest DCP checkpoint after an elastic restart.
@@ -173,10 +174,14 @@ def _follow(
     _stop(process, what)
 
 
-def run_bulkhead(work: Path, window_s: float, kill_every: float | None) -> Run:
+def run_bulkhead(
+    work: Path, window_s: float, kill_every: float | None, warm_spare: bool = True
+) -> Run:
     """``bulkhead run`` of the job, stopped (SIGTERM) once the window is over."""
     run_dir = work / "run"
     cmd = [str(BIN / "bulkhead"), "run", str(JOB), "--run-dir", str(run_dir), "--no-live"]
+    if warm_spare:
+        cmd.append("--warm-spare")
     if kill_every:
         cmd += ["--chaos", f"kill:random@every={kill_every:g}s"]
     metrics = run_dir / "metrics.jsonl"
@@ -307,7 +312,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             pair[side] = (
                 run_ddp(where, args.steady_window, None, workers)
                 if side == "ddp"
-                else run_bulkhead(where, args.steady_window, None)
+                else run_bulkhead(where, args.steady_window, None, args.warm_spare)
             )
             rate = pair[side].steady_rate(args.warmup)
             print(f"  steady pair {index} {side:8}: {rate:.3f} steps/s", flush=True)
@@ -319,7 +324,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         chaos[side] = (
             run_ddp(where, args.goodput_window, args.kill_every, workers)
             if side == "ddp"
-            else run_bulkhead(where, args.goodput_window, args.kill_every)
+            else run_bulkhead(where, args.goodput_window, args.kill_every, args.warm_spare)
         )
         print(
             f"  with a kill every {args.kill_every:g}s {side:8}: "
@@ -354,6 +359,7 @@ def figures(
         "steady_window_s": args.steady_window,
         "goodput_window_s": args.goodput_window,
         "warmup_s": args.warmup,
+        "warm_spare": args.warm_spare,
         "job": json.loads(load_job(JOB).spec.model_dump_json(by_alias=True)),
         "runs": {
             "steady": [
@@ -391,6 +397,12 @@ def main() -> None:
     parser.add_argument("--goodput-window", type=float, default=None, help="seconds per run")
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills")
     parser.add_argument("--warmup", type=float, default=5.0, help="steady rate ignores these")
+    parser.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bulkhead run --warm-spare: replacements start from a spare process started ahead",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = parser.parse_args()

@@ -52,6 +52,8 @@ class RunOptions:
     chaos_seed: int = 0
     finish_grace_s: float = 30.0
     checkpoint_sidecars: bool = True
+    # Keep a worker process started ahead (imports done) to replace the next lost worker.
+    warm_spare: bool = False
     shm_root: Path | None = None
 
 
@@ -144,6 +146,7 @@ class LocalRun:
                 extra_env=self.options.extra_env,
                 stop_grace_s=self.options.stop_grace_s,
                 sidecars=self._sidecars(token),
+                warm_spare=self.options.warm_spare,
             )
 
         session = JobSession(open_new(self.name, self.spec), token, make_driver)
