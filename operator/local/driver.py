@@ -154,15 +154,7 @@ class LocalDriver:
             how = "from the warm spare"
         else:
             log_file = log_path.open("ab")
-            process = await asyncio.create_subprocess_exec(
-                *self.command,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+            process = await self._spawn(env, log_file, asyncio.subprocess.DEVNULL)
             how = "cold"
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
@@ -170,6 +162,21 @@ class LocalDriver:
         log.info("started %s (pid %d, %s)", worker.id, process.pid, how)
         self._observe(WorkerRunning(worker.id, node))
         self._keep_spare()
+
+    async def _spawn(
+        self, env: dict[str, str], log_file: IO[bytes], stdin: int
+    ) -> asyncio.subprocess.Process:
+        """A worker process in a session of its own (its group is killed as one), logging
+        to ``log_file`` and dying with the supervisor."""
+        return await asyncio.create_subprocess_exec(
+            *self.command,
+            env=env,
+            stdin=stdin,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     # ------------------------------------------------------------ the warm spare
 
@@ -197,15 +204,7 @@ class LocalDriver:
             "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
         }
-        process = await asyncio.create_subprocess_exec(
-            *self.command,
-            env=env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=log_file,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        process = await self._spawn(env, log_file, asyncio.subprocess.PIPE)
         self._spare = (process, log_file)
         log.info("warm spare started (pid %d)", process.pid)
 

@@ -230,7 +230,10 @@ def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() ->
 # ------------------------------------------------------------------ the launcher
 
 
-def _launch(h: Harness, worker: str, behaviours: list[str], silence_s: float = 30.0) -> int:
+def _launcher(
+    h: Harness, worker: str, behaviours: list[str], silence_s: float = 30.0
+) -> PodLauncher:
+    """Pod ``worker``'s launcher, its processes stand-ins doing ``behaviours``."""
     env = {
         **os.environ,
         ENDPOINT_ENV: h.url,
@@ -240,7 +243,11 @@ def _launch(h: Harness, worker: str, behaviours: list[str], silence_s: float = 3
         "POD_CHILD_BEHAVIOURS": ",".join(behaviours),
     }
     relay = PodRelay(h.url, h.token, JOB, worker, len(behaviours), poll_s=2.0)
-    launcher = PodLauncher(env, relay, silence_s, command=POD_CHILD)
+    return PodLauncher(env, relay, silence_s, command=POD_CHILD)
+
+
+def _launch(h: Harness, worker: str, behaviours: list[str], silence_s: float = 30.0) -> int:
+    launcher = _launcher(h, worker, behaviours, silence_s)
     code = launcher.run()
     assert all(child.poll() is not None for child in launcher.children), "a process outlived"
     return code
@@ -291,16 +298,7 @@ def test_a_stopped_process_fails_the_pod_after_the_silence_limit(harness: Harnes
 
 def test_sigterm_stops_every_process(harness: Harness) -> None:
     _other_pod(harness)
-    env = {
-        **os.environ,
-        ENDPOINT_ENV: harness.url,
-        TOKEN_ENV: harness.token,
-        JOB_ENV: JOB,
-        WORKER_ENV: f"{JOB}-w0-0",
-        "POD_CHILD_BEHAVIOURS": "poll,poll",
-    }
-    relay = PodRelay(harness.url, harness.token, JOB, f"{JOB}-w0-0", 2, poll_s=2.0)
-    launcher = PodLauncher(env, relay, 30.0, command=POD_CHILD)
+    launcher = _launcher(harness, f"{JOB}-w0-0", ["poll", "poll"])
     threading.Timer(3.0, launcher.terminate).start()
     assert launcher.run() == WorkerExit.STOPPED
     codes = [child.returncode for child in launcher.children]
