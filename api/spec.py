@@ -114,7 +114,7 @@ class PipelineConfig(SpecModel):
     """Oobleck pipelines: heterogeneous pipelines instantiated from precomputed templates.
 
     For every worker count the planner knows the fastest pipeline layout (a template: the
-    model's layers split into stages, one worker per stage) and runs at least
+    model's layers split into stages, one worker pod per stage) and runs at least
     faultTolerance.maxFailures + 1 pipelines side by side, each with the share of the
     global batch (in microBatchSize micro-batches) that makes them finish together. Every
     layer is thus held by maxFailures + 1 workers: after losing workers the survivors
@@ -262,8 +262,10 @@ class ParallelismConfig(SpecModel):
     pipeline: PipelineConfig | None = Field(
         None,
         description=(
-            "Pipeline parallelism (Oobleck). Not combined with expert parallelism or ZeRO "
-            "stage > 0 by this version of the engine (one worker per stage)."
+            "Pipeline parallelism (Oobleck): a stage per worker pod. With several processes "
+            "per pod, each runs the stage on its part of every micro-batch and ZeRO stage > 0 "
+            "shards the stage over them. Not combined with expert parallelism by this version "
+            "of the engine."
         ),
     )
     experts: ExpertParallelConfig | None = Field(
@@ -284,13 +286,6 @@ class ParallelismConfig(SpecModel):
                 "expert parallelism is not combined with pipelines by this version of the "
                 "engine; remove one of the two blocks",
             )
-        if self.pipeline is not None and self.zero.stage > 0:
-            raise _rule(
-                "zero.stage",
-                "ZeRO is not combined with pipelines by this version of the engine (a stage "
-                "runs on one worker); use stage 0, got {s}",
-                s=self.zero.stage,
-            )
         if self.experts is not None and self.zero.stage > 0:
             raise _rule(
                 "zero.stage",
@@ -307,12 +302,6 @@ class ParallelismConfig(SpecModel):
                     "!has(self.pipeline) || !has(self.experts)",
                     "expert parallelism is not combined with pipelines",
                     "experts",
-                ),
-                cel(
-                    "!has(self.pipeline) || !has(self.zero) || !has(self.zero.stage) || "
-                    "self.zero.stage == 0",
-                    "ZeRO is not combined with pipelines",
-                    "zero.stage",
                 ),
                 cel(
                     "!has(self.experts) || !has(self.zero) || !has(self.zero.stage) || "
@@ -591,23 +580,20 @@ class TrainingJobSpec(SpecModel):
                 gpus=gpus,
                 g=g,
             )
-        if self.trainer_processes > 1:
-            parallelism = self.trainer.parallelism
-            for name, value in (
-                ("pipeline", parallelism.pipeline),
-                ("experts", parallelism.experts),
-            ):
-                if value is not None:
-                    raise _rule(
-                        f"trainer.parallelism.{name}",
-                        "is not supported yet with {g} trainer processes per worker pod "
-                        "(it places state per process, not per pod): use processesPerWorker 1",
-                        g=self.trainer_processes,
-                    )
+        g = self.trainer_processes
+        if g > 1 and self.trainer.parallelism.experts is not None:
+            raise _rule(
+                "trainer.parallelism.experts",
+                "is not supported yet with {g} trainer processes per worker pod (it places "
+                "state per process, not per pod): use processesPerWorker 1",
+                g=g,
+            )
         experts = self.trainer.parallelism.experts
         if experts is not None:
             self._check_experts(experts, f)
         pipeline = self.trainer.parallelism.pipeline
+        if pipeline is not None:
+            self._check_pipeline_processes(g)
         if pipeline is not None and (f + 1) * pipeline.min_stages > self.workers:
             raise _rule(
                 "trainer.parallelism.pipeline.minStages",
@@ -620,7 +606,9 @@ class TrainingJobSpec(SpecModel):
             )
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
-            size = zero_shard_group_size(self.workers, f, self.trainer_processes)
+            # Under pipelines a stage is sharded over its pod's processes (the pipelines
+            # are the copies); otherwise shard groups keep maxFailures + 1 replicas.
+            size = g if pipeline is not None else zero_shard_group_size(self.workers, f, g)
             if size < 2:
                 raise _rule(
                     "trainer.parallelism.zero.stage",
@@ -642,6 +630,30 @@ class TrainingJobSpec(SpecModel):
                     h=zero.hpz_partition_size,
                 )
         return self
+
+    def _check_pipeline_processes(self, g: int) -> None:
+        """Pipelines over pods of g processes: every micro-batch splits evenly over them."""
+        zero = self.trainer.parallelism.zero
+        if zero.stage > 0 and g == 1:
+            raise _rule(
+                "trainer.parallelism.zero.stage",
+                "ZeRO under pipelines shards each stage over its worker pod's processes; "
+                "with one process per pod there is nothing to shard over (set "
+                "processesPerWorker, one process per GPU, or use stage 0), got stage {s}",
+                s=zero.stage,
+            )
+        batch = self.trainer.batch
+        uneven = batch.micro_batch_size % g or batch.global_batch_size % batch.micro_batch_size
+        if g > 1 and uneven:
+            raise _rule(
+                "trainer.batch.microBatchSize",
+                "with pipelines over pods of {g} processes each micro-batch is split evenly "
+                "over them: microBatchSize must be a multiple of {g} and divide "
+                "globalBatchSize ({gb}), got {m}",
+                g=g,
+                gb=batch.global_batch_size,
+                m=batch.micro_batch_size,
+            )
 
     def _check_experts(self, experts: ExpertParallelConfig, max_failures: int) -> None:
         model = self.trainer.model

@@ -3,6 +3,10 @@
 ``GPT(sizes)(tokens, targets)`` returns a ``ModelOutput`` with the logits, the language
 model loss (mean cross-entropy over the batch's tokens) and the summed MoE balance loss
 (zero for a dense model); ``output.total(coef)`` is what to minimise.
+
+``units=(start, stop)`` runs only those units (0: the embeddings, 1..n: the decoder blocks,
+n + 1: the final norm and the head): a pipeline stage, called through the model itself so
+that FSDP2 sharding the stage gathers its parameters as for a whole model.
 """
 
 from __future__ import annotations
@@ -88,16 +92,31 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # tied embeddings, as in GPT-2
         self.apply(_init_weights)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
-        t = tokens.shape[1]
-        if t > self.sizes.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.sizes.seq_len}")
-        pos = torch.arange(t, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        units: tuple[int, int] | None = None,
+    ) -> ModelOutput:
+        """``tokens``: token ids, or the hidden states entering unit ``units[0]`` > 0.
+        Unless the last unit runs, ``logits`` are the hidden states leaving the stage."""
+        n = len(self.blocks)
+        start, stop = units if units is not None else (0, n + 2)
+        x = tokens
+        if start == 0:
+            t = tokens.shape[1]
+            if t > self.sizes.seq_len:
+                raise ValueError(
+                    f"sequence of {t} tokens is longer than seq_len {self.sizes.seq_len}"
+                )
+            pos = torch.arange(t, device=tokens.device)
+            x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
         aux = x.new_zeros(())
-        for block in self.blocks:
+        for block in self.blocks[max(start, 1) - 1 : min(stop, n + 1) - 1]:
             x, block_aux = block(x)
             aux = aux + block_aux
+        if stop <= n + 1:
+            return ModelOutput(logits=x, lm_loss=None, aux_loss=aux)
         logits = self.head(self.ln_f(x))
         lm_loss = None
         if targets is not None:

@@ -78,15 +78,16 @@ def _snapshot(engine: Engine, out_dir: str) -> None:
 
 
 def _restore(engine: Engine, out_dir: str) -> HeldState | None:
-    """The newest saved step with every shard of its layout, assembled whole."""
+    """The newest saved step whose pieces hold the whole state, assembled whole."""
     by_step: dict[int, list[HeldState]] = {}
     for path in Path(out_dir).glob("step*.pt"):
         held = HeldState.from_snapshot(torch.load(path))
         by_step.setdefault(held.holding.step, []).append(held)
     for step in sorted(by_step, reverse=True):
-        pieces = by_step[step]
-        if len(pieces) == pieces[0].holding.shards:
-            return engine.assemble(pieces)
+        try:
+            return engine.assemble(by_step[step])
+        except ValueError:  # some shard of that step was not saved
+            continue
     return None
 
 
@@ -109,7 +110,9 @@ def _slot_main(
     for generation, phase in enumerate(phases, start=1):
         if slot not in phase.slots:
             continue
-        workers = [f"w{s}" for s in phase.slots]
+        # Slots s of one worker pod: consecutive, G = processesPerWorker of them.
+        pod = cfg.parallelism.processes_per_worker
+        workers = [f"w{s // pod}" for s in phase.slots]
         rank = phase.slots.index(slot)
         world = open_world(generation, rank, workers, workers, store, device, 60)
         plan = make_plan(generation, workers, workers, cfg)

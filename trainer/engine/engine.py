@@ -39,6 +39,7 @@ from bulkhead.trainer.engine.layout import (
     Range,
     needed_ranges,
     ranges_of,
+    shard_range,
 )
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.engine.plan import ParallelPlan, StateBytes, state_bytes_per_rank
@@ -131,18 +132,31 @@ def assemble_whole(pieces: list[HeldState], specs: list[KeySpec]) -> HeldState:
 
 
 def assemble_union(pieces: list[HeldState], specs: list[KeySpec]) -> HeldState:
-    """The whole state from pieces of one step that each hold whole keys (layouts where a
-    rank holds its own mix of keys: experts, pipeline stages); every key in some piece."""
+    """The whole state from pieces of one step where each rank held its own mix of keys
+    (experts, pipeline stages), whole or as shards of its stage: every element of every
+    key in some piece."""
     if not pieces:
         raise ValueError("no pieces to assemble")
     steps = {p.holding.step for p in pieces}
     if len(steps) != 1:
         raise ValueError(f"pieces of different steps {sorted(steps)}")
     tensors: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for key, t in piece.tensors.items():
-            tensors.setdefault(key, t)
-    absent = [s.name for s in specs if s.numel and s.name not in tensors]
+    absent = []
+    for spec in specs:
+        spans: dict[int, tuple[int, torch.Tensor]] = {}  # start -> (stop, elements)
+        for piece in pieces:
+            t = piece.tensors.get(spec.name)
+            if t is not None and t.numel():
+                start, stop = shard_range(spec, piece.holding.shards, piece.holding.index)
+                spans.setdefault(start, (stop, t.reshape(-1)))
+        parts, at = [], 0
+        while at in spans and at < spec.numel:
+            at, t = spans[at]
+            parts.append(t)
+        if at < spec.numel:
+            absent.append(spec.name)
+        elif parts:
+            tensors[spec.name] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if absent:
         raise ValueError(f"{len(absent)} keys are in no piece, e.g. {absent[0]}")
     return HeldState(Holding(step=steps.pop(), shards=1, index=0), tensors)
@@ -267,7 +281,7 @@ class Engine:
                 dtype=str(t.dtype).removeprefix("torch."),
                 shardable=_shardable(key, t),
             )
-            if self.plan.zero.sharded and spec.shardable != _is_sharded(t):
+            if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
                 raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
             entries.append((spec, t))
         return entries
@@ -472,7 +486,8 @@ class Engine:
         cfg, plan, world = self.cfg, self.plan, self.world
         step = self.completed_steps
         gb = cfg.global_batch_size
-        sharded = plan.zero.sharded
+        # FSDP2 reduces over the world's shard groups (pipelines reduce in a hook).
+        sharded = plan.zero.sharded and not plan.per_rank_state
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum, aux_sum, compute_s = self._forward_backward(dataset, step)
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
@@ -511,7 +526,7 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optimizer)
         self.optimizer.step()
-        if sharded:
+        if self.root is not None:
             after_optimizer_step(self.model, plan.zero)
         self.completed_steps = step + 1
         self._after_commit()
@@ -633,16 +648,12 @@ def describe_adoption(adoption: Adoption, plan: ParallelPlan) -> str:
 Restorer = Callable[[], HeldState | None]
 
 
-def gather_whole(engine: Engine, groups: list[frozenset[str]]) -> dict[str, torch.Tensor]:
+def gather_whole(engine: Engine, holdings: list[Holding]) -> dict[str, torch.Tensor]:
     """Every key whole on every rank, from its holders (collective; tests and benches).
 
-    ``groups[r]``: the key groups rank r holds (layouts where ranks hold different keys).
+    ``holdings[r]``: what rank r holds (layouts where ranks hold different keys).
     """
     world = engine.world
-    holdings = [
-        Holding(engine.completed_steps, world.world_size, r, groups=groups[r])
-        for r in range(world.world_size)
-    ]
     needs = [needed_ranges(1, 0, engine.specs) for _ in range(world.world_size)]
     transfer = plan_transfer(holdings, needs, engine.specs)
     device = world.device.device
@@ -664,20 +675,24 @@ class GroupedEngine(Engine):
     def _groups(self, rank: int) -> frozenset[str]:
         raise NotImplementedError
 
-    @property
-    def holding(self) -> Holding:
-        if not self.adopted:
-            return NOTHING
+    def _holding_of(self, rank: int) -> Holding:
+        """What rank ``rank`` holds once adopted: whole keys of its groups (a layout that
+        shards them overrides this)."""
         return Holding(
             step=self.completed_steps,
-            shards=self.world.world_size,  # the checkpoint shard id of this rank's piece
-            index=self.world.rank,
-            groups=self._groups(self.world.rank),
+            shards=self.world.world_size,  # whole keys (nothing shardable): ranges ignore it
+            index=rank,
+            groups=self._groups(rank),
         )
 
+    @property
+    def holding(self) -> Holding:
+        return self._holding_of(self.world.rank) if self.adopted else NOTHING
+
     def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        """Every rank needs the whole keys of its groups."""
-        return [needed_ranges(1, 0, self.specs, self._groups(r)) for r in range(len(holdings))]
+        """Every rank needs what it holds once adopted."""
+        return [ranges_of(replace(self._holding_of(r), step=0), self.specs)
+                for r in range(len(holdings))]  # fmt: skip
 
     def _groups_of(self, held: HeldState) -> frozenset[str]:
         """The groups ``held`` really has keys of."""
@@ -696,4 +711,4 @@ class GroupedEngine(Engine):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every key whole on every rank, from its holders (collective; tests and benches)."""
-        return gather_whole(self, [self._groups(r) for r in range(self.world.world_size)])
+        return gather_whole(self, [self._holding_of(r) for r in range(self.world.world_size)])

@@ -3,6 +3,10 @@
 Model. The GPT is built on the meta device and a rank gives storage only to the units of
 its stage (``pipeline_plan``: embedding, blocks, head), so it holds its stage alone. The
 head's weight is the token embedding's, so the first and the last stage both hold it.
+A stage is a worker pod: each of its G processes runs the stage on 1/G of every
+micro-batch. Under ZeRO the stage's units are sharded over the pod's processes by FSDP2
+(``zero.apply_zero`` on the pod's group; the units of other stages stay on the meta
+device), so each process holds 1/G of its stage; without ZeRO each holds all of it.
 
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
@@ -16,8 +20,10 @@ of the global batch, so the gradients summed over the pipelines are the data-par
 gradient.
 
 Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
-its unit, one per pipeline (the tied embedding over every first and last stage), in rank
-order so every holder takes the same step: one uneven all-to-all per step.
+it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
+processes): one stage per pipeline holds a unit (the tied embedding: every first and last
+stage). The sum runs in rank order, so every holder takes the same step: one uneven
+all-to-all per step.
 
 State: a unit's parameters and optimizer slots form the key group ``unit/<u>`` (the tied
 embedding ``unit/tied``); a rank holds its stage's groups. After a membership change the
@@ -33,15 +39,17 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
 from bulkhead.trainer.engine.engine import (
     GroupedEngine,
     HeldState,
+    _local,
     _materialize_optimizer,
+    _shardable,
 )
 from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec
 from bulkhead.trainer.engine.optim import make_optimizer
@@ -54,6 +62,7 @@ from bulkhead.trainer.engine.pipeline_plan import (
 )
 from bulkhead.trainer.engine.plan import ParallelPlan
 from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.engine.zero import apply_zero, begin_microbatch
 from bulkhead.trainer.model import GPT
 
 
@@ -150,17 +159,24 @@ class PipelineEngine(GroupedEngine):
                 if next(module.parameters()).is_meta:
                     module.to_empty(device=device)
         model.head.weight = model.tok_emb.weight  # to_empty unties shared parameters
+        root = None
+        if plan.zero.sharded:
+            with world.guard("sharding the stage"):
+                mesh = _pod_mesh(world, plan.processes_per_worker)
+                if units:
+                    root = apply_zero(model, plan.zero, device.type, mesh)
         world.seal()
         held = [p for p in model.parameters() if not p.is_meta]
         optimizer = make_optimizer(held, cfg.optimizer)
         _materialize_optimizer(model, optimizer)
-        engine = cls(plan, world, cfg, model, optimizer, None, None)
+        engine = cls(plan, world, cfg, model, optimizer, root, None)
         engine.initialized = False
         return engine
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.specs = self._all_specs
+        self._names = {id(p): name for name, p in self.model.named_parameters()}
 
     @property
     def layout(self) -> PipelineLayout:
@@ -169,6 +185,15 @@ class PipelineEngine(GroupedEngine):
 
     def _groups(self, rank: int) -> frozenset[str]:
         return self.layout.groups(rank)
+
+    def _holding_of(self, rank: int) -> Holding:
+        """Whole keys of the stage's units, or under ZeRO its process's shard of them."""
+        z = self.plan.zero
+        if not z.sharded:
+            return super()._holding_of(rank)
+        return Holding(
+            self.completed_steps, z.shard_size, z.shard_index(rank), groups=self._groups(rank)
+        )
 
     @property
     def stage(self) -> StagePlan | None:
@@ -179,9 +204,16 @@ class PipelineEngine(GroupedEngine):
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
         """The stage's keys (whole, in their unit's group); ``specs`` lists every key of
         the model, held here or not."""
-        n = self.cfg.model.n_layers
+        n, sharded = self.cfg.model.n_layers, self.plan.zero.sharded
         entries = [
-            (replace(spec, shardable=False, group=group_of(spec.name.split("/")[1], n)), t)
+            (
+                replace(
+                    spec,
+                    shardable=sharded and spec.shardable,
+                    group=group_of(spec.name.split("/")[1], n),
+                ),
+                t,
+            )
             for spec, t in super()._state_entries()
             if not t.is_meta
         ]
@@ -191,12 +223,14 @@ class PipelineEngine(GroupedEngine):
             group = group_of(name, n)
             rows = p.shape[0] if p.dim() else 1
             dtype = str(p.dtype).removeprefix("torch.")
+            split = sharded and _shardable(f"param/{name}", p)
             everything[f"param/{name}"] = KeySpec(f"param/{name}", p.numel(), rows, dtype,
-                                                  False, group)  # fmt: skip
+                                                  split, group)  # fmt: skip
             for slot, like_param, slot_dtype in slots:
                 key = f"optim/{name}/{slot}"
                 numel, key_rows = (p.numel(), rows) if like_param else (1, 1)
-                everything[key] = KeySpec(key, numel, key_rows, slot_dtype, False, group)
+                shardable = split and like_param
+                everything[key] = KeySpec(key, numel, key_rows, slot_dtype, shardable, group)
         self._all_specs = [everything[k] for k in sorted(everything)]
         held = {spec.name for spec, _ in entries}
         if not held <= everything.keys():
@@ -226,29 +260,14 @@ class PipelineEngine(GroupedEngine):
     # -- the step ----------------------------------------------------------------------
 
     def _neighbour(self, offset: int) -> int:
-        stage = self.stage
-        assert stage is not None
-        return self.layout.stages[stage.pipeline][stage.index + offset].rank
+        return self.layout.peer(self.world.rank, offset)
 
     def _stage_forward(
         self, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(output activations or logits, summed balance loss, language-model loss)."""
-        model, n = self.model, self.cfg.model.n_layers
-        assert isinstance(model, GPT)
-        if stage.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = model.drop(model.tok_emb(x) + model.pos_emb(pos))
-        aux = x.new_zeros(())
-        for unit in range(max(stage.start, 1), min(stage.stop, n + 1)):
-            x, block_aux = model.blocks[unit - 1](x)
-            aux = aux + block_aux
-        if not stage.last:
-            return x, aux, None
-        assert targets is not None
-        logits = model.head(model.ln_f(x))
-        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return logits, aux, lm
+        out = self.model(x, targets, units=(stage.start, stage.stop))
+        return out.logits, out.aux_loss, out.lm_loss
 
     def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
         stage = self.stage
@@ -257,7 +276,7 @@ class PipelineEngine(GroupedEngine):
         cfg, world = self.cfg, self.world
         gb = cfg.global_batch_size
         positions = step_positions(step, gb)
-        batches = self.layout.batches(stage.pipeline)
+        batches = self.layout.rows(stage.pipeline, world.rank)
         aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
         device = world.device.device
         dtype = next(p for p in self.model.parameters() if not p.is_meta).dtype
@@ -278,7 +297,7 @@ class PipelineEngine(GroupedEngine):
             if not stage.last:
                 order = [i for kind, i in ops if kind == "B"]
                 grads_in = _Inbox(self._neighbour(1), order, shape, dtype, device)
-            for kind, i in ops:
+            for position, (kind, i) in enumerate(ops):
                 samples = batches[i]
                 weight = len(samples) / gb
                 if kind == "F":
@@ -304,6 +323,8 @@ class PipelineEngine(GroupedEngine):
                         sending.append((dist.isend(sent, self._neighbour(1)), sent))
                     passes[i] = _Pass(inputs, out, weighted_aux)
                 else:
+                    if self.root is not None:
+                        begin_microbatch(self.root, self.plan.zero, position == len(ops) - 1)
                     done = passes.pop(i)
                     grads: list[torch.Tensor | None] = [
                         None if grads_in is None else grads_in.take(i)
@@ -329,13 +350,17 @@ class PipelineEngine(GroupedEngine):
         rank's share of the squared global norm (each gradient counted once)."""
         world, layout = self.world, self.layout
         n = self.cfg.model.n_layers
-        grads = {
-            name: p.grad
-            for name, p in sorted(self.model.named_parameters())
-            if not p.is_meta and p.grad is not None
-        }
+        # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
+        # ones registered after backward; the gradients are on the sharded ones).
+        grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
+        grads = dict(sorted(grads.items()))
         holders = {g: layout.holders(g) for g in self._all_groups()}
-        owners = {name: holders[group_of(name, n)] for name in grads}
+        z = self.plan.zero
+        mine = z.shard_index(world.rank)
+        owners = {  # under ZeRO: the holders of the same shard
+            name: tuple(r for r in holders[group_of(name, n)] if z.shard_index(r) == mine)
+            for name in grads
+        }
         # To each peer, in key order, the gradients of every key both hold.
         sends: dict[int, list[torch.Tensor]] = {}
         for name, g in grads.items():
@@ -362,3 +387,16 @@ class PipelineEngine(GroupedEngine):
             if owners[name][0] == world.rank:
                 norm_sq += float(total.double().pow(2).sum())
         return norm_sq
+
+
+def _pod_mesh(world: World, processes_per_worker: int) -> DeviceMesh:
+    """The mesh of this rank's worker pod (every rank creates every pod's group: gloo's
+    group creation is collective over the world)."""
+    g = processes_per_worker
+    mine = None
+    for first in range(0, world.world_size, g):
+        group = dist.new_group(list(range(first, first + g)))
+        if first <= world.rank < first + g:
+            mine = group
+    assert mine is not None
+    return DeviceMesh.from_group(mine, world.device.device.type)

@@ -9,8 +9,14 @@ over the generation's ranks, in rank order, and splits the global batch's micro-
 among them so they finish together. Every unit is thus held by one rank of every
 pipeline, f + 1 copies: any f losses leave a holder of each.
 
+A stage is one worker pod. A pod of G trainer processes (``width``) runs its stage on
+all of them: each process takes 1/G of every micro-batch and sends its activations to
+the process of the same local rank in the next stage; the stage's state is sharded over
+the pod's processes by FSDP2 under ZeRO, else held by each of them.
+
 The costs are the analytic model of ``planning.costs`` for a device of one GPU per
-worker: pure, so every rank computes the same plan with no byte exchanged. When the
+stage process, at the per-process micro-batch: pure, so every rank computes the same
+plan with no byte exchanged. When the
 workers are too few for f + 1 pipelines of ``minStages``, fewer pipelines run (fewer
 copies, said in ``describe``); a rank no template can use stays idle (it holds nothing
 and only joins the step's agreement).
@@ -40,7 +46,8 @@ def unit_group(unit: int) -> str:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage: units [start, stop) of pipeline ``pipeline`` on rank ``rank``."""
+    """One stage: units [start, stop) of pipeline ``pipeline`` on the worker pod whose
+    first rank is ``rank`` (its ``width`` processes are ranks ``rank`` .. ``rank+width-1``)."""
 
     pipeline: int
     index: int  # position in its pipeline
@@ -75,10 +82,29 @@ class PipelineLayout:
     # Planned seconds of forward + backward of one micro-batch through each unit (the
     # planner's analytic costs): what a stage's busy time is compared against.
     unit_seconds: tuple[float, ...] = ()
+    width: int = 1  # processes per stage (per worker pod)
 
     def stage(self, rank: int) -> StagePlan | None:
         """Rank ``rank``'s stage (None: idle)."""
-        return next((s for p in self.stages for s in p if s.rank == rank), None)
+        first = rank - rank % self.width
+        return next((s for p in self.stages for s in p if s.rank == first), None)
+
+    def peer(self, rank: int, offset: int) -> int:
+        """The rank of the same local rank in the stage ``offset`` places along rank
+        ``rank``'s pipeline (the one its activations go to or come from)."""
+        stage = self.stage(rank)
+        assert stage is not None, f"rank {rank} runs no stage"
+        return self.stages[stage.pipeline][stage.index + offset].rank + rank % self.width
+
+    def rows(self, pipeline: int, rank: int) -> list[list[int]]:
+        """Rank ``rank``'s part of each of ``pipeline``'s micro-batches: 1/width of its
+        samples, consecutive (the spec makes micro-batches divisible by the width)."""
+        local, width = rank % self.width, self.width
+        out = []
+        for samples in self.batches(pipeline):
+            size = -(-len(samples) // width)
+            out.append(samples[local * size : (local + 1) * size])
+        return out
 
     def units(self, rank: int) -> range:
         s = self.stage(rank)
@@ -100,6 +126,9 @@ class PipelineLayout:
         planned = [self.work(s.rank) for p in self.stages for s in p]
         return sum(planned) / len(planned) / mine if mine > 0 else 0.0
 
+    def ranks_of(self, stage: StagePlan) -> range:
+        return range(stage.rank, stage.rank + self.width)
+
     def groups(self, rank: int) -> frozenset[str]:
         """The key groups rank ``rank`` holds."""
         units = self.units(rank)
@@ -109,8 +138,8 @@ class PipelineLayout:
         return frozenset(out)
 
     def holders(self, group: str) -> tuple[int, ...]:
-        """Ranks holding ``group``, ascending."""
-        ranks = sorted(s.rank for p in self.stages for s in p)
+        """Ranks holding (some of) ``group``, ascending: every process of its stages."""
+        ranks = sorted(r for p in self.stages for s in p for r in self.ranks_of(s))
         return tuple(r for r in ranks if group in self.groups(r))
 
     def batches(self, pipeline: int) -> list[list[int]]:
@@ -129,6 +158,11 @@ class PipelineLayout:
             f"Oobleck pipelines: {len(self.stages)} ({sizes} stages, {self.schedule}); every "
             f"layer on {self.copies} worker(s) (survives {survive} loss(es))"
         ]
+        if self.width > 1:
+            lines.append(
+                f"each stage runs on its worker's {self.width} processes, 1/{self.width} of "
+                "every micro-batch each"
+            )
         if self.copies < self.requested_copies:
             lines.append(
                 f"fewer copies than maxFailures + 1 = {self.requested_copies}: too few "
@@ -142,12 +176,13 @@ class PipelineLayout:
                 f"= {samples} samples: {parts}"
             )
         if self.idle:
-            lines.append(f"idle (no template uses them): {', '.join(name(r) for r in self.idle)}")
+            idle = dict.fromkeys(name(r) for r in self.idle)
+            lines.append(f"idle (no template uses them): {', '.join(idle)}")
         return lines
 
 
 def unit_costs(model: ModelSizes, micro_batch_size: int) -> list[LayerCost]:
-    """The planner's costs of the units, one micro-batch each."""
+    """The planner's costs of the units, one (per-process) micro-batch each."""
     return estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
 
 
@@ -174,15 +209,21 @@ def plan_pipelines(
     max_failures: int,
     global_batch_size: int,
     micro_batch_size: int,
+    width: int = 1,
 ) -> PipelineLayout:
-    """The pipelines of a generation of ``ranks`` workers (see the module docstring).
+    """The pipelines of a generation of ``ranks`` ranks, worker pods of ``width``
+    consecutive ranks each (see the module docstring).
 
     Fault tolerance comes first: the most copies (up to f + 1) that some number of the
     workers can form, then as many workers as can be used at that many copies.
     """
-    templates = template_set(model, pp, ranks, micro_batch_size)
+    if ranks % width:
+        raise PlanError(f"{ranks} ranks are not whole worker pods of {width} processes")
+    workers = ranks // width
+    per_process = max(1, micro_batch_size // width)
+    templates = template_set(model, pp, workers, per_process)
     microbatches = -(-global_batch_size // micro_batch_size)
-    names = [str(r) for r in range(ranks)]
+    names = [str(w) for w in range(workers)]
     chosen: Instantiation | None = None
     for f in range(min(max_failures, microbatches - 1), -1, -1):
         for used in range(ranks, 0, -1):
@@ -194,12 +235,19 @@ def plan_pipelines(
         if chosen is not None:
             break
     if chosen is None:
-        raise PlanError(f"{ranks} workers cannot form any pipeline of the allowed lengths")
+        raise PlanError(f"{workers} workers cannot form any pipeline of the allowed lengths")
     stages, batches, cursor = [], [], 0
     for p, pipe in enumerate(chosen.pipelines):
         stages.append(
             tuple(
-                StagePlan(p, i, pipe.template.num_stages, s.layer_start, s.layer_end, ranks_[0])
+                StagePlan(
+                    p,
+                    i,
+                    pipe.template.num_stages,
+                    s.layer_start,
+                    s.layer_end,
+                    int(ranks_[0]) * width,
+                )
                 for i, (s, ranks_) in enumerate(
                     zip(pipe.template.stages, pipe.stage_ranks, strict=True)
                 )
@@ -207,7 +255,7 @@ def plan_pipelines(
         )
         batches.append((cursor, pipe.microbatches))
         cursor += pipe.microbatches
-    used_ranks = {s.rank for p in stages for s in p}
+    used_ranks = {s.rank + local for p in stages for s in p for local in range(width)}
     return PipelineLayout(
         num_units=templates.num_layers,
         schedule=pp.schedule,
@@ -219,7 +267,8 @@ def plan_pipelines(
         requested_copies=max_failures + 1,
         predicted_iteration_s=chosen.iteration_time_s,
         idle=tuple(r for r in range(ranks) if r not in used_ranks),
-        unit_seconds=tuple(c.compute_s for c in unit_costs(model, micro_batch_size)),
+        unit_seconds=tuple(c.compute_s for c in unit_costs(model, per_process)),
+        width=width,
     )
 
 

@@ -134,6 +134,12 @@ class ParallelPlan:
             lines += self.experts.describe()
         if self.pipelines is not None:
             lines[-1:] = self.pipelines.describe(self.workers)
+            if z.sharded:
+                hpz = f", hpZ blocks of {z.hpz}" if z.hpz > 1 else ""
+                lines.append(
+                    f"ZeRO-{z.stage} inside each stage: its state sharded over the worker's "
+                    f"{z.shard_size} processes{hpz}"
+                )
         return lines
 
 
@@ -218,6 +224,10 @@ def make_plan(
     if not workers:
         raise ValueError("a plan needs at least one worker")
     p = cfg.parallelism
+    if p.pipeline is not None:
+        zero = stage_zero_plan(p.zero_stage, p.hpz, len(workers), p.processes_per_worker)
+    else:
+        zero = zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures, p.processes_per_worker)
     return ParallelPlan(
         generation=generation,
         workers=tuple(workers),
@@ -225,10 +235,25 @@ def make_plan(
         global_batch_size=cfg.global_batch_size,
         micro_batch_size=cfg.micro_batch_size,
         max_failures=p.max_failures,
-        zero=zero_plan(p.zero_stage, p.hpz, len(workers), p.max_failures, p.processes_per_worker),
+        zero=zero,
         experts=_expert_plan(len(workers), cfg),
         pipelines=_pipeline_plan(len(workers), cfg),
         processes_per_worker=p.processes_per_worker,
+    )
+
+
+def stage_zero_plan(stage: int, hpz: int, ranks: int, processes_per_worker: int) -> ZeroPlan:
+    """ZeRO under pipelines: each stage sharded over its worker pod's processes (shard
+    groups are pods; the pipelines, not replica groups, give the copies)."""
+    g = processes_per_worker
+    if stage == 0 or g == 1:
+        return ZeroPlan(stage=stage, shard_size=1, replicas=ranks, hpz=1)
+    effective_hpz = math.gcd(hpz, g) if hpz > 1 else 1
+    return ZeroPlan(
+        stage=stage,
+        shard_size=g,
+        replicas=ranks // g,
+        hpz=effective_hpz if 1 < effective_hpz < g else 1,
     )
 
 
@@ -243,6 +268,7 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
         cfg.parallelism.max_failures,
         cfg.global_batch_size,
         cfg.micro_batch_size,
+        cfg.parallelism.processes_per_worker,
     )
 
 

@@ -19,6 +19,10 @@ rest):
 - stage 1: as stage 2, but gradients accumulate whole over the microbatches and are
   reduce-scattered once, on the last (``set_requires_gradient_sync``).
 
+Under pipelines a stage is sharded over its worker pod's processes alone (``mesh``: the
+pod's group) and only the units the stage holds: the others stay on the meta device,
+outside FSDP2 (``ignored_params``).
+
 Gradients are *summed* (divide factor 1): each rank already weights its loss by its share
 of the global batch, so the sum is the gradient of the global batch's mean loss.
 """
@@ -48,21 +52,28 @@ def reshard_after_forward(plan: ZeroPlan) -> bool | int:
 
 
 def sharded_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded as one unit each: the decoder blocks (then the root)."""
+    """The modules sharded as one unit each: the decoder blocks this rank holds (then the
+    root)."""
     blocks = getattr(model, "blocks", None)
-    return list(blocks) if blocks is not None else []
+    if blocks is None:
+        return []
+    return [b for b in blocks if not any(p.is_meta for p in b.parameters())]
 
 
-def apply_zero(model: nn.Module, plan: ZeroPlan, device_type: str) -> FSDPModule:
-    """Shard ``model`` in place per ``plan``; returns the root FSDP module."""
+def apply_zero(
+    model: nn.Module, plan: ZeroPlan, device_type: str, mesh: DeviceMesh | None = None
+) -> FSDPModule:
+    """Shard ``model`` in place per ``plan`` over ``mesh`` (default: the world's HSDP
+    mesh); parameters on the meta device are left out. Returns the root FSDP module."""
     if not plan.sharded:
         raise ValueError("apply_zero needs a sharded plan (stage > 0, shard groups of >= 2)")
-    mesh = zero_mesh(plan, device_type)
+    mesh = mesh if mesh is not None else zero_mesh(plan, device_type)
     after_forward = reshard_after_forward(plan)
     for unit in sharded_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=after_forward)
+    absent = {p for p in model.parameters() if p.is_meta}
     # The root (embeddings, final norm, tied head) is needed again first in backward.
-    root = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    root = fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=absent or None)
     for module in fsdp_modules(model):  # these two setters are not recursive
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL then reduces zero-copy).

@@ -118,6 +118,7 @@ class EngineCheckpointer:
         self.engine = engine
         self._last_step: int | None = None
         self._generation: int | None = None
+        self._shard = ""  # the checkpoint shard this rank snapshots (set per generation)
         self._persists = False
         self._storage: StorageProgress | None = None
         self._storage_read_at = float("-inf")
@@ -138,6 +139,7 @@ class EngineCheckpointer:
             return
         self._generation = view.generation
         topology = topology_for(view, plan, rank)
+        self._shard = topology.shard
         self.engine.set_topology(topology)
         self._persists = topology.persist and self.engine.settings.storage_dir is not None
         log.info(
@@ -151,8 +153,11 @@ class EngineCheckpointer:
 
     def snapshot(self, held: HeldState) -> None:
         step = held.holding.step - 1
+        # The shard id travels with the snapshot: a restore recognises which shard of the
+        # checkpoint it holds (a holding's shards and index need not name it).
+        state = {**held.to_snapshot(), "shard": self._shard}
         try:
-            result = self.engine.snapshot(step, held.to_snapshot())
+            result = self.engine.snapshot(step, state)
         except (CheckpointError, OSError) as exc:  # training goes on; the next one may work
             log.warning("snapshot of step %d failed: %s", step, exc)
             return
@@ -211,7 +216,8 @@ def restore_all_shards(restore: RestoreFn, max_step: int | None) -> RestoredStat
         pieces = [HeldState.from_snapshot(first.state)]
         tiers = [first.tier]
         complete = True
-        have = {shard_id(pieces[0].holding.shards, pieces[0].holding.index)}
+        have = {first.state.get("shard") or shard_id(pieces[0].holding.shards,
+                                                     pieces[0].holding.index)}  # fmt: skip
         for shard in shards:
             if shard in have:
                 continue
