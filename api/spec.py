@@ -172,6 +172,9 @@ class PipelineConfig(SpecModel):
     )
 
 
+DEFAULT_REBALANCE_INTERVAL_STEPS = 200
+
+
 class ExpertParallelConfig(SpecModel):
     """Lazarus expert parallelism: each worker hosts only some experts of every MoE layer.
 
@@ -205,15 +208,23 @@ class ExpertParallelConfig(SpecModel):
             "workers are alive."
         ),
     )
-    rebalance_interval_steps: int = Field(
-        200,
+    rebalance_interval_steps: int | None = Field(
+        None,
         ge=0,
         le=10_000_000,
         description=(
             "Every so many steps the replica counts follow the expert load measured since "
-            "the last rebalance and replicas move with the fewest copies (0 = never)."
+            "the last rebalance and replicas move with the fewest copies (0 = never). "
+            f"Default {DEFAULT_REBALANCE_INTERVAL_STEPS}; under pipelines 0, the only value "
+            "they support."
         ),
     )
+
+    def rebalance_steps(self, pipelines: bool) -> int:
+        """The interval in force (the default depends on whether pipelines run)."""
+        if self.rebalance_interval_steps is not None:
+            return self.rebalance_interval_steps
+        return 0 if pipelines else DEFAULT_REBALANCE_INTERVAL_STEPS
 
 
 class ZeroConfig(SpecModel):
@@ -263,30 +274,26 @@ class ParallelismConfig(SpecModel):
         None,
         description=(
             "Pipeline parallelism (Oobleck): a stage per worker pod. With several processes "
-            "per pod, each runs the stage on its part of every micro-batch and ZeRO stage > 0 "
-            "shards the stage over them. Not combined with expert parallelism by this version "
-            "of the engine."
+            "per pod, each runs the stage on its part of every micro-batch, ZeRO stage > 0 "
+            "shards the stage over them and expert parallelism spreads its experts over "
+            "them."
         ),
     )
     experts: ExpertParallelConfig | None = Field(
         None,
         description=(
             "Expert parallelism (Lazarus) for a Mixture-of-Experts model: each worker hosts "
-            "some replicas of each MoE layer's experts. Not combined with pipelines or ZeRO "
-            "stage > 0 by this version of the engine."
+            "some replicas of each MoE layer's experts. Under pipelines the experts of a "
+            "stage are spread over its pod's processes (the pipelines hold maxFailures + 1 "
+            "copies). Not combined with ZeRO stage > 0 without pipelines by this version of "
+            "the engine."
         ),
     )
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO / hpZ sharding.")
 
     @model_validator(mode="after")
     def _only_what_the_engine_runs(self) -> ParallelismConfig:
-        if self.pipeline is not None and self.experts is not None:
-            raise _rule(
-                "experts",
-                "expert parallelism is not combined with pipelines by this version of the "
-                "engine; remove one of the two blocks",
-            )
-        if self.experts is not None and self.zero.stage > 0:
+        if self.experts is not None and self.zero.stage > 0 and self.pipeline is None:
             raise _rule(
                 "zero.stage",
                 "expert parallelism is not combined with ZeRO stage > 0 by this version of "
@@ -299,13 +306,8 @@ class ParallelismConfig(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.pipeline) || !has(self.experts)",
-                    "expert parallelism is not combined with pipelines",
-                    "experts",
-                ),
-                cel(
-                    "!has(self.experts) || !has(self.zero) || !has(self.zero.stage) || "
-                    "self.zero.stage == 0",
+                    "has(self.pipeline) || !has(self.experts) || !has(self.zero) || "
+                    "!has(self.zero.stage) || self.zero.stage == 0",
                     "expert parallelism is not combined with ZeRO stage > 0",
                     "zero.stage",
                 ),
@@ -581,11 +583,13 @@ class TrainingJobSpec(SpecModel):
                 g=g,
             )
         g = self.trainer_processes
-        if g > 1 and self.trainer.parallelism.experts is not None:
+        within_pipelines = self.trainer.parallelism.pipeline is not None
+        if g > 1 and self.trainer.parallelism.experts is not None and not within_pipelines:
             raise _rule(
                 "trainer.parallelism.experts",
-                "is not supported yet with {g} trainer processes per worker pod (it places "
-                "state per process, not per pod): use processesPerWorker 1",
+                "is not supported yet with {g} trainer processes per worker pod without "
+                "pipelines (it places state per process, not per pod): use processesPerWorker "
+                "1, or pipelines (each stage spreads its experts over its pod's processes)",
                 g=g,
             )
         experts = self.trainer.parallelism.experts
@@ -655,6 +659,35 @@ class TrainingJobSpec(SpecModel):
                 m=batch.micro_batch_size,
             )
 
+    def _check_experts_in_stages(self, experts: ExpertParallelConfig) -> None:
+        """Experts under pipelines: spread over a stage pod's processes, replicated by the
+        pipelines (a pod is the unit of failure, so replicas inside one buy load balance,
+        not survival)."""
+        g = self.trainer_processes
+        if g < 2:
+            raise _rule(
+                "trainer.parallelism.experts",
+                "under pipelines experts are spread over the processes of a stage's worker "
+                "pod: needs processesPerWorker >= 2 (one process per GPU), got {g}",
+                g=g,
+            )
+        r = experts.min_replicas
+        if r is not None and not 1 <= r <= g:
+            raise _rule(
+                "trainer.parallelism.experts.minReplicas",
+                "under pipelines counts replicas among a pod's {g} processes (the pipelines "
+                "give maxFailures + 1 copies): must be between 1 and {g}, got {r}",
+                g=g,
+                r=r,
+            )
+        if experts.rebalance_interval_steps:
+            raise _rule(
+                "trainer.parallelism.experts.rebalanceIntervalSteps",
+                "is not supported under pipelines by this version of the engine (experts keep "
+                "their placement); use 0, got {n}",
+                n=experts.rebalance_interval_steps,
+            )
+
     def _check_experts(self, experts: ExpertParallelConfig, max_failures: int) -> None:
         model = self.trainer.model
         if model.moe is None and not (model.preset or "").endswith("-moe"):
@@ -663,6 +696,9 @@ class TrainingJobSpec(SpecModel):
                 "expert parallelism needs a Mixture-of-Experts model: set trainer.model.moe "
                 "or a -moe preset",
             )
+        if self.trainer.parallelism.pipeline is not None:
+            self._check_experts_in_stages(experts)
+            return
         r = experts.min_replicas
         if r is not None and not max_failures + 1 <= r <= self.workers:
             raise _rule(

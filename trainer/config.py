@@ -238,17 +238,25 @@ def _expert_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> ExpertParal
         raise ValueError(
             "spec.trainer.parallelism.experts: expert parallelism needs a Mixture-of-Experts model"
         )
-    replicas = experts.min_replicas or spec.fault_tolerance.max_failures + 1
-    fewest = -(-model.moe.num_experts * replicas // spec.workers)
+    # Under pipelines a stage's experts are spread over its pod's processes and the
+    # pipelines are the copies; otherwise replicas sit on distinct workers.
+    if spec.trainer.parallelism.pipeline is not None:
+        holders, replicas = spec.trainer_processes, experts.min_replicas or 1
+    else:
+        holders = spec.workers
+        replicas = experts.min_replicas or spec.fault_tolerance.max_failures + 1
+    fewest = -(-model.moe.num_experts * replicas // holders)
     slots = experts.slots_per_worker
     if slots is not None and slots < fewest:
         raise ValueError(
-            f"spec.trainer.parallelism.experts.slotsPerWorker: {spec.workers} workers x "
+            f"spec.trainer.parallelism.experts.slotsPerWorker: {holders} holders x "
             f"{slots} slots cannot hold {replicas} replicas of each of "
             f"{model.moe.num_experts} experts; needs >= {fewest}, got {slots}"
         )
     return ExpertParallelism(
         min_replicas=replicas,
         slots_per_worker=slots,
-        rebalance_interval_steps=experts.rebalance_interval_steps,
+        rebalance_interval_steps=experts.rebalance_steps(
+            spec.trainer.parallelism.pipeline is not None
+        ),
     )

@@ -232,14 +232,14 @@ class Engine:
         state (it held some); should the adoption turn out fresh after all, ``adopt``
         initializes then.
         """
+        if plan.pipelines is not None and cls is Engine:  # with or without experts
+            from bulkhead.trainer.engine.pipeline import PipelineEngine  # imports this module
+
+            return PipelineEngine.build(plan, world, cfg, initialize)
         if plan.experts is not None and cls is Engine:
             from bulkhead.trainer.engine.experts import ExpertEngine  # imports this module
 
             return ExpertEngine.build(plan, world, cfg)
-        if plan.pipelines is not None and cls is Engine:
-            from bulkhead.trainer.engine.pipeline import PipelineEngine  # imports this module
-
-            return PipelineEngine.build(plan, world, cfg, initialize)
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
@@ -279,12 +279,16 @@ class Engine:
                 numel=t.numel(),
                 rows=t.shape[0] if t.dim() > 0 else 1,
                 dtype=str(t.dtype).removeprefix("torch."),
-                shardable=_shardable(key, t),
+                shardable=self._key_shardable(key, t),
             )
             if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
                 raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
             entries.append((spec, t))
         return entries
+
+    def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
+        """Whether sharded layouts of this engine split ``key``."""
+        return _shardable(key, t)
 
     @property
     def holding(self) -> Holding:

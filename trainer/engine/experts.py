@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -57,7 +56,7 @@ from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, nee
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.plan import ParallelPlan
 from bulkhead.trainer.engine.transfer import plan_transfer
-from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.engine.world import Team, World
 from bulkhead.trainer.model import build_model
 from bulkhead.trainer.moe import Expert, MoEFeedForward
 
@@ -93,7 +92,7 @@ class ReplicatedMoE(MoEFeedForward):
     outputs come from whichever rank the quotas pick.
     """
 
-    def __init__(self, moe: MoEFeedForward, world: World, hosted: tuple[int, ...]) -> None:
+    def __init__(self, moe: MoEFeedForward, team: Team, hosted: tuple[int, ...]) -> None:
         nn.Module.__init__(self)
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
@@ -102,8 +101,8 @@ class ReplicatedMoE(MoEFeedForward):
         assert isinstance(first, Expert)
         self._shape = (first.up.in_features, first.up.out_features, first.dropout.p)
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in hosted})
-        self.world = world
-        self.replicas = np.zeros((moe.num_experts, world.world_size), dtype=np.int64)
+        self.team = team  # the ranks the experts are spread over (ranks below: team ranks)
+        self.replicas = np.zeros((moe.num_experts, team.size), dtype=np.int64)
         # Global assignments per expert since the last rebalance (the same on every rank).
         self.load = np.zeros(moe.num_experts, dtype=np.int64)
 
@@ -129,12 +128,12 @@ class ReplicatedMoE(MoEFeedForward):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         experts_of = chosen.reshape(-1)
         local = torch.bincount(experts_of, minlength=self.num_experts)
-        counts = self.world.all_gather(local).cpu().numpy()  # (ranks, experts)
+        counts = self.team.all_gather(local).cpu().numpy()  # (ranks, experts)
         self.load += counts.sum(axis=0)
-        layout = DispatchLayout.of(self.world.rank, counts, self.replicas)
+        layout = DispatchLayout.of(self.team.rank, counts, self.replicas)
         order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(x.device)
         token_of = order // self.top_k  # assignment a is slot a % k of token a // k
-        group = dist.group.WORLD
+        group = self.team.group
         received = all_to_all_single_autograd(
             tokens[token_of], layout.output_splits, layout.input_splits, group
         )
@@ -152,7 +151,7 @@ class ReplicatedMoE(MoEFeedForward):
         return out.reshape(shape), self.balance_loss(probs, chosen)
 
 
-def _expert_of(key: str) -> tuple[int, int] | None:
+def expert_of(key: str) -> tuple[int, int] | None:
     """(block, expert) of a parameter or optimizer key of an expert, else None."""
     name = key.split("/", 1)[1]
     if _EXPERTS not in name or not name.startswith("blocks."):
@@ -188,7 +187,7 @@ class ExpertEngine(GroupedEngine):
         for placement in plan.experts.layers:
             block = model.blocks[placement.layer]
             assert isinstance(block.ffn, MoEFeedForward)
-            moe = ReplicatedMoE(block.ffn, world, hosted[placement.layer])
+            moe = ReplicatedMoE(block.ffn, world.team(), hosted[placement.layer])
             moe.replicas = placement.replica_matrix()
             block.ffn = moe  # the experts it does not host are freed here
         world.seal()
@@ -217,12 +216,12 @@ class ExpertEngine(GroupedEngine):
         lists every expert's keys, hosted here or not (all experts have one shape)."""
         entries = []
         for spec, t in super()._state_entries():
-            where = _expert_of(spec.name)
+            where = expert_of(spec.name)
             group = expert_group(*where) if where else ""
             entries.append((replace(spec, shardable=False, group=group), t))
         template = [s for s, _ in entries if s.group]
-        first = _expert_of(template[0].name) if template else None
-        one_expert = [s for s in template if _expert_of(s.name) == first]
+        first = expert_of(template[0].name) if template else None
+        one_expert = [s for s in template if expert_of(s.name) == first]
         everything = {s.name: s for s, _ in entries if not s.group}
         for p in self.expert_plan.layers:
             for e in range(self.expert_plan.num_experts):
@@ -288,7 +287,7 @@ class ExpertEngine(GroupedEngine):
         world, plan = self.world, self.expert_plan
         names = {id(p): name for name, p in self.model.named_parameters()}
         grads = {names[id(p)]: p.grad for p in params}
-        dense = [g for name, g in grads.items() if _expert_of(f"param/{name}") is None]
+        dense = [g for name, g in grads.items() if expert_of(f"param/{name}") is None]
         flat = torch.cat([g.reshape(-1) for g in dense])
         world.all_reduce(flat)
         offset = 0
@@ -299,7 +298,7 @@ class ExpertEngine(GroupedEngine):
         # Each hosted expert's gradient as one flat tensor, in (block, expert) order.
         mine: dict[tuple[int, int], list[torch.Tensor]] = {}
         for name, g in grads.items():
-            where = _expert_of(f"param/{name}")
+            where = expert_of(f"param/{name}")
             if where is not None:
                 mine.setdefault(where, []).append(g)
         hosts = {(p.layer, e): p.hosts(e) for p in plan.layers for e in range(plan.num_experts)}

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bulkhead.trainer.config import TrainConfig
+from bulkhead.trainer.config import ModelSizes, TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
 from bulkhead.trainer.engine.engine import (
     GroupedEngine,
@@ -51,6 +51,8 @@ from bulkhead.trainer.engine.engine import (
     _materialize_optimizer,
     _shardable,
 )
+from bulkhead.trainer.engine.experts import ReplicatedMoE, expert_of
+from bulkhead.trainer.engine.experts_plan import ExpertPlan, expert_group
 from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.pipeline_plan import (
@@ -61,13 +63,18 @@ from bulkhead.trainer.engine.pipeline_plan import (
     unit_group,
 )
 from bulkhead.trainer.engine.plan import ParallelPlan
-from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.engine.world import Team, World
 from bulkhead.trainer.engine.zero import apply_zero, begin_microbatch
 from bulkhead.trainer.model import GPT
+from bulkhead.trainer.moe import MoEFeedForward
 
 
-def group_of(param: str, n_layers: int) -> str:
-    """The key group of a parameter name of ``GPT``."""
+def group_of(param: str, n_layers: int, experts: bool = False) -> str:
+    """The key group of a parameter name of ``GPT`` (``experts``: each expert of an MoE
+    block in a group of its own, as expert parallelism places them)."""
+    where = expert_of(f"param/{param}") if experts else None
+    if where is not None:
+        return expert_group(*where)
     if param.startswith("tok_emb."):
         return TIED
     if param.startswith("pos_emb."):
@@ -160,11 +167,17 @@ class PipelineEngine(GroupedEngine):
                     module.to_empty(device=device)
         model.head.weight = model.tok_emb.weight  # to_empty unties shared parameters
         root = None
-        if plan.zero.sharded:
-            with world.guard("sharding the stage"):
-                mesh = _pod_mesh(world, plan.processes_per_worker)
-                if units:
-                    root = apply_zero(model, plan.zero, device.type, mesh)
+        if plan.zero.sharded or plan.experts is not None:
+            with world.guard("forming the stage's groups"):
+                team = _pod_team(world, plan.processes_per_worker)
+            if plan.experts is not None:
+                _host_experts(model, plan.experts, team, units)
+            if plan.zero.sharded and units:
+                mesh = DeviceMesh.from_group(team.group, device.type)
+                # Experts stay out of FSDP2: each is whole on the processes hosting it.
+                experts = {p for n, p in model.named_parameters() if expert_of(f"param/{n}")}
+                with world.guard("sharding the stage"):
+                    root = apply_zero(model, plan.zero, device.type, mesh, experts)
         world.seal()
         held = [p for p in model.parameters() if not p.is_meta]
         optimizer = make_optimizer(held, cfg.optimizer)
@@ -184,7 +197,18 @@ class PipelineEngine(GroupedEngine):
         return self.plan.pipelines
 
     def _groups(self, rank: int) -> frozenset[str]:
-        return self.layout.groups(rank)
+        return self.plan.stage_groups(rank)
+
+    def _holders(self, group: str) -> tuple[int, ...]:
+        """Ranks holding (some of) ``group``, ascending."""
+        return tuple(r for r in range(self.world.world_size) if group in self._groups(r))
+
+    def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
+        """ZeRO shards the stage's keys over the pod, but for experts (outside FSDP2)."""
+        return self.plan.zero.sharded and _shardable(key, t) and not self._is_expert(key)
+
+    def _is_expert(self, key: str) -> bool:
+        return self.plan.experts is not None and expert_of(key) is not None
 
     def _holding_of(self, rank: int) -> Holding:
         """Whole keys of the stage's units, or under ZeRO its process's shard of them."""
@@ -204,26 +228,21 @@ class PipelineEngine(GroupedEngine):
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
         """The stage's keys (whole, in their unit's group); ``specs`` lists every key of
         the model, held here or not."""
-        n, sharded = self.cfg.model.n_layers, self.plan.zero.sharded
+        n, ep = self.cfg.model.n_layers, self.plan.experts is not None
         entries = [
-            (
-                replace(
-                    spec,
-                    shardable=sharded and spec.shardable,
-                    group=group_of(spec.name.split("/")[1], n),
-                ),
-                t,
-            )
+            (replace(spec, group=group_of(spec.name.split("/")[1], n, ep)), t)
             for spec, t in super()._state_entries()
             if not t.is_meta
         ]
         everything = {}
         slots = _slot_shapes(self.cfg)
-        for name, p in self.model.named_parameters():
-            group = group_of(name, n)
+        with torch.device("meta"):  # every key, also of the experts hosted elsewhere
+            whole = GPT(self.cfg.model)
+        for name, p in whole.named_parameters():
+            group = group_of(name, n, ep)
             rows = p.shape[0] if p.dim() else 1
             dtype = str(p.dtype).removeprefix("torch.")
-            split = sharded and _shardable(f"param/{name}", p)
+            split = self._key_shardable(f"param/{name}", p)
             everything[f"param/{name}"] = KeySpec(f"param/{name}", p.numel(), rows, dtype,
                                                   split, group)  # fmt: skip
             for slot, like_param, slot_dtype in slots:
@@ -238,7 +257,11 @@ class PipelineEngine(GroupedEngine):
         return entries
 
     def _all_groups(self) -> list[str]:
-        return [unit_group(u) for u in range(self.layout.num_units)] + [TIED]
+        groups = [unit_group(u) for u in range(self.layout.num_units)] + [TIED]
+        ep = self.plan.experts
+        if ep is not None:
+            groups += [expert_group(p.layer, e) for p in ep.layers for e in range(ep.num_experts)]
+        return groups
 
     # -- adoption: the base engine's, with unit groups ---------------------------------
 
@@ -348,17 +371,22 @@ class PipelineEngine(GroupedEngine):
     def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
         """Each key's gradient summed over its unit's holders, in rank order; returns this
         rank's share of the squared global norm (each gradient counted once)."""
-        world, layout = self.world, self.layout
-        n = self.cfg.model.n_layers
+        world, n = self.world, self.cfg.model.n_layers
         # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
         grads = dict(sorted(grads.items()))
-        holders = {g: layout.holders(g) for g in self._all_groups()}
+        ep = self.plan.experts is not None
+        holders = {g: self._holders(g) for g in self._all_groups()}
         z = self.plan.zero
         mine = z.shard_index(world.rank)
-        owners = {  # under ZeRO: the holders of the same shard
-            name: tuple(r for r in holders[group_of(name, n)] if z.shard_index(r) == mine)
+        specs = {s.name: s for s in self.specs}
+        owners = {  # a sharded key: the holders of the same shard
+            name: tuple(
+                r
+                for r in holders[group_of(name, n, ep)]
+                if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
+            )
             for name in grads
         }
         # To each peer, in key order, the gradients of every key both hold.
@@ -389,14 +417,53 @@ class PipelineEngine(GroupedEngine):
         return norm_sq
 
 
-def _pod_mesh(world: World, processes_per_worker: int) -> DeviceMesh:
-    """The mesh of this rank's worker pod (every rank creates every pod's group: gloo's
+def group_sizes(sizes: ModelSizes, experts: bool) -> dict[str, int]:
+    """Parameters per key group of the model (``experts``: one group per expert)."""
+    with torch.device("meta"):
+        model = GPT(sizes)
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        group = group_of(name, sizes.n_layers, experts)
+        out[group] = out.get(group, 0) + p.numel()
+    return out
+
+
+def state_bytes(plan: ParallelPlan, sizes: ModelSizes, rank: int, slots: int = 2) -> int:
+    """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
+    and ``slots`` optimizer values per parameter (fp32), its stage's share of them."""
+    ep = plan.experts is not None
+    per_group = group_sizes(sizes, ep)
+    held = 0
+    for group in plan.stage_groups(rank):
+        n = per_group.get(group, 0)
+        sharded = plan.zero.sharded and not group.startswith("expert/")
+        held += -(-n // plan.zero.shard_size) if sharded else n
+    return held * 4 * (2 + slots)
+
+
+def _pod_team(world: World, processes_per_worker: int) -> Team:
+    """This rank's worker pod as a team (every rank creates every pod's group: gloo's
     group creation is collective over the world)."""
     g = processes_per_worker
     mine = None
     for first in range(0, world.world_size, g):
-        group = dist.new_group(list(range(first, first + g)))
-        if first <= world.rank < first + g:
-            mine = group
+        ranks = tuple(range(first, first + g))
+        group = dist.new_group(list(ranks))
+        if world.rank in ranks:
+            mine = Team(world, ranks, group)
     assert mine is not None
-    return DeviceMesh.from_group(mine, world.device.device.type)
+    return mine
+
+
+def _host_experts(model: GPT, plan: ExpertPlan, team: Team, units: range) -> None:
+    """Each MoE block of the stage keeps the experts its process hosts and dispatches
+    tokens over the pod's processes."""
+    hosted = plan.hosted(team.rank)
+    for placement in plan.layers:
+        if placement.layer + 1 not in units:
+            continue
+        block = model.blocks[placement.layer]
+        assert isinstance(block.ffn, MoEFeedForward)
+        moe = ReplicatedMoE(block.ffn, team, hosted[placement.layer])
+        moe.replicas = placement.replica_matrix()
+        block.ffn = moe

@@ -316,11 +316,15 @@ def unit_fetches(
     held = {w: set(old.units(r)) for r, w in enumerate(old_workers)}
     fetches = []
     for rank, worker in enumerate(new_workers):
+        if rank % new.width:  # a pod's processes fetch the same units (their shards)
+            continue
         for unit in new.units(rank):
             if unit in held.get(worker, set()):
                 continue
             holders = tuple(
-                w for r, w in enumerate(old_workers) if w in survivors and unit in old.units(r)
+                dict.fromkeys(
+                    w for r, w in enumerate(old_workers) if w in survivors and unit in old.units(r)
+                )
             )
             fetches.append(UnitFetch(worker, unit, holders))
     return fetches

@@ -14,11 +14,12 @@ No torch here: ``bulkhead plan`` and the tests import it freely.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from bulkhead.api.spec import zero_shard_group_size
 from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.engine.experts_plan import ExpertPlan, plan_experts
+from bulkhead.trainer.engine.experts_plan import ExpertPlan, expert_group, plan_experts
 from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, plan_pipelines
 
 
@@ -90,6 +91,22 @@ class ParallelPlan:
             return self.pipelines.copies
         return self.zero.replicas
 
+    def stage_groups(self, rank: int) -> frozenset[str]:
+        """Under pipelines, the key groups rank ``rank`` holds: its stage's units and, under
+        expert parallelism, the experts its process hosts in the stage's MoE blocks."""
+        assert self.pipelines is not None
+        groups = self.pipelines.groups(rank)
+        if self.experts is None:
+            return groups
+        units = self.pipelines.units(rank)
+        hosted = self.experts.hosted(rank % self.processes_per_worker)
+        return groups | {
+            expert_group(layer, e)
+            for layer, experts in hosted.items()
+            if layer + 1 in units
+            for e in experts
+        }
+
     def checkpoint_shard(self, rank: int) -> str:
         """The checkpoint shard id rank ``rank`` snapshots (equal ids = identical bytes)."""
         if self.per_rank_state:
@@ -129,9 +146,6 @@ class ParallelPlan:
         else:
             what = "data parallel" if z.stage == 0 else f"ZeRO-{z.stage} degraded to data parallel"
             lines.append(f"{what}: every worker holds the whole state ({z.replicas} copies)")
-        if self.experts is not None:
-            lines[-1] = "dense parameters data parallel; experts placed by Lazarus:"
-            lines += self.experts.describe()
         if self.pipelines is not None:
             lines[-1:] = self.pipelines.describe(self.workers)
             if z.sharded:
@@ -140,6 +154,19 @@ class ParallelPlan:
                     f"ZeRO-{z.stage} inside each stage: its state sharded over the worker's "
                     f"{z.shard_size} processes{hpz}"
                 )
+            if self.experts is not None:
+                lines.append(
+                    "experts inside each stage, over its worker's processes (p0, p1, ...); "
+                    "every pipeline holding a layer holds its experts:"
+                )
+                lines += [
+                    re.sub(r"\bw(\d+):", r"p\1:", line)
+                    for line in self.experts.describe()
+                    if "survives" not in line  # within a pod: the pipelines are the copies
+                ]
+        elif self.experts is not None:
+            lines[-1] = "dense parameters data parallel; experts placed by Lazarus:"
+            lines += self.experts.describe()
         return lines
 
 
@@ -273,10 +300,13 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
 
 
 def _expert_plan(ranks: int, cfg: TrainConfig) -> ExpertPlan | None:
-    """Uniform-load Lazarus placement; the engine settles it onto what ranks hold."""
+    """Uniform-load Lazarus placement; the engine settles it onto what ranks hold. Under
+    pipelines: over the processes of one pod (every stage's pod places them alike)."""
     ep, moe = cfg.parallelism.experts, cfg.model.moe
     if ep is None or moe is None:
         return None
+    if cfg.parallelism.pipeline is not None:
+        ranks = cfg.parallelism.processes_per_worker
     return plan_experts(
         ranks,
         moe.num_experts,

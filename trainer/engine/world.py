@@ -191,6 +191,10 @@ class World:
         self._wait("all_gather", lambda: [dist.all_gather_into_tensor(out, flat, async_op=True)])
         return out.view(self.world_size, *tensor.shape)
 
+    def team(self) -> Team:
+        """Every rank of this world as a team."""
+        return Team(self, tuple(range(self.world_size)), dist.group.WORLD)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._wait(
             f"broadcast from rank {src}", lambda: [dist.broadcast(tensor, src, async_op=True)]
@@ -276,6 +280,34 @@ class World:
                 log.debug("generation %d: teardown: %s", self.generation, exc)
                 park_default_world()
         self._state = "closed"
+
+
+@dataclass(frozen=True)
+class Team:
+    """Some ranks of a world that run collectives among themselves (the processes of a
+    worker pod, or the whole world), waited for like the world's own."""
+
+    world: World
+    ranks: tuple[int, ...]  # world ranks, ascending
+    group: dist.ProcessGroup  # registered (new_group), or the default group
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.world.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's ``tensor`` stacked by team rank (a new tensor)."""
+        flat = tensor.reshape(-1)
+        out = flat.new_empty(self.size * flat.numel())  # gloo wants a flat output
+        self.world._wait(
+            "all_gather",
+            lambda: [dist.all_gather_into_tensor(out, flat, group=self.group, async_op=True)],
+        )
+        return out.view(self.size, *tensor.shape)
 
 
 _COMM_MARKERS = (

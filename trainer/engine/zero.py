@@ -61,17 +61,24 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_zero(
-    model: nn.Module, plan: ZeroPlan, device_type: str, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    plan: ZeroPlan,
+    device_type: str,
+    mesh: DeviceMesh | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> FSDPModule:
     """Shard ``model`` in place per ``plan`` over ``mesh`` (default: the world's HSDP
-    mesh); parameters on the meta device are left out. Returns the root FSDP module."""
+    mesh); parameters on the meta device and ``ignored`` ones are left out. Returns the
+    root FSDP module."""
     if not plan.sharded:
         raise ValueError("apply_zero needs a sharded plan (stage > 0, shard groups of >= 2)")
     mesh = mesh if mesh is not None else zero_mesh(plan, device_type)
     after_forward = reshard_after_forward(plan)
+    absent = {p for p in model.parameters() if p.is_meta} | (ignored or set())
     for unit in sharded_units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=after_forward)
-    absent = {p for p in model.parameters() if p.is_meta}
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=after_forward, ignored_params=absent or None
+        )
     # The root (embeddings, final norm, tied head) is needed again first in backward.
     root = fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=absent or None)
     for module in fsdp_modules(model):  # these two setters are not recursive

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bulkhead.api.manifest import ManifestError, load_job
-from bulkhead.trainer.config import resolve_model, train_config
+from bulkhead.trainer.config import ModelSizes, resolve_model, train_config
 from bulkhead.trainer.engine.pipeline_plan import unit_fetches
 from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
@@ -97,10 +97,10 @@ def transfers_table(transfers: Any) -> Table:
     return table
 
 
-def engine_plan_table(plan: ParallelPlan, title: str) -> Table:
+def engine_plan_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
     """Every rank's batch share and place in the ZeRO mesh, or its pipeline stage."""
     if plan.pipelines is not None:
-        return _stages_table(plan, title)
+        return _stages_table(plan, title, sizes)
     table = Table(title=f"{title}: " + "; ".join(plan.describe()[1:]))
     for col in ("rank", "worker", "samples", "shard", "replica group", "checkpoint shard",
                 "persists"):  # fmt: skip
@@ -119,26 +119,50 @@ def engine_plan_table(plan: ParallelPlan, title: str) -> Table:
     return table
 
 
-def _stages_table(plan: ParallelPlan, title: str) -> Table:
+def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
+    """Every rank's stage, its share of the batch, the state it holds (parameters,
+    gradients and AdamW's two slots, fp32) and its experts."""
+    from bulkhead.trainer.engine.pipeline import state_bytes  # imports torch
+
     layout = plan.pipelines
     assert layout is not None
     table = Table(title=f"{title}: {plan.describe()[1]}")
-    for col in ("rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples"):
+    # What a stage's processes share (their micro-batches, ZeRO, experts) under the table.
+    inside = ("each stage", "ZeRO", "experts inside")
+    lines = [line.rstrip(":") for line in plan.describe() if line.startswith(inside)]
+    table.caption = "; ".join(lines)
+    columns = ["rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples",
+               "state MiB"]  # fmt: skip
+    ep = plan.experts
+    if ep is not None:
+        columns.append("experts hosted")
+    for col in columns:
         table.add_column(col)
     for rank in _rows(list(range(plan.world_size))):
         if rank is None:
-            table.add_row("...", "", "", "", "", "", "")
+            table.add_row("...", *[""] * (len(columns) - 1))
             continue
         stage = layout.stage(rank)
         if stage is None:
-            table.add_row(str(rank), plan.workers[rank], "idle", "", "", "", "")
+            table.add_row(str(rank), plan.workers[rank], "idle", *[""] * (len(columns) - 3))
             continue
-        batches = layout.batches(stage.pipeline)
-        table.add_row(
+        rows = layout.rows(stage.pipeline, rank)
+        cells = [
             str(rank), plan.workers[rank], str(stage.pipeline),
             f"{stage.index + 1}/{stage.stages}", f"{stage.start}-{stage.stop - 1}",
-            str(len(batches)), str(sum(len(b) for b in batches)),
-        )  # fmt: skip
+            str(len(rows)), str(sum(len(r) for r in rows)),
+            f"{state_bytes(plan, sizes, rank) / 2**20:.2f}",
+        ]  # fmt: skip
+        if ep is not None:
+            hosted = ep.hosted(rank % plan.processes_per_worker)
+            cells.append(
+                " ".join(
+                    f"b{layer}:{','.join(map(str, es))}"
+                    for layer, es in hosted.items()
+                    if layer + 1 in range(stage.start, stage.stop)
+                )
+            )
+        table.add_row(*cells)
     return table
 
 
@@ -248,12 +272,13 @@ def plan(
         return [w for w in workers for _ in range(cfg.parallelism.processes_per_worker)]
 
     trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
-    console.print(engine_plan_table(trained, "What this version's engine trains"))
+    console.print(engine_plan_table(trained, "What this version's engine trains", cfg.model))
     out["engine"] = engine_plan_dict(trained)
     if fail:
         survivors = ranks_of(pods[fail:] or pods[:1])
         after = make_plan(2, survivors, survivors, cfg)
-        console.print(engine_plan_table(after, f"The engine after losing {fail} worker(s)"))
+        title = f"The engine after losing {fail} worker(s)"
+        console.print(engine_plan_table(after, title, cfg.model))
         out["engineAfterFailure"] = engine_plan_dict(after)
         if trained.pipelines is not None and after.pipelines is not None:
             table, fetches = fetches_table(trained, after)
@@ -303,7 +328,7 @@ def _experts(
     skew: float, fail: int, lost: list[str],
 ) -> dict[str, Any]:  # fmt: skip
     experts_cfg = spec.trainer.parallelism.experts
-    f = experts_cfg.min_replicas if experts_cfg else spec.fault_tolerance.max_failures + 1
+    f = (experts_cfg.min_replicas if experts_cfg else None) or spec.fault_tolerance.max_failures + 1
     slots = gpus * slots_per_gpu
     loads = zipf_loads(experts, skew)
     replicas = allocate_replicas(loads, n, slots, f)
