@@ -9,8 +9,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-RUN_DIR ?= runs/local-moe
-CHAOS ?= kill:worker=1@step=40,kill:worker=0@step=200
+RUN_DIR ?= runs/local-3d
+CHAOS ?= kill:worker=1@step=40,kill:worker=2@step=150
 PYTEST_ARGS ?=
 
 .PHONY: venv run test lint bench k8s cluster cluster-down crd clean e2e
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/bulkhead run examples/local-moe.yaml --chaos '$(CHAOS)' --run-dir $(RUN_DIR)
+	$(VENV)/bin/bulkhead run examples/local-3d.yaml --chaos '$(CHAOS)' --run-dir $(RUN_DIR)
 
 # The Kubernetes test binaries (etcd, kube-apiserver, ...) are built once per machine
 # into ~/.cache/bulkhead and reused; see hack/build-k8s.sh.

@@ -24,7 +24,7 @@ def test_plan_moe_job_with_failures_writes_json(tmp_path: Path) -> None:
         assert heading in result.output
     data = json.loads(out.read_text())
     plan = data["plan"]
-    assert sum(p["microbatches"] for p in plan["pipelines"]) == 1024 // 4
+    assert sum(p["microbatches"] for p in plan["pipelines"]) == 1024 // 8
     assert len(plan["pipelines"]) >= 3  # maxFailures 2 -> at least 3 replicas of each layer
     assert sorted(n for p in plan["pipelines"] for n in p["nodes"]) == sorted(
         f"node-{i}" for i in range(16)
@@ -50,6 +50,18 @@ def test_plan_of_a_pipeline_job_says_which_units_move_after_a_kill(tmp_path: Pat
     fetched = {(f["worker"], f["unit"]): f["holders"] for f in data["engineFetches"]}
     assert fetched[("w1", 0)] == ["w3"]
     assert all(holders for holders in fetched.values())
+
+
+def test_plan_of_the_composed_job_shows_each_process_stage_experts_and_state() -> None:
+    result = CliRunner().invoke(cli, ["plan", str(EXAMPLES / "local-3d.yaml"), "--fail", "1"])
+    assert result.exit_code == 0, result.output
+    assert "Oobleck pipelines: 2 (2+1 stages" in result.output
+    assert "ZeRO-3 inside each stage" in result.output
+    assert "MiB" in result.output and "hosted" in result.output  # column headers
+    # The two processes of the single-stage pipeline's pod host different experts.
+    rows = [line for line in result.output.splitlines() if line.startswith(("│ 4 ", "│ 5 "))]
+    assert len(rows) == 2 and all("│ w2 " in row for row in rows), rows
+    assert "b1:0,1" in rows[0] and "b1:2,3" in rows[1], rows
 
 
 def test_plan_resolves_presets() -> None:

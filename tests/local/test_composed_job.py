@@ -1,0 +1,86 @@
+"""``bulkhead run examples/local-3d.yaml``: pipelines x experts x ZeRO in one local job.
+
+Real launchers, each starting two real trainer processes (torch, gloo, CPU) behind its pod
+relay, with checkpoint sidecars. Each pod is at once a pipeline stage, the host of some
+experts of its MoE block and the holder of ZeRO-3 shards of its stage: killing the last
+stage of the 2-stage pipeline, and once its replacement joined the single-stage
+pipeline's pod, is each recovered in process with no step lost and every sample of the
+global batch consumed exactly once per step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from local_harness import (
+    BULKHEAD,
+    assert_samples_exact,
+    processes_of_job,
+    read_jsonl,
+    wait_no_processes,
+)
+from waiting import wait_until
+
+from bulkhead.api.protocol import LOCAL_RANK_ENV, WORKER_ENV
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-3d.yaml"
+NAME = "local-3d"
+
+
+def _launcher(job: str, worker_suffix: str) -> psutil.Process:
+    """The launcher of a pod (the process with no local rank of its own)."""
+    for proc in processes_of_job(job):
+        env = proc.environ()
+        if LOCAL_RANK_ENV not in env and env.get(WORKER_ENV, "").endswith(worker_suffix):
+            return proc
+    raise LookupError(f"no launcher of a pod ending in {worker_suffix}")
+
+
+def _plans(run_dir: Path) -> list[str]:
+    path = run_dir / "events.jsonl"
+    events = read_jsonl(path) if path.exists() else []
+    return [e["message"] for e in events if e["reason"] == "PlanApplied"]
+
+
+def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 140
+    run = subprocess.Popen(
+        [BULKHEAD, "run", str(EXAMPLE), "--steps", str(steps), "--run-dir", str(run_dir),
+         "--chaos", "kill:worker=1@step=20", "--no-live"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # Once the replacement of the first pod has joined (3 pods again), kill the
+        # single-stage pipeline's pod, launcher and both processes.
+        wait_until(
+            lambda: any("3 worker(s) x 2 processes" in p for p in _plans(run_dir)[1:]),
+            "the replacement pod to join",
+            timeout=240,
+            every=0.2,
+        )
+        _launcher(NAME, "-w2-0").kill()
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == steps
+    assert summary["restarts"] == 0 and summary["lost_steps"] == 0, summary
+    assert len(summary["recoveries"]) == 2, summary["recoveries"]
+    plans = _plans(run_dir)
+    first = plans[0]
+    assert "Oobleck pipelines: 2 (2+1 stages" in first, first
+    assert "ZeRO-3 inside each stage" in first and "experts inside each stage" in first, first
+    events = read_jsonl(run_dir / "events.jsonl")
+    recovered = [e["message"] for e in events if e["reason"] == "Recovered"]
+    assert len(recovered) == 2 and all("0 steps redone" in m for m in recovered), recovered
+    assert_samples_exact(run_dir, steps, global_batch=16)
+    assert wait_no_processes(NAME) == []
