@@ -14,6 +14,16 @@ steps. Recovery = time from the kill to the next completed step.
 Prints both medians and the ratio; ``--out FILE`` writes
 ``{bulkhead_recovery_s, torchrun_recovery_s, ratio, ...}``; ``--quick`` is a small version.
 
+``--modes``: instead, a row per parallelism mode (data parallel, ZeRO, pipelines,
+experts, and all three composed), each the same job run twice in the same invocation
+with the same kill of one worker pod: once as configured (the survivors recover in
+process) and once with ``minWorkers`` = ``workers``, which makes any loss restart the
+job from its newest checkpoint (the live workers restore in place, the lost one is
+replaced: bulkhead's own restart, faster than a cold one). Recovery = the run's recorded
+time from the kill to training resuming; lost steps = steps redone. ``--out`` then writes
+``{modes: {mode: {in_process_s, restart_s, ratio, in_process_lost_steps,
+restart_lost_steps}}}``.
+
 ``--goodput``: instead, two bulkhead runs of the same length (5 minutes; ``--quick``: 45 s),
 one without failures and one with a worker killed every 60 s (``--quick``: 15 s). Goodput =
 committed steps (redone steps count once) and tokens per second of the run's wall time;
@@ -255,6 +265,98 @@ def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) 
     return out
 
 
+# One job per mode, tiny and on this machine's CPU: (spec, pod to kill). The killed pod is
+# the one whose loss moves the most: a stage, an expert host, a shard holder.
+MODE_SPECS: dict[str, dict[str, Any]] = {
+    "dp": {"workers": 3},
+    "zero": {"workers": 4, "trainer": {"parallelism": {"zero": {"stage": 2}}}},
+    "pipeline": {
+        "workers": 4,
+        "trainer": {"model": {"preset": "tiny"}, "parallelism": {"pipeline": {"minStages": 2}}},
+    },
+    "experts": {
+        "workers": 3,
+        "trainer": {"parallelism": {"experts": {"minReplicas": 2, "rebalanceIntervalSteps": 0}}},
+    },
+    "composed": {
+        "workers": 3,
+        "processesPerWorker": 2,
+        "trainer": {
+            "batch": {"globalBatchSize": 16, "microBatchSize": 4},
+            "parallelism": {"pipeline": {"minStages": 1}, "experts": {}, "zero": {"stage": 3}},
+        },
+    },
+}
+
+
+def _mode_spec(mode: str, steps: int, restart: bool) -> dict[str, Any]:
+    base = MODE_SPECS[mode]
+    trainer = {"model": MODEL, "batch": BATCH, "steps": steps, "logIntervalSteps": 1,
+               **base.get("trainer", {})}  # fmt: skip
+    workers = base["workers"]
+    return {
+        **{k: v for k, v in base.items() if k != "trainer"},
+        "minWorkers": workers if restart else 1,
+        "trainer": trainer,
+        "faultTolerance": {
+            "maxFailures": 1,
+            "maxRestarts": 3,
+            "hangTimeoutSeconds": 60,
+            "collectiveTimeoutSeconds": 30,
+        },
+        "checkpoint": {"intervalSteps": 10, "keep": 3},
+    }
+
+
+def mode_recovery(mode: str, steps: int, kill_step: int, restart: bool, run_dir: Path) -> dict:
+    """One run of ``mode``'s job with worker 1 killed at ``kill_step``: its recovery."""
+    import logging
+
+    from bulkhead.operator.local.runner import RunOptions, run_local
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(filename=run_dir.parent / "supervisor.log", level=logging.INFO)
+    job = _job(f"bench-{mode}", _mode_spec(mode, steps, restart))
+    chaos = f"kill:worker=1@step={kill_step}"
+    result = run_local(job, RunOptions(chaos=chaos, run_dir=run_dir, live=False, timeout_s=900))
+    summary = result.summary
+    if result.phase != "Succeeded" or not summary["recoveries"]:
+        raise RuntimeError(f"{mode} run ended {result.phase}; see {run_dir}")
+    first = summary["recoveries"][0]
+    return {"seconds": first["seconds"], "lost_steps": first["lost_steps"],
+            "restarts": summary["restarts"]}  # fmt: skip
+
+
+def modes(args: argparse.Namespace) -> None:
+    steps, kill_step = (30, 15) if args.quick else (60, 35)
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
+        for mode in args.mode or list(MODE_SPECS):
+            runs = {}
+            for restart in (False, True):
+                name = "restart" if restart else "in_process"
+                runs[name] = mode_recovery(mode, steps, kill_step, restart,
+                                           Path(tmp, mode, name))  # fmt: skip
+            ours, theirs = runs["in_process"], runs["restart"]
+            rows[mode] = {
+                "in_process_s": ours["seconds"],
+                "restart_s": theirs["seconds"],
+                "ratio": round(theirs["seconds"] / ours["seconds"], 1),
+                "in_process_lost_steps": ours["lost_steps"],
+                "restart_lost_steps": theirs["lost_steps"],
+                "in_process_restarts": ours["restarts"],
+                "restart_restarts": theirs["restarts"],
+            }
+            print(f"{mode:9} in process {ours['seconds']:6.2f} s ({ours['lost_steps']} lost)  "
+                  f"restart from checkpoint {theirs['seconds']:6.2f} s "
+                  f"({theirs['lost_steps']} lost)  ratio {rows[mode]['ratio']}x",
+                  flush=True)  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"modes": rows, "steps": steps, "kill_step": kill_step},
+                                       indent=2) + "\n")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
@@ -263,9 +365,18 @@ def main() -> None:
     parser.add_argument(
         "--goodput", action="store_true", help="Goodput with a kill every 60 s vs none."
     )
+    parser.add_argument(
+        "--modes", action="store_true",
+        help="A row per parallelism mode: in-process recovery vs restart from checkpoint.",
+    )  # fmt: skip
+    parser.add_argument("--mode", action="append", choices=list(MODE_SPECS),
+                        help="With --modes: only this mode (repeatable).")  # fmt: skip
     args = parser.parse_args()
     if args.goodput:
         goodput(args)
+        return
+    if args.modes:
+        modes(args)
         return
     kills = [15] if args.quick else [20, 45, 70]
     steps = 30 if args.quick else 95

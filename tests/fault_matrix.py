@@ -150,6 +150,18 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "kill -9 of a pod in a composed job (pipelines x experts x ZeRO)",
+        "the pod is a stage, an expert host and a ZeRO shard holder at once; the other pods "
+        "re-instantiate pipelines and fetch the layers, shards and experts they now own "
+        "from the surviving pipeline, in process; no step lost",
+        (
+            "tests/local/test_composed_job.py::"
+            "test_the_composed_example_recovers_in_process_from_pod_kills",
+            "tests/engine/test_pipeline_pods.py::"
+            "test_a_composed_job_recovers_in_process_whichever_pod_is_killed",
+        ),
+    ),
+    Fault(
         "every holder of some state lost (more than maxFailures)",
         "the survivors restore the newest checkpoint in place and the Recovered Event says so",
         (
@@ -157,6 +169,8 @@ FAULTS: tuple[Fault, ...] = (
             "test_losing_both_first_stages_restores_the_checkpoint_and_says_so",
             "tests/engine/test_expert_engine.py::"
             "test_losing_every_replica_of_an_expert_falls_back_to_the_checkpoint",
+            "tests/engine/test_pipeline_pods.py::"
+            "test_losing_every_holder_of_a_unit_falls_back_to_the_checkpoint",
         ),
     ),
     Fault(

@@ -1,8 +1,9 @@
 """The PNG of a local run: loss, throughput and workers over time; failures and recoveries
-marked."""
+marked, and each generation's plan named where it took effect."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bulkhead.operator.local.rundir import EventRow, MetricRow
@@ -48,7 +49,18 @@ def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title
         for ax in (ax_loss, ax_tput):
             ax.axvline(event.t, lw=1.0, label=None if label in shown else label, **style)
         shown.add(label)
-    ax_loss.legend(loc="upper right")
+    plans = [e for e in events if e.reason == "PlanApplied"]
+    for row, event in enumerate(plans):
+        # Staggered down the loss axis so labels of nearby generations do not overlap.
+        ax_loss.annotate(
+            plan_label(event.message),
+            xy=(event.t, 1.0 - 0.09 * (row % 4)),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            color="tab:olive",
+            va="top",
+        )
+    ax_loss.legend(loc="center right")  # plan labels run along the top
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)
     ax_tput.grid(alpha=0.3)
@@ -56,3 +68,24 @@ def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plan_label(message: str) -> str:
+    """A short name of a generation's plan from its PlanApplied message, e.g.
+    ``g2: 2x2 pp 1+1 ZeRO-3 EP``."""
+    parts = []
+    generation = re.search(r"generation (\d+)", message)
+    if generation:
+        parts.append(f"g{generation.group(1)}:")
+    who = re.search(r"(\d+) worker\(s\)(?: x (\d+) processes)?", message)
+    if who:
+        parts.append(who.group(1) + (f"x{who.group(2)}" if who.group(2) else "w"))
+    stages = re.search(r"Oobleck pipelines: \d+ \(([\d+]+) stages", message)
+    if stages:
+        parts.append(f"pp {stages.group(1)}")
+    zero = re.search(r"ZeRO-(\d)", message)
+    if zero and "degraded" not in message:
+        parts.append(f"ZeRO-{zero.group(1)}")
+    if "experts" in message:
+        parts.append("EP")
+    return " ".join(parts) or message[:30]

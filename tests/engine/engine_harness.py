@@ -37,6 +37,9 @@ class Phase:
     slots: tuple[int, ...]
     steps: int
     kill_after: tuple[int, ...] = ()  # slots that die mid-way into the next phase's first step
+    # Slots whose last step's agreement completes everywhere but fails here, as when a
+    # ring all-reduce delivers its result to some ranks and not to others.
+    fail_commit: tuple[int, ...] = ()
 
 
 @dataclass
@@ -128,6 +131,8 @@ def _slot_main(
                 last = engine.completed_steps == adoption.step + phase.steps - 1
                 if slot in phase.kill_after and last:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if slot in phase.fail_commit and last:
+                    _fail_after_agreement()
                 result = engine.step(dataset)
                 if rank == 0:
                     outcome.losses[result.step] = result.loss
@@ -145,6 +150,21 @@ def _slot_main(
                 outcome.full_state = state
         world.close()
     Path(out_dir, f"slot{slot}.pkl").write_bytes(pickle.dumps(outcome))
+
+
+def _fail_after_agreement() -> None:
+    """This process's next agreement completes (every rank gets its result) and then
+    raises here, as a wait that failed after the others had received the sum."""
+    import bulkhead.trainer.engine.engine as engine_module
+
+    agree = engine_module.reduce_step
+
+    def agree_then_fail(world, *args, **kwargs):  # type: ignore[no-untyped-def]
+        agree(world, *args, **kwargs)
+        engine_module.reduce_step = agree
+        raise CollectiveError("injected: the agreement's result did not arrive here")
+
+    engine_module.reduce_step = agree_then_fail
 
 
 def _store_server(port_queue) -> None:  # pragma: no cover - a tiny process

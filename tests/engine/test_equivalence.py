@@ -131,6 +131,25 @@ def test_a_kill_mid_step_loses_no_step_and_reshards_4_3_4(
     assert_same_state(survivor, reference_19, rtol=1e-4, atol=ADAM_ATOL)
 
 
+def test_a_step_committed_by_some_ranks_only_is_completed_by_the_others(
+    dp_reference: Outcome, tmp_path: Path
+) -> None:
+    # ZeRO-3, 2 replicas x 2 shards: step 6's agreement reaches every rank but slot 1,
+    # which keeps its reduced gradients; slot 3, the other holder of shard 1, leaves.
+    # Shard 1 then exists only on slot 1, one step behind: at the adoption slot 1
+    # completes step 6 with the gradient norm the others applied, and nothing is redone.
+    phases = [Phase((0, 1, 2, 3), 7, fail_commit=(1,)), Phase((0, 1, 2), 6)]
+    out = run_scenario(config(3, 1), phases, tmp_path)
+    assert out[1].errors, "slot 1's agreement should have failed"
+    assert out[0].adoptions == [(1, "fresh", 0), (2, "peers", 7)]
+    assert sorted(out[0].losses) == list(range(13))
+    assert_same_losses(out[0].losses, {s: dp_reference.losses[s] for s in range(13)})
+    reference_13 = run_scenario(
+        config(workers=1, max_failures=0), [Phase((0,), 13)], tmp_path / "reference"
+    )[0]
+    assert_same_state(out[0], reference_13, rtol=1e-4, atol=ADAM_ATOL)
+
+
 def test_a_shard_without_surviving_holder_comes_back_from_the_checkpoint(
     dp_reference: Outcome, tmp_path: Path
 ) -> None:

@@ -160,3 +160,21 @@ def test_a_rank_no_template_uses_stays_idle_and_the_rest_train_like_data_paralle
     assert out[4].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_committed_by_some_ranks_only_is_completed_by_the_others(tmp_path: Path) -> None:
+    # Step 6's agreement reaches every rank but slot 1 (the middle stage of the 3-stage
+    # pipeline): the others commit step 6, slot 1 keeps its reduced gradients. Slot 4
+    # leaves; its units 3-5 (the 2-stage pipeline's last stage) now live at step 7 on
+    # slots 1 and 2 only if slot 1 completes step 6 too, which it does at the adoption
+    # with the gradient norm the others applied: no checkpoint, no step redone.
+    phases = [Phase((0, 1, 2, 3, 4), 7, fail_commit=(1,)), Phase((0, 1, 2, 3), 6)]
+    layout = make_plan(1, workers(5), workers(5), config(pipeline=PP)).pipelines
+    assert layout is not None and layout.stage(1).index == 1 and layout.stage(4).last
+    out = run_scenario(config(pipeline=PP, **SGD), phases, tmp_path / "pp")
+    assert out[1].errors, "slot 1's agreement should have failed"
+    assert out[0].adoptions == [(1, "fresh", 0), (2, "peers", 7)]
+    assert sorted(out[0].losses) == list(range(13))
+    ref = reference(13, tmp_path / "ref", **SGD)
+    assert_same_losses(out[0].losses, ref.losses)
+    assert_same_state(out[0], ref, rtol=1e-4, atol=1e-5)

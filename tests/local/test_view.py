@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bulkhead.api.status import Membership, Recovery, TrainingJobStatus
-from bulkhead.operator.local.plot import plot_run
+from bulkhead.operator.local.plot import plan_label, plot_run
 from bulkhead.operator.local.rundir import EventRow, MetricRow, RunRecorder
 from bulkhead.operator.local.view import LiveView
 
@@ -67,6 +67,7 @@ def test_recorder_writes_lines_and_the_plot(tmp_path: Path) -> None:
     recorder.metric(0, 5.0, 100.0, 1, 2)
     recorder.event("FaultInjected", "kill", warning=True)
     recorder.event("Recovered", "ok")
+    recorder.event("PlanApplied", "generation 2, step 1: generation 2: 1 worker(s), ...")
     recorder.metric(1, 4.0, 90.0, 2, 1)
     recorder.write_summary({"steps_completed": 2})
     recorder.close()
@@ -75,3 +76,17 @@ def test_recorder_writes_lines_and_the_plot(tmp_path: Path) -> None:
     assert (tmp_path / "summary.json").read_text().strip().endswith("}")
     png = plot_run(recorder.metrics, recorder.events, tmp_path / "plot.png", "demo")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_generation_s_plan_is_named_shortly_on_the_plot() -> None:
+    composed = (
+        "generation 2, step 41: generation 2: 2 worker(s) x 2 processes, global batch 16 "
+        "(micro 4) | Oobleck pipelines: 2 (1+1 stages, 1F1B); every layer on 2 worker(s) | "
+        "ZeRO-3 inside each stage: ... | experts inside each stage, ..."
+    )
+    assert plan_label(composed) == "g2: 2x2 pp 1+1 ZeRO-3 EP"
+    data_parallel = (
+        "generation 1, step 0: generation 1: 4 worker(s), global batch 16 (micro 4) | "
+        "data parallel: every worker holds the whole state (4 copies)"
+    )
+    assert plan_label(data_parallel) == "g1: 4w"

@@ -10,7 +10,11 @@ checkpoint ladder — through one transfer plan, whatever the parallelism.
 ``step`` runs one optimizer step on this rank's share of the global batch and commits it
 on every rank with one agreement all-reduce (``grad_sync``); nothing in the optimizer
 update communicates, so a failure before the agreement leaves every survivor's state at
-the last completed step.
+the last completed step. A failure *during* the agreement can leave some ranks committed
+and others not (a ring all-reduce delivers its result to some ranks before others): the
+ones that did not keep their reduced gradients, and the next adoption completes their
+step with the gradient norm a committed rank applied (``_roll_forward``), so every
+survivor is at the same step again without any state copy.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
 from bulkhead.trainer.engine.data_parallel import wrap_data_parallel
-from bulkhead.trainer.engine.grad_sync import reduce_step
+from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.layout import (
     NOTHING,
     Holding,
@@ -51,7 +55,7 @@ from bulkhead.trainer.engine.transfer import (
     stream_window,
     streams,
 )
-from bulkhead.trainer.engine.world import World
+from bulkhead.trainer.engine.world import CollectiveError, World
 from bulkhead.trainer.engine.zero import after_optimizer_step, apply_zero, begin_microbatch
 from bulkhead.trainer.model import build_model
 from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
@@ -92,6 +96,17 @@ class StepResult:
     compute_s: list[float]
 
 
+@dataclass(frozen=True)
+class CommitRecord:
+    """How the last step of an engine ended, for a step some ranks committed and others
+    did not: ``norm_sq`` is the squared gradient norm the last committed step applied
+    (None: no step yet); ``finish`` completes this rank's uncommitted step with a
+    committed rank's ``norm_sq`` (None: nothing pending)."""
+
+    norm_sq: float | None
+    finish: Callable[[float], None] | None = None
+
+
 @dataclass
 class HeldState:
     """State this process holds outside an engine's model: ``tensors[key]`` is the flat
@@ -99,6 +114,7 @@ class HeldState:
 
     holding: Holding
     tensors: dict[str, torch.Tensor]
+    commit: CommitRecord | None = None  # from a previous engine (never saved)
 
     def to_snapshot(self) -> dict[str, Any]:
         return {"holding": list(self.holding.encode()), "keys": self.tensors}
@@ -215,6 +231,8 @@ class Engine:
         # over several ranks, else the model itself (FSDP2 shards it in place).
         self.replicated = replicated
         self.completed_steps = 0
+        self._committed_norm_sq: float | None = None  # what the last committed step applied
+        self._pending: tuple[int, list[torch.Tensor]] | None = None  # step, reduced grads
         self.adopted = False  # holds no state worth keeping until adopt() succeeds
         self.initialized = True  # parameters hold the seeded initialization (see build)
         self._entries = self._state_entries()
@@ -312,7 +330,9 @@ class Engine:
 
     def held_state(self) -> HeldState:
         """This engine's state, for the next generation's engine or a snapshot."""
-        return HeldState(self.holding, self.local_tensors())
+        finish = self._finish_pending if self._pending is not None else None
+        record = CommitRecord(self._committed_norm_sq, finish)
+        return HeldState(self.holding, self.local_tensors(), record)
 
     def state_bytes(self) -> tuple[StateBytes, StateBytes]:
         """(held by this rank now, the ZeRO formula for the plan): parameters, gradients
@@ -348,6 +368,7 @@ class Engine:
         some key has no holder; the state is then unchanged and the caller falls back.
         """
         started = time.perf_counter()
+        held = self._roll_forward(held)
         holdings = self._holdings(held)
         if all(h.empty for h in holdings):
             if not self.initialized:
@@ -380,6 +401,39 @@ class Engine:
             time.perf_counter() - started,
             {},
         )
+
+    def _roll_forward(self, held: HeldState | None) -> HeldState | None:
+        """Complete a step some ranks committed and this one did not (collective).
+
+        Every rank shares its step, whether it has one pending, and the gradient norm its
+        last committed step applied. A rank with step s pending completes it when some
+        rank is at s + 1: its gradients were fully reduced (no rank can commit before
+        every rank has), so the update with the same norm is the one the others applied.
+        When no rank committed, the pending step is dropped and redone by everyone.
+        ``held``'s commit record is consumed.
+        """
+        record = held.commit if held is not None else None
+        step = held.holding.step if held is not None else -1
+        pending = record is not None and record.finish is not None
+        norm = record.norm_sq if record is not None and record.norm_sq is not None else math.nan
+        row = torch.tensor([step, float(pending), norm], dtype=torch.float64)
+        rows = self.world.all_gather(row.to(self.world.device.device)).cpu().tolist()
+        if held is None:
+            return None
+        held.commit = None  # used once: let the previous engine (its gradients) go
+        if not pending:
+            return held
+        assert record is not None and record.finish is not None
+        ahead = [r for r in rows if r[0] == step + 1 and not math.isnan(r[2])]
+        if not ahead:
+            return HeldState(held.holding, held.tensors)
+        record.finish(ahead[0][2])
+        log.info(
+            "step %d: committed by %d rank(s) but not here; completed it with their gradient norm",
+            step,
+            len(ahead),
+        )
+        return HeldState(replace(held.holding, step=step + 1), held.tensors)
 
     def _initialize(self) -> None:
         """The seeded initial parameters, each rank its own ranges (a fresh start of an
@@ -506,14 +560,19 @@ class Engine:
             # Replicas hold identical shards: one replica group's shards make the norm.
             contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
             norm_sq = _norm_sq(local_grads) if contributes else 0.0
-            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, norm_sq, compute_s)
+            agreed = self._agree(
+                step, local_grads, lm_sum, aux_sum, newer_generation, norm_sq, compute_s
+            )
+            norm_sq = agreed.grad_norm_sq
         else:
             # Gradients are summed already (DDP, during backward), local (one rank), or
             # reduced by the layout's hook.
             local_grads = [p.grad for p in params]
             with world.guard("gradient reduction"):
                 share = self._reduce_gradients(params)
-            agreed = reduce_step(world, lm_sum, aux_sum, newer_generation, share or 0.0, compute_s)
+            agreed = self._agree(
+                step, local_grads, lm_sum, aux_sum, newer_generation, share or 0.0, compute_s
+            )
             if share is not None:
                 norm_sq = agreed.grad_norm_sq
             else:
@@ -521,18 +580,7 @@ class Engine:
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):
             raise NonFiniteLoss(step, loss)
-        if clip > 0:
-            total = math.sqrt(agreed.grad_norm_sq if sharded else norm_sq)
-            coef = clip / (total + 1e-6)
-            if coef < 1.0:
-                for g in local_grads:
-                    g.mul_(coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optimizer)
-        self.optimizer.step()
-        if self.root is not None:
-            after_optimizer_step(self.model, plan.zero)
-        self.completed_steps = step + 1
+        self._apply(step, local_grads, norm_sq)
         self._after_commit()
         return StepResult(
             step=step,
@@ -543,6 +591,48 @@ class Engine:
             newer_generation=agreed.newer_generation,
             compute_s=agreed.compute_s,
         )
+
+    def _agree(
+        self,
+        step: int,
+        local_grads: list[torch.Tensor],
+        lm_sum: float,
+        aux_sum: float,
+        newer_generation: bool,
+        norm_sq: float,
+        compute_s: float,
+    ) -> Agreement:
+        """The step's agreement; if it fails here, the reduced gradients are kept for
+        ``_roll_forward`` (some other rank may have received it and committed)."""
+        try:
+            return reduce_step(self.world, lm_sum, aux_sum, newer_generation, norm_sq, compute_s)
+        except CollectiveError:
+            self._pending = (step, local_grads)
+            raise
+
+    @torch.no_grad()
+    def _apply(self, step: int, local_grads: list[torch.Tensor], norm_sq: float) -> None:
+        """Commit step ``step``: clip by the global gradient norm, update (local only)."""
+        clip = self.cfg.optimizer.grad_clip
+        if clip > 0:
+            coef = clip / (math.sqrt(norm_sq) + 1e-6)
+            if coef < 1.0:
+                for g in local_grads:
+                    g.mul_(coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg.optimizer)
+        self.optimizer.step()
+        if self.root is not None:
+            after_optimizer_step(self.model, self.plan.zero)
+        self.completed_steps = step + 1
+        self._committed_norm_sq = norm_sq
+        self._pending = None
+
+    def _finish_pending(self, norm_sq: float) -> None:
+        """Commit the step whose agreement failed here, with a committed rank's norm."""
+        assert self._pending is not None
+        step, local_grads = self._pending
+        self._apply(step, local_grads, norm_sq)
 
 
 @torch.no_grad()
