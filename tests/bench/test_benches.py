@@ -87,3 +87,20 @@ def test_experts_bench_quick(tmp_path: Path):
     for k, predicted in figures["survival_predicted"].items():
         measured, stderr = figures["survival_measured"][k], figures["survival_stderr"][k]
         assert abs(measured - predicted) <= 3 * stderr + 1e-9, (k, measured, predicted)
+
+
+@pytest.mark.slow
+def test_recovery_modes_bench_quick(tmp_path: Path):
+    """``--modes``: the composed job's row, its kill recovered in process in one run and by
+    a restart from the checkpoint in the other (``minWorkers`` = ``workers``)."""
+    out = tmp_path / "modes.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "recovery.py"), "--modes", "--mode", "composed",
+         "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"modes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    row = json.loads(out.read_text())["modes"]["composed"]
+    assert row["in_process_restarts"] == 0 and row["in_process_lost_steps"] == 0, row
+    assert row["restart_restarts"] == 1, row
+    assert row["in_process_s"] > 0 and row["restart_s"] > 0
