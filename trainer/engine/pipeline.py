@@ -33,6 +33,7 @@ holders; a unit no survivor holds makes the adoption incomplete (checkpoint fall
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -199,9 +200,15 @@ class PipelineEngine(GroupedEngine):
     def _groups(self, rank: int) -> frozenset[str]:
         return self.plan.stage_groups(rank)
 
-    def _holders(self, group: str) -> tuple[int, ...]:
-        """Ranks holding (some of) ``group``, ascending."""
-        return tuple(r for r in range(self.world.world_size) if group in self._groups(r))
+    @functools.cached_property
+    def _holders(self) -> dict[str, tuple[int, ...]]:
+        """Key group -> the ranks holding (some of) it, ascending (the plan is fixed for
+        an engine's life)."""
+        out: dict[str, list[int]] = {g: [] for g in self._all_groups()}
+        for rank in range(self.world.world_size):
+            for group in self._groups(rank):
+                out[group].append(rank)
+        return {g: tuple(ranks) for g, ranks in out.items()}
 
     def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
         """ZeRO shards the stage's keys over the pod, but for experts (outside FSDP2)."""
@@ -377,7 +384,7 @@ class PipelineEngine(GroupedEngine):
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
         grads = dict(sorted(grads.items()))
         ep = self.plan.experts is not None
-        holders = {g: self._holders(g) for g in self._all_groups()}
+        holders = self._holders
         z = self.plan.zero
         mine = z.shard_index(world.rank)
         specs = {s.name: s for s in self.specs}
