@@ -13,7 +13,7 @@ import psutil
 import yaml
 from waiting import wait_until
 
-from bulkhead.api.protocol import JOB_ENV
+from bulkhead.api.protocol import JOB_ENV, LOCAL_RANK_ENV, WORKER_ENV
 
 BULKHEAD = str(Path(sys.executable).with_name("bulkhead"))
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
@@ -82,6 +82,19 @@ def processes_of_job(job: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def pod_process(job: str, worker_suffix: str, local_rank: int | None) -> psutil.Process:
+    """A process of the pod whose worker name ends in ``worker_suffix``: trainer process
+    ``local_rank``, or the pod's launcher (None: the one with no local rank)."""
+    for proc in processes_of_job(job):
+        env = proc.environ()
+        rank = env.get(LOCAL_RANK_ENV)
+        wanted = rank is None if local_rank is None else rank == str(local_rank)
+        if wanted and env.get(WORKER_ENV, "").endswith(worker_suffix):
+            return proc
+    what = "launcher" if local_rank is None else f"process {local_rank}"
+    raise LookupError(f"no {what} of a pod ending in {worker_suffix}")
 
 
 def wait_no_processes(job: str, timeout: float = 20.0) -> list[psutil.Process]:

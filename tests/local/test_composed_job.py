@@ -14,32 +14,20 @@ import json
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 from local_harness import (
     BULKHEAD,
     assert_samples_exact,
-    processes_of_job,
+    pod_process,
     read_jsonl,
     wait_no_processes,
 )
 from waiting import wait_until
 
-from bulkhead.api.protocol import LOCAL_RANK_ENV, WORKER_ENV
-
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-3d.yaml"
 NAME = "local-3d"
-
-
-def _launcher(job: str, worker_suffix: str) -> psutil.Process:
-    """The launcher of a pod (the process with no local rank of its own)."""
-    for proc in processes_of_job(job):
-        env = proc.environ()
-        if LOCAL_RANK_ENV not in env and env.get(WORKER_ENV, "").endswith(worker_suffix):
-            return proc
-    raise LookupError(f"no launcher of a pod ending in {worker_suffix}")
 
 
 def _plans(run_dir: Path) -> list[str]:
@@ -65,7 +53,7 @@ def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path)
             timeout=240,
             every=0.2,
         )
-        _launcher(NAME, "-w2-0").kill()
+        pod_process(NAME, "-w2-0", local_rank=None).kill()  # the launcher: the whole pod
         out, _ = run.communicate(timeout=300)
     finally:
         if run.poll() is None:

@@ -15,20 +15,17 @@ import signal
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 from local_harness import (
     BULKHEAD,
     assert_samples_exact,
-    processes_of_job,
+    pod_process,
     read_jsonl,
     run_cli,
     wait_no_processes,
 )
 from waiting import wait_until
-
-from bulkhead.api.protocol import LOCAL_RANK_ENV, WORKER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -84,16 +81,6 @@ def test_pods_of_two_processes_train_as_data_parallel_does(tmp_path: Path) -> No
     assert wait_no_processes(NAME) == [] and wait_no_processes("local-dp") == []
 
 
-def _trainer_process(job: str, worker_suffix: str, local_rank: int) -> psutil.Process:
-    for proc in processes_of_job(job):
-        env = proc.environ()
-        if env.get(LOCAL_RANK_ENV) == str(local_rank) and env.get(WORKER_ENV, "").endswith(
-            worker_suffix
-        ):
-            return proc
-    raise LookupError(f"no process {local_rank} of a pod ending in {worker_suffix}")
-
-
 def _steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(read_jsonl(path)) if path.exists() else 0
@@ -113,7 +100,7 @@ def test_a_killed_pod_and_a_stopped_process_are_recovered_in_process(tmp_path: P
         # After the kill has been recovered, stop one process of pod 2 (not the launcher):
         # its launcher fails the pod after half the hang timeout of silence.
         wait_until(lambda: _steps_done(run_dir) >= 40, "step 40", timeout=240, every=0.2)
-        stopped = _trainer_process(NAME, "-w2-0", local_rank=1)
+        stopped = pod_process(NAME, "-w2-0", local_rank=1)
         os.kill(stopped.pid, signal.SIGSTOP)
         out, _ = run.communicate(timeout=300)
     finally:

@@ -210,6 +210,22 @@ class PipelineEngine(GroupedEngine):
                 out[group].append(rank)
         return {g: tuple(ranks) for g, ranks in out.items()}
 
+    @functools.cached_property
+    def _owners(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> the ranks its gradient is summed over, ascending: the holders
+        of its group (of the same shard, for a sharded key)."""
+        n, ep, z = self.cfg.model.n_layers, self.plan.experts is not None, self.plan.zero
+        mine = z.shard_index(self.world.rank)
+        specs = {s.name: s for s in self.specs}
+        return {
+            name: tuple(
+                r
+                for r in self._holders[group_of(name, n, ep)]
+                if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
+            )
+            for name in self._names.values()
+        }
+
     def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
         """ZeRO shards the stage's keys over the pod, but for experts (outside FSDP2)."""
         return self.plan.zero.sharded and _shardable(key, t) and not self._is_expert(key)
@@ -378,24 +394,11 @@ class PipelineEngine(GroupedEngine):
     def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
         """Each key's gradient summed over its unit's holders, in rank order; returns this
         rank's share of the squared global norm (each gradient counted once)."""
-        world, n = self.world, self.cfg.model.n_layers
+        world, owners = self.world, self._owners
         # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
         grads = dict(sorted(grads.items()))
-        ep = self.plan.experts is not None
-        holders = self._holders
-        z = self.plan.zero
-        mine = z.shard_index(world.rank)
-        specs = {s.name: s for s in self.specs}
-        owners = {  # a sharded key: the holders of the same shard
-            name: tuple(
-                r
-                for r in holders[group_of(name, n, ep)]
-                if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
-            )
-            for name in grads
-        }
         # To each peer, in key order, the gradients of every key both hold.
         sends: dict[int, list[torch.Tensor]] = {}
         for name, g in grads.items():
@@ -435,11 +438,10 @@ def group_sizes(sizes: ModelSizes, experts: bool) -> dict[str, int]:
     return out
 
 
-def state_bytes(plan: ParallelPlan, sizes: ModelSizes, rank: int, slots: int = 2) -> int:
+def state_bytes(plan: ParallelPlan, per_group: dict[str, int], rank: int, slots: int = 2) -> int:
     """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
-    and ``slots`` optimizer values per parameter (fp32), its stage's share of them."""
-    ep = plan.experts is not None
-    per_group = group_sizes(sizes, ep)
+    and ``slots`` optimizer values per parameter (fp32), its stage's share of them
+    (``per_group``: ``group_sizes`` of the plan's model)."""
     held = 0
     for group in plan.stage_groups(rank):
         n = per_group.get(group, 0)

@@ -230,9 +230,14 @@ def zero_plan(
     g = processes_per_worker
     if ranks % g:
         raise ValueError(f"{ranks} ranks are not whole worker pods of {g} processes")
-    size = zero_shard_group_size(ranks // g, max_failures, g)
+    return _sharded(stage, hpz, ranks, zero_shard_group_size(ranks // g, max_failures, g))
+
+
+def _sharded(stage: int, hpz: int, ranks: int, size: int) -> ZeroPlan:
+    """ZeRO over shard groups of ``size`` ranks; hpZ shrinks to the largest size dividing
+    them (h = S is plain ZeRO-3, FSDP2 keeps no secondary copy then: only 1 < h < S is
+    hpZ)."""
     effective_hpz = math.gcd(hpz, size) if hpz > 1 else 1
-    # h = S is plain ZeRO-3 (FSDP2 keeps no secondary copy then): only 1 < h < S is hpZ.
     return ZeroPlan(
         stage=stage,
         shard_size=size,
@@ -272,16 +277,9 @@ def make_plan(
 def stage_zero_plan(stage: int, hpz: int, ranks: int, processes_per_worker: int) -> ZeroPlan:
     """ZeRO under pipelines: each stage sharded over its worker pod's processes (shard
     groups are pods; the pipelines, not replica groups, give the copies)."""
-    g = processes_per_worker
-    if stage == 0 or g == 1:
+    if stage == 0 or processes_per_worker == 1:
         return ZeroPlan(stage=stage, shard_size=1, replicas=ranks, hpz=1)
-    effective_hpz = math.gcd(hpz, g) if hpz > 1 else 1
-    return ZeroPlan(
-        stage=stage,
-        shard_size=g,
-        replicas=ranks // g,
-        hpz=effective_hpz if 1 < effective_hpz < g else 1,
-    )
+    return _sharded(stage, hpz, ranks, processes_per_worker)
 
 
 def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:

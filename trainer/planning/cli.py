@@ -122,7 +122,7 @@ def engine_plan_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Tabl
 def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
     """Every rank's stage, its share of the batch, the state it holds (parameters,
     gradients and AdamW's two slots, fp32) and its experts."""
-    from bulkhead.trainer.engine.pipeline import state_bytes  # imports torch
+    from bulkhead.trainer.engine.pipeline import group_sizes, state_bytes  # imports torch
 
     layout = plan.pipelines
     assert layout is not None
@@ -134,6 +134,7 @@ def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
     columns = ["rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples",
                "state MiB"]  # fmt: skip
     ep = plan.experts
+    per_group = group_sizes(sizes, ep is not None)
     if ep is not None:
         columns.append("experts hosted")
     for col in columns:
@@ -151,7 +152,7 @@ def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
             str(rank), plan.workers[rank], str(stage.pipeline),
             f"{stage.index + 1}/{stage.stages}", f"{stage.start}-{stage.stop - 1}",
             str(len(rows)), str(sum(len(r) for r in rows)),
-            f"{state_bytes(plan, sizes, rank) / 2**20:.2f}",
+            f"{state_bytes(plan, per_group, rank) / 2**20:.2f}",
         ]  # fmt: skip
         if ep is not None:
             hosted = ep.hosted(rank % plan.processes_per_worker)
