@@ -51,9 +51,11 @@ FAULTS: tuple[Fault, ...] = (
         "pods continue in process; a new pod replaces it",
         (
             "tests/local/test_pods.py::"
-            "test_a_killed_pod_and_a_stopped_process_are_recovered_in_process",
+            "test_a_killed_pod_and_a_stopped_or_killed_process_are_recovered_in_process",
             "tests/control/test_pod_relay.py::"
             "test_one_process_failing_fails_the_pod_and_kills_the_others",
+            "tests/control/test_pod_relay.py::"
+            "test_a_stopping_relay_answers_the_polls_still_open",
             "tests/control/test_pod_relay.py::"
             "test_a_stopped_process_fails_the_pod_after_the_silence_limit",
         ),

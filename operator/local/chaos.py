@@ -4,11 +4,15 @@ Grammar (comma-separated faults)::
 
     FAULT   := ACTION ":" TARGET "@" TRIGGER
     ACTION  := "kill" (SIGKILL the worker process) | "hang" (SIGSTOP it)
-    TARGET  := "worker=" SLOT | "random"
+    TARGET  := "worker=" SLOT ["." LOCAL_RANK] | "random"
     TRIGGER := "step=" N (once, when training has completed step N)
              | "every=" DURATION (repeatedly; DURATION like 30s, 2m, 500ms)
 
-Examples: ``kill:worker=1@step=40``, ``kill:random@every=30s``, ``hang:worker=2@step=80``.
+With a local rank the fault hits one trainer process of a multi-process pod (one GPU's
+process crashing or wedging), not the whole pod: the pod's launcher must notice it.
+
+Examples: ``kill:worker=1@step=40``, ``kill:random@every=30s``, ``hang:worker=2@step=80``,
+``kill:worker=1.1@step=40`` (local rank 1 of worker 1's pod).
 The schedule is pure: ``due()`` says which faults fire given the step and the time; the
 local driver carries them out. No worker cooperation is needed.
 """
@@ -23,7 +27,7 @@ from typing import Literal
 ChaosAction = Literal["kill", "hang"]
 
 _FAULT = re.compile(
-    r"^(?P<action>[a-z]+):(?P<target>worker=(?P<slot>\d+)|random)"
+    r"^(?P<action>[a-z]+):(?P<target>worker=(?P<slot>\d+)(?:\.(?P<rank>\d+))?|random)"
     r"@(?P<trigger>step=(?P<step>\d+)|every=(?P<every>[0-9.]+)(?P<unit>ms|s|m)?)$"
 )
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -39,15 +43,21 @@ class Fault:
     slot: int | None  # None = a random live worker
     at_step: int | None = None
     every_s: float | None = None
+    local_rank: int | None = None  # one trainer process of the pod; None = the whole pod
 
     def __str__(self) -> str:
         target = "random" if self.slot is None else f"worker={self.slot}"
+        if self.local_rank is not None:
+            target += f".{self.local_rank}"
         trigger = f"step={self.at_step}" if self.at_step is not None else f"every={self.every_s:g}s"
         return f"{self.action}:{target}@{trigger}"
 
 
-def parse_chaos(spec: str | None, workers: int | None = None) -> list[Fault]:
-    """Parse a chaos spec; ``workers`` (if given) bounds the slot numbers."""
+def parse_chaos(
+    spec: str | None, workers: int | None = None, processes: int | None = None
+) -> list[Fault]:
+    """Parse a chaos spec; ``workers`` and ``processes`` (per worker), if given, bound the
+    slot numbers and local ranks."""
     if not spec or not spec.strip():
         return []
     faults = []
@@ -58,7 +68,8 @@ def parse_chaos(spec: str | None, workers: int | None = None) -> list[Fault]:
         if match is None:
             raise ChaosError(
                 f"chaos fault {part!r}: expected ACTION:TARGET@TRIGGER, e.g. "
-                "kill:worker=1@step=40, kill:random@every=30s, hang:worker=2@step=80"
+                "kill:worker=1@step=40, kill:random@every=30s, hang:worker=2@step=80, "
+                "kill:worker=1.1@step=40"
             )
         action = match["action"]
         if action not in ("kill", "hang"):
@@ -69,8 +80,14 @@ def parse_chaos(spec: str | None, workers: int | None = None) -> list[Fault]:
                 f"chaos fault {part!r}: worker={slot} but the job has {workers} workers "
                 f"(0..{workers - 1})"
             )
+        rank = int(match["rank"]) if match["rank"] is not None else None
+        if rank is not None and processes is not None and rank >= processes:
+            raise ChaosError(
+                f"chaos fault {part!r}: local rank {rank} but the job has {processes} "
+                f"process(es) per worker (0..{processes - 1})"
+            )
         if match["step"] is not None:
-            faults.append(Fault(action, slot, at_step=int(match["step"])))
+            faults.append(Fault(action, slot, at_step=int(match["step"]), local_rank=rank))
             continue
         try:
             every = float(match["every"]) * _UNITS[match["unit"]]
@@ -78,7 +95,7 @@ def parse_chaos(spec: str | None, workers: int | None = None) -> list[Fault]:
             raise ChaosError(f"chaos fault {part!r}: bad duration {match['every']!r}") from None
         if every <= 0:
             raise ChaosError(f"chaos fault {part!r}: the period must be > 0")
-        faults.append(Fault(action, slot, every_s=every))
+        faults.append(Fault(action, slot, every_s=every, local_rank=rank))
     return faults
 
 

@@ -22,7 +22,7 @@ from bulkhead.operator.local.runner import RunOptions, RunResult, effective_spec
     "--chaos",
     default="",
     help="Faults to inject, comma-separated: kill:worker=1@step=40, kill:random@every=30s, "
-    "hang:worker=2@step=80.",
+    "hang:worker=2@step=80, kill:worker=1.1@step=40 (local rank 1 of pod 1 only).",
 )
 @click.option(
     "--run-dir", type=click.Path(path_type=Path), help="Run directory [default: runs/<job>]."
@@ -62,7 +62,7 @@ def run(
             click.echo(f"{job_file}: {err}", err=True)
         raise SystemExit(2) from None
     try:
-        parse_chaos(chaos, workers or job.spec.workers)
+        parse_chaos(chaos, workers or job.spec.workers, job.spec.trainer_processes)
         options = RunOptions(
             workers=workers,
             steps=steps,

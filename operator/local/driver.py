@@ -29,6 +29,7 @@ from bulkhead.api.protocol import (
     INCARNATION_ENV,
     JOB_ENV,
     JOB_SPEC_ENV,
+    LOCAL_RANK_ENV,
     NODE_ENV,
     RUN_DIR_ENV,
     STANDBY_ENV,
@@ -272,11 +273,18 @@ class LocalDriver:
                     out[wp.ref.slot] = wp
         return out
 
-    def inject(self, action: str, slot: int) -> WorkerRef | None:
-        """SIGKILL (``kill``) or SIGSTOP (``hang``) the worker process of a slot."""
+    def inject(self, action: str, slot: int, local_rank: int | None = None) -> WorkerRef | None:
+        """SIGKILL (``kill``) or SIGSTOP (``hang``) the worker process of a slot, or with
+        ``local_rank`` only that trainer process of the pod (None if there is none now)."""
         wp = self.live_slots().get(slot)
         if wp is None:
             return None
+        if local_rank is not None:
+            pid = _trainer_process(wp.process.pid, local_rank)
+            if pid is None:
+                return None  # not started yet: the fault stays due
+            os.kill(pid, signal.SIGSTOP if action == "hang" else signal.SIGKILL)
+            return wp.ref
         if action == "hang":
             wp.hung = True
             # The whole pod freezes (its launcher and trainer processes), as a node would.
@@ -341,6 +349,20 @@ class LocalDriver:
         )
         if not self._closing:
             self._observe(WorkerExited(wp.ref.id, exit_code, sig, ""))
+
+
+def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
+    """The pid of a pod launcher's trainer process ``local_rank`` (from its environment)."""
+    try:
+        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    except OSError:
+        return None
+    wanted = f"{LOCAL_RANK_ENV}={local_rank}".encode()
+    for pid in children:
+        with contextlib.suppress(OSError):
+            if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return int(pid)
+    return None
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -114,7 +114,8 @@ class LocalRun:
         if options.checkpoint_sidecars:
             self.spec = with_local_storage(self.spec, self.run_dir / LOCAL_CHECKPOINTS)
         self.schedule = ChaosSchedule(
-            parse_chaos(options.chaos, self.spec.workers), seed=options.chaos_seed
+            parse_chaos(options.chaos, self.spec.workers, self.spec.trainer_processes),
+            seed=options.chaos_seed,
         )
         self.failures_injected = 0
         self.stop_requested = asyncio.Event()
@@ -257,13 +258,14 @@ class LocalRun:
         for index, fault in self.schedule.due(step, recorder.clock()):
             live = [s for s in driver.live_slots() if s in members]
             slot = self.schedule.pick(fault, live)
-            ref = driver.inject(fault.action, slot) if slot is not None else None
+            ref = driver.inject(fault.action, slot, fault.local_rank) if slot is not None else None
             if ref is None:
                 continue  # a step fault stays due; a periodic one waits for its next turn
             self.schedule.fired(index)
             self.failures_injected += 1
             what = "SIGKILL" if fault.action == "kill" else "SIGSTOP (hang)"
-            recorder.event("FaultInjected", f"{fault}: {what} {ref.id} at step {step}", True)
+            target = ref.id if fault.local_rank is None else f"{ref.id} process {fault.local_rank}"
+            recorder.event("FaultInjected", f"{fault}: {what} {target} at step {step}", True)
 
     async def _periodic_chaos(self, recorder: RunRecorder, driver: LocalDriver) -> None:
         if not any(f.every_s for f in self.schedule.faults):

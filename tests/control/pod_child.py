@@ -1,7 +1,7 @@
 """A stand-in trainer process of a multi-process pod (the real one needs torch): it checks in
 with its pod's relay, then does what ``POD_CHILD_BEHAVIOURS`` (one per local rank) says:
-``exit:N`` exits with code N, ``poll`` long-polls membership until killed, ``stop``
-SIGSTOPs itself (a wedged process)."""
+``exit:N`` exits with code N, ``poll`` long-polls membership until killed (30 s polls, so a
+poll is open whenever the pod ends), ``stop`` SIGSTOPs itself (a wedged process)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def main() -> None:
     if behaviour == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     while True:
-        client.membership(after=10_000, timeout_s=2)
+        client.membership(after=10_000, timeout_s=30)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,39 @@ def test_a_process_that_stops_polling_is_silent(harness: Harness, pods) -> None:
     poller.join(10)
 
 
+def test_a_stopping_relay_answers_the_polls_still_open(harness: Harness, pods) -> None:
+    # A pod whose process failed ends its relay while a poll is open (the failed process's,
+    # up to the trainer's poll timeout). The relay answers it at once rather than leaving
+    # the server's shutdown to wait it out or cut it off: the job's recovery waits for the
+    # pod to end.
+    a = pods[0]
+    a.register(0)
+    a.register(1)
+    answers: list[httpx.Response] = []
+
+    def poll() -> None:
+        with httpx.Client(base_url=a.url, timeout=60) as http:
+            answers.append(
+                http.get(
+                    f"/local/0/v1/jobs/{JOB}/membership",
+                    params={"after": 10_000, "timeout": 30},
+                    headers={"Authorization": f"Bearer {harness.token}"},
+                )
+            )
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    # Open once rank 0 is no longer silent (rank 1 has not polled at all).
+    harness.wait_for(lambda: [rank for rank, _ in a.relay.silent(limit_s=0.0)] == [1], timeout=5)
+    started = time.monotonic()
+    a.serving.stop()
+    poller.join(30)
+    assert not poller.is_alive()
+    assert time.monotonic() - started < 10  # long before the poll's own 30 s
+    assert [r.status_code for r in answers] == [503]
+    assert "stopping" in answers[0].json()["error"]
+
+
 def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() -> None:
     env = {SHM_DIR_ENV: "/dev/shm/pod", CHECKPOINT_SOCKET_ENV: "/dev/shm/pod/checkpointd.sock"}
     got = child_env(env, 1, "http://127.0.0.1:5000")

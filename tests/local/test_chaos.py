@@ -8,12 +8,20 @@ from bulkhead.operator.local.chaos import ChaosError, ChaosSchedule, Fault, pars
 
 
 def test_parses_every_documented_form() -> None:
-    faults = parse_chaos("kill:worker=1@step=40, kill:random@every=30s,hang:worker=2@step=80")
+    faults = parse_chaos(
+        "kill:worker=1@step=40, kill:random@every=30s,hang:worker=2@step=80,"
+        "kill:worker=1.1@step=9,hang:worker=0.0@every=1m",
+        workers=3,
+        processes=2,
+    )
     assert faults == [
         Fault("kill", 1, at_step=40),
         Fault("kill", None, every_s=30.0),
         Fault("hang", 2, at_step=80),
+        Fault("kill", 1, at_step=9, local_rank=1),
+        Fault("hang", 0, every_s=60.0, local_rank=0),
     ]
+    assert str(faults[3]) == "kill:worker=1.1@step=9"
     assert parse_chaos("kill:random@every=500ms")[0].every_s == 0.5
     assert parse_chaos("kill:random@every=2m")[0].every_s == 120.0
     assert parse_chaos("") == [] and parse_chaos(None) == []
@@ -28,11 +36,13 @@ def test_parses_every_documented_form() -> None:
         ("kill:worker=9@step=3", "worker=9 but the job has 4 workers"),
         ("kill:random@every=0s", "period must be > 0"),
         ("kill:node=1@step=3", "expected ACTION:TARGET@TRIGGER"),
+        ("kill:worker=1.2@step=3", "local rank 2 but the job has 2 process"),
+        ("kill:random.1@step=3", "expected ACTION:TARGET@TRIGGER"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec: str, message: str) -> None:
     with pytest.raises(ChaosError, match=message):
-        parse_chaos(spec, workers=4)
+        parse_chaos(spec, workers=4, processes=2)
 
 
 def test_step_faults_stay_due_until_fired_and_fire_once() -> None:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 EXIT_INFRASTRUCTURE = 1
 _TICK_S = 0.1
+# Requests still in flight when the pod ends (a report being forwarded) get this long.
+_SHUTDOWN_GRACE_S = 1.0
 # How long the processes get to end after SIGTERM before they are killed.
 TERM_GRACE_S = 10.0
 
@@ -201,6 +203,7 @@ class ServingRelay:
             log_level="warning",
             access_log=False,
             loop="asyncio",
+            timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         )
         self._server = _RelayServer(config)
         self._thread = threading.Thread(target=self._run, name="pod-relay", daemon=True)
@@ -231,6 +234,7 @@ class ServingRelay:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving and the relay's upstream poll; wait for it."""
+        self.relay.close()
         self._server.should_exit = True
         self._thread.join(timeout_s)
 

@@ -128,6 +128,17 @@ class PodRelay:
         self._poller = threading.Thread(target=self._poll_upstream, name="relay-poll", daemon=True)
         self._poller.start()
 
+    def close(self) -> None:
+        """From any thread, as the pod ends: answer every open poll now (503) instead of at
+        its timeout, which would hold up the server's shutdown and so the pod's end."""
+        self._closing.set()
+        self._call_soon(self._wake_polls)
+
+    async def _wake_polls(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
     async def stop(self) -> None:
         self._closing.set()
         if self._poll_client is not None:
@@ -300,6 +311,8 @@ class PodRelay:
                 while True:
                     if self._gone is not None:
                         return self._gone[0], self._gone[1], {}
+                    if self._closing.is_set():
+                        return 503, b'{"error": "the pod is stopping", "details": []}', {}
                     cached = self._view
                     if cached is not None and (
                         cached.view.generation > after or (etag is not None and etag != cached.etag)
