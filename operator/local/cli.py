@@ -40,7 +40,7 @@ from bulkhead.operator.local.runner import RunOptions, RunResult, effective_spec
     "--warm-spare/--no-warm-spare",
     default=False,
     help="Keep one worker process started ahead, its imports done, to replace the next lost "
-    "worker in about a second instead of several [default: off; one-process pods only].",
+    "worker in about a second instead of several [default: off; one-process workers only].",
 )
 def run(
     job_file: Path,
@@ -76,6 +76,11 @@ def run(
         )
         if warm_spare and worker_command:
             raise click.UsageError("--warm-spare starts bulkhead-worker: not with --worker-command")
+        if warm_spare and job.spec.trainer_processes > 1:
+            raise click.UsageError(
+                "--warm-spare keeps a one-process worker ready: not with processesPerWorker "
+                f"{job.spec.trainer_processes}"
+            )
         effective_spec(job, workers, steps)
     except (ChaosError, ManifestError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -119,7 +119,9 @@ class LocalDriver:
         self._closing = False
         # A worker process started ahead, its imports done, waiting to become a replacement
         # (one-process pods only: a pod's launcher would still start its processes cold).
-        self.warm_spare = warm_spare and spec.trainer_processes == 1
+        if warm_spare and spec.trainer_processes > 1:
+            raise ValueError("a warm spare is a one-process worker: processesPerWorker must be 1")
+        self.warm_spare = warm_spare
         self._spare: tuple[asyncio.subprocess.Process, IO[bytes]] | None = None
         self._spare_task: asyncio.Task[None] | None = None
         self._spares_started = 0

@@ -13,6 +13,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "checkpoint.py"
 FIGURES = (
     "state_bytes",
     "memcpy_s",
+    "memcpy_at_restore_s",
     "blocking_s",
     "torch_save_fsync_s",
     "dcp_async_blocking_s",

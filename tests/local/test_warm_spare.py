@@ -84,3 +84,14 @@ def test_a_warm_spare_needs_the_worker_command(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "not with --worker-command" in proc.stderr
+
+
+def test_a_warm_spare_is_refused_for_multi_process_pods(tmp_path: Path) -> None:
+    # A spare is one process; a pod of two would be replaced cold: said, not ignored.
+    pods = Path(__file__).resolve().parents[2] / "examples" / "local-pods.yaml"
+    proc = subprocess.run(
+        [BULKHEAD, "run", str(pods), "--warm-spare", "--no-live",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not with processesPerWorker 2" in proc.stderr, proc.stderr
