@@ -47,9 +47,6 @@ NODE_ENV = "BULKHEAD_NODE"
 ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"
 JOB_SPEC_ENV = "BULKHEAD_JOB_SPEC"
 RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
-# Set by `bulkhead run --warm-spare` on a spare worker: it imports what training needs, then
-# reads its launch environment as one JSON line on stdin ({"env": {...}, "log": path}).
-STANDBY_ENV = "BULKHEAD_STANDBY"
 # Set by the pod's launcher on each of its trainer processes (0..G-1); unset = the launcher,
 # or the only process of a one-process pod.
 LOCAL_RANK_ENV = "BULKHEAD_LOCAL_RANK"

@@ -473,6 +473,17 @@ class FaultToleranceConfig(SpecModel):
         default_factory=lambda: ["critical"],
         description="Node anomaly severities that evict the node.",
     )
+    spares: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description=(
+            "Extra worker pods kept started and registered but not training: a lost "
+            "worker's place is taken by a spare in the recovery's own generation, with no "
+            "pod to schedule and no cold start; a new pod then refills the spares. Each "
+            "spare holds the resources of a worker."
+        ),
+    )
 
 
 class StorageConfig(SpecModel):
@@ -549,6 +560,11 @@ class TrainingJobSpec(SpecModel):
             ]
         },
     )
+
+    @property
+    def worker_slots(self) -> int:
+        """Worker pods the job runs: ``workers`` that train plus the spares."""
+        return self.workers + self.fault_tolerance.spares
 
     @property
     def trainer_processes(self) -> int:

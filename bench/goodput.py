@@ -4,9 +4,12 @@ Both sides train the job of ``bench/goodput-job.yaml`` on this machine: the same
 (``build_model`` of the job's ``TrainConfig``), data, global and micro batch, worker count
 and checkpoint interval.
 
-- bulkhead: ``bulkhead run bench/goodput-job.yaml --warm-spare`` (local mode, checkpoint
-  sidecars on, snapshots every ``checkpoint.intervalSteps``, progress reported every step,
-  a replacement started from a spare process; ``--no-warm-spare`` starts it cold);
+- bulkhead: ``bulkhead run bench/goodput-job.yaml`` (local mode, checkpoint sidecars on,
+  snapshots every ``checkpoint.intervalSteps``, progress reported every step) with
+  ``faultTolerance.spares`` = ``--spares`` (default 1): a registered worker that does not
+  train takes a killed worker's place in the recovery's own generation, and the killed
+  worker's replacement becomes the next spare (``--spares 0``: the replacement joins once
+  it has started);
 - baseline: ``torchrun --max-restarts`` of ``bench/ddp_baseline.py``, plain
   ``DistributedDataParallel`` on gloo with ``torch.distributed.checkpoint.async_save`` at
   the same interval, resuming from the newest DCP checkpoint after an elastic restart.
@@ -49,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bulkhead.api.manifest import load_job
 
@@ -174,14 +179,14 @@ def _follow(
     _stop(process, what)
 
 
-def run_bulkhead(
-    work: Path, window_s: float, kill_every: float | None, warm_spare: bool = True
-) -> Run:
-    """``bulkhead run`` of the job, stopped (SIGTERM) once the window is over."""
+def run_bulkhead(work: Path, window_s: float, kill_every: float | None, spares: int = 1) -> Run:
+    """``bulkhead run`` of the job with ``spares``, stopped (SIGTERM) once the window is over."""
     run_dir = work / "run"
-    cmd = [str(BIN / "bulkhead"), "run", str(JOB), "--run-dir", str(run_dir), "--no-live"]
-    if warm_spare:
-        cmd.append("--warm-spare")
+    doc = yaml.safe_load(JOB.read_text())
+    doc["spec"]["faultTolerance"]["spares"] = spares
+    job = work / JOB.name
+    job.write_text(yaml.safe_dump(doc))
+    cmd = [str(BIN / "bulkhead"), "run", str(job), "--run-dir", str(run_dir), "--no-live"]
     if kill_every:
         cmd += ["--chaos", f"kill:random@every={kill_every:g}s"]
     metrics = run_dir / "metrics.jsonl"
@@ -312,7 +317,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             pair[side] = (
                 run_ddp(where, args.steady_window, None, workers)
                 if side == "ddp"
-                else run_bulkhead(where, args.steady_window, None, args.warm_spare)
+                else run_bulkhead(where, args.steady_window, None, args.spares)
             )
             rate = pair[side].steady_rate(args.warmup)
             print(f"  steady pair {index} {side:8}: {rate:.3f} steps/s", flush=True)
@@ -324,7 +329,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         chaos[side] = (
             run_ddp(where, args.goodput_window, args.kill_every, workers)
             if side == "ddp"
-            else run_bulkhead(where, args.goodput_window, args.kill_every, args.warm_spare)
+            else run_bulkhead(where, args.goodput_window, args.kill_every, args.spares)
         )
         print(
             f"  with a kill every {args.kill_every:g}s {side:8}: "
@@ -359,7 +364,7 @@ def figures(
         "steady_window_s": args.steady_window,
         "goodput_window_s": args.goodput_window,
         "warmup_s": args.warmup,
-        "warm_spare": args.warm_spare,
+        "spares": args.spares,
         "job": json.loads(load_job(JOB).spec.model_dump_json(by_alias=True)),
         "runs": {
             "steady": [
@@ -372,7 +377,8 @@ def figures(
 
 def report(results: dict[str, Any]) -> None:
     print(
-        f"{results['workers']} workers, job {JOB.name}; steady windows "
+        f"{results['workers']} workers (bulkhead: + {results['spares']} spare), job "
+        f"{JOB.name}; steady windows "
         f"{results['steady_window_s']:g}s, goodput window {results['goodput_window_s']:g}s, "
         f"a kill every {results['kill_every_s']:g}s"
     )
@@ -398,16 +404,18 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills")
     parser.add_argument("--warmup", type=float, default=5.0, help="steady rate ignores these")
     parser.add_argument(
-        "--warm-spare",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="bulkhead run --warm-spare: replacements start from a spare process started ahead",
+        "--spares",
+        type=int,
+        default=1,
+        help="bulkhead's faultTolerance.spares: workers kept registered to replace a lost one",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
+    if args.spares < 0:
+        parser.error("--spares must be >= 0")
     args.steady_window = args.steady_window or (45.0 if args.quick else 120.0)
     args.goodput_window = args.goodput_window or (45.0 if args.quick else 300.0)
     args.kill_every = args.kill_every or (15.0 if args.quick else 60.0)

@@ -36,6 +36,19 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "kill -9 of a worker, with spares",
+        "a spare takes its place in the recovery's own generation; the replacement becomes "
+        "the next spare",
+        (
+            "tests/local/test_spares.py::"
+            "test_spares_take_the_place_of_lost_members_in_the_same_generation",
+            "tests/operator/test_k8s_operator.py::"
+            "test_a_spare_pod_takes_a_lost_workers_place_in_one_generation",
+            "tests/lifecycle/test_spares.py::"
+            "test_a_lost_member_is_replaced_by_a_spare_in_the_same_generation",
+        ),
+    ),
+    Fault(
         "kill -9 of rank 0",
         "same as any worker: rank 0 holds no special state",
         ("tests/local/test_end_to_end.py::test_survives_killing_a_worker_and_the_coordinator",),
@@ -54,8 +67,7 @@ FAULTS: tuple[Fault, ...] = (
             "test_a_killed_pod_and_a_stopped_or_killed_process_are_recovered_in_process",
             "tests/control/test_pod_relay.py::"
             "test_one_process_failing_fails_the_pod_and_kills_the_others",
-            "tests/control/test_pod_relay.py::"
-            "test_a_stopping_relay_answers_the_polls_still_open",
+            "tests/control/test_pod_relay.py::test_a_stopping_relay_answers_the_polls_still_open",
             "tests/control/test_pod_relay.py::"
             "test_a_stopped_process_fails_the_pod_after_the_silence_limit",
         ),

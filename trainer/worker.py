@@ -34,7 +34,6 @@ from bulkhead.api.protocol import (
     NODE_ENV,
     RUN_DIR_ENV,
     SHM_DIR_ENV,
-    STANDBY_ENV,
     TOKEN_ENV,
     WORKER_ENV,
     FaultReport,
@@ -248,35 +247,11 @@ def _checkpointer(
     return EngineCheckpointer(CheckpointEngine(settings))
 
 
-def _await_assignment() -> Mapping[str, str]:
-    """A warm spare (``bulkhead run --warm-spare``): import now what training needs, then
-    wait for the launch environment of the worker this process becomes, one JSON line on
-    stdin (``{"env": {...}, "log": path}``); its output goes to ``log`` from then on. The
-    end of stdin (the run is over) ends the spare."""
-    from bulkhead.trainer.engine.engine import import_lazy_dependencies
-    from bulkhead.trainer.runtime import loop  # noqa: F401  (torch, the engines)
-
-    import_lazy_dependencies()
-    print(f"warm spare ready (pid {os.getpid()})", flush=True)
-    line = sys.stdin.readline()
-    if not line.strip():
-        os._exit(WorkerExit.STOPPED)
-    assignment = json.loads(line)
-    if assignment.get("log"):
-        fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, sys.stdout.fileno())
-        os.dup2(fd, sys.stderr.fileno())
-        os.close(fd)
-    os.environ.update(assignment["env"])
-    os.environ.pop(STANDBY_ENV, None)
-    return os.environ
-
-
 def main() -> None:
     # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
     # the state that matters lives in the surviving replicas and the checkpoint sidecar.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
-    code = run(_await_assignment() if os.environ.get(STANDBY_ENV) else os.environ)
+    code = run(os.environ)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -118,7 +118,7 @@ class PolicyActions:
             )
         else:
             names = ", ".join(self.state.ref(x).id for x in lost)
-            self.publish(f"{names} lost ({cause})")
+            self.publish(f"{names} lost ({cause})", name_joined=True)
 
     def restart_all(self, reason: str, keep_live: bool = False) -> None:
         """Every worker restores from a checkpoint in the next generation.
@@ -166,14 +166,20 @@ class PolicyActions:
             phase="Recovering",
         )
 
-    def publish(self, why: str) -> None:
-        """Publish the next generation with every registered, live worker."""
+    def publish(self, why: str, name_joined: bool = False) -> None:
+        """Publish the next generation with the registered, live workers: the current
+        members first, then the others by slot, at most ``workers`` (the rest are spares).
+        ``name_joined``: add the workers it takes in to ``why`` (spares replacing losses)."""
         s = self.state
         registered = [x for x in s.slots if x.status == "registered" and s.ref(x).id not in s.dead]
         if not registered:
             return
         order = {m.worker: m.rank for m in s.membership.members}
         registered.sort(key=lambda x: (order.get(s.ref(x).id, len(order) + x.index), x.index))
+        registered = registered[: self.cfg.workers]
+        joined = [s.ref(x).id for x in registered if s.ref(x).id not in order]
+        if name_joined and joined:
+            why += f"; {', '.join(joined)} joined"
         members = [
             Member(
                 rank=rank,

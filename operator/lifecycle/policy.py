@@ -10,6 +10,10 @@ driver. Rules, in short:
 - A lost member (exit, peer suspicion, hang, evicted node) is dropped at once in a new
   generation and its slot gets a replacement, which joins in a later generation when it
   registers. Survivors keep the training state in memory (no checkpoint reload).
+- Spares (``faultTolerance.spares``): the job runs workers + spares slots, and a
+  generation has at most ``workers`` members. A registered worker beyond them is a spare:
+  it waits, registered, until a member is lost; the generation that drops the lost member
+  takes a spare in, so no later join is needed, and the replacement becomes a spare.
 - Restart from checkpoint only when the state may be gone: fewer than ``minWorkers``
   members survive, or more than ``maxFailures`` members were lost before training made
   progress again. Restarts are bounded by ``maxRestarts`` with exponential backoff.
@@ -61,7 +65,7 @@ def initial_state(
 ) -> LifecycleState:
     """A new job: every slot waits for its first worker."""
     config = PolicyConfig.from_spec(spec, suspect_grace_s)
-    slots = tuple(Slot(index=i, incarnation=0, status="pending") for i in range(config.workers))
+    slots = tuple(Slot(index=i, incarnation=0, status="pending") for i in range(config.slots))
     return LifecycleState(job=job, config=config, slots=slots)
 
 
@@ -115,7 +119,8 @@ class _Policy(PolicyActions):
         for slot in self.state.slots:
             if slot.status == "pending":
                 self.start(slot)
-        self.event("JobStarted", f"starting {self.cfg.workers} workers")
+        spares = f" and {self.cfg.spares} spare(s)" if self.cfg.spares else ""
+        self.event("JobStarted", f"starting {self.cfg.workers} workers{spares}")
 
     def on_registered(self, ev: WorkerRegistered) -> None:
         slot = self.state.slot_of(ev.worker)
@@ -134,10 +139,13 @@ class _Policy(PolicyActions):
         if ev.worker in self.state.member_ids():
             return  # a member re-registering (e.g. a client retry): nothing changes
         if self.state.restarting or self.state.generation == 0:
-            if self.state.live_count() == len(self.state.slots):
+            if self.state.live_count() >= self.cfg.workers:
                 self.publish(f"all {self.cfg.workers} workers registered")
-        else:
+        elif len(self.state.member_ids()) < self.cfg.workers:
             self.publish(f"{ev.worker} joined")
+        else:
+            ready = self.state.live_count() - len(self.state.member_ids())
+            self.event("SpareReady", f"{ev.worker} is a spare ({ready} of {self.cfg.spares} ready)")
 
     def on_exited(self, ev: WorkerExited) -> None:
         slot = self.state.slot_of(ev.worker)

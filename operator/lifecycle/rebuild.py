@@ -59,14 +59,14 @@ def rebuild(
     """
     config = PolicyConfig.from_spec(spec, suspect_grace_s)
     members = {m.worker: m for m in status.membership.members}
-    newest = _newest_incarnations([*live, *members], config.workers)
+    newest = _newest_incarnations([*live, *members], config.slots)
     unseen: set[str] = set()  # started by the previous manager, neither running nor members
     # The previous manager started incarnation 0 of every slot when it opened the job
     # (drivers record only the later ones): a slot whose first worker is gone without a
     # trace must not get its id again.
-    started = {i: 0 for i in range(config.workers)} | dict(started or {})
+    started = {i: 0 for i in range(config.slots)} | dict(started or {})
     for index, incarnation in started.items():
-        if 0 <= index < config.workers and incarnation > newest.get(index, -1):
+        if 0 <= index < config.slots and incarnation > newest.get(index, -1):
             unseen.add(worker_id(job, index, incarnation))
             newest[index] = incarnation
     view = MembershipView(
@@ -76,7 +76,7 @@ def rebuild(
     )
     has_progress = status.step > 0 or status.loss is not None
     slots = []
-    for index in range(config.workers):
+    for index in range(config.slots):
         incarnation = newest.get(index, -1)
         slot = Slot(index=index, incarnation=max(incarnation, 0), status="pending", start_at=now)
         wid = worker_id(job, index, slot.incarnation)

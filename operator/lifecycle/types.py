@@ -43,7 +43,7 @@ def _memo(cache: dict[int, tuple], key: object, value: object) -> None:
 class PolicyConfig:
     """The parts of a TrainingJobSpec the policy acts on."""
 
-    workers: int
+    workers: int  # that train; the generation's members
     min_workers: int
     total_steps: int
     max_failures: int
@@ -57,6 +57,12 @@ class PolicyConfig:
     # How long the lone silent member of a generation whose other members all reported a
     # collective error (or are polling membership) may stay silent before it is replaced.
     suspect_grace_s: float = DEFAULT_SUSPECT_GRACE_S
+    spares: int = 0  # registered workers kept out of training, to replace a lost member
+
+    @property
+    def slots(self) -> int:
+        """Worker slots: the workers that train and the spares."""
+        return self.workers + self.spares
 
     @classmethod
     def from_spec(cls, spec: TrainingJobSpec, suspect_grace_s: float | None = None) -> PolicyConfig:
@@ -77,6 +83,7 @@ class PolicyConfig:
             registration_timeout_s=ft.registration_timeout_seconds,
             evict_severities=frozenset(ft.evict_severities),
             suspect_grace_s=suspect_grace_s,
+            spares=ft.spares,
         )
 
     def backoff(self, attempt: int) -> float:

@@ -36,12 +36,6 @@ from bulkhead.operator.local.runner import RunOptions, RunResult, effective_spec
     help="Run a bulkhead-checkpointd next to each worker, as in a worker pod [default: on]; "
     "checkpoints go to <run-dir>/checkpoints unless spec.checkpoint.storage.path is set.",
 )
-@click.option(
-    "--warm-spare/--no-warm-spare",
-    default=False,
-    help="Keep one worker process started ahead, its imports done, to replace the next lost "
-    "worker in about a second instead of several [default: off; one-process workers only].",
-)
 def run(
     job_file: Path,
     workers: int | None,
@@ -52,7 +46,6 @@ def run(
     worker_command: str | None,
     no_live: bool,
     checkpoint_sidecar: bool,
-    warm_spare: bool,
 ) -> None:
     """Run a TrainingJob on this machine: workers are processes, faults are survived."""
     try:
@@ -62,7 +55,11 @@ def run(
             click.echo(f"{job_file}: {err}", err=True)
         raise SystemExit(2) from None
     try:
-        parse_chaos(chaos, workers or job.spec.workers, job.spec.trainer_processes)
+        parse_chaos(
+            chaos,
+            (workers or job.spec.workers) + job.spec.fault_tolerance.spares,
+            job.spec.trainer_processes,
+        )
         options = RunOptions(
             workers=workers,
             steps=steps,
@@ -72,15 +69,7 @@ def run(
             live=not no_live,
             timeout_s=timeout,
             checkpoint_sidecars=checkpoint_sidecar,
-            warm_spare=warm_spare,
         )
-        if warm_spare and worker_command:
-            raise click.UsageError("--warm-spare starts bulkhead-worker: not with --worker-command")
-        if warm_spare and job.spec.trainer_processes > 1:
-            raise click.UsageError(
-                "--warm-spare keeps a one-process worker ready: not with processesPerWorker "
-                f"{job.spec.trainer_processes}"
-            )
         effective_spec(job, workers, steps)
     except (ChaosError, ManifestError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -32,7 +32,6 @@ from bulkhead.api.protocol import (
     LOCAL_RANK_ENV,
     NODE_ENV,
     RUN_DIR_ENV,
-    STANDBY_ENV,
     TOKEN_ENV,
     WORKER_ENV,
 )
@@ -45,9 +44,6 @@ from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.trainer.pod.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
-
-# A warm spare starts this long after a worker did: the workers import first.
-SPARE_DELAY_S = 5.0
 
 
 def default_worker_command() -> list[str]:
@@ -100,7 +96,6 @@ class LocalDriver:
         extra_env: dict[str, str] | None = None,
         stop_grace_s: float = 5.0,
         sidecars: SidecarLauncher | None = None,
-        warm_spare: bool = False,
     ) -> None:
         self.job_name = job_name
         self.spec = spec
@@ -117,14 +112,6 @@ class LocalDriver:
         self.status_listeners: list[Callable[[TrainingJobStatus], None]] = []
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
-        # A worker process started ahead, its imports done, waiting to become a replacement
-        # (one-process pods only: a pod's launcher would still start its processes cold).
-        if warm_spare and spec.trainer_processes > 1:
-            raise ValueError("a warm spare is a one-process worker: processesPerWorker must be 1")
-        self.warm_spare = warm_spare
-        self._spare: tuple[asyncio.subprocess.Process, IO[bytes]] | None = None
-        self._spare_task: asyncio.Task[None] | None = None
-        self._spares_started = 0
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ Driver
@@ -150,100 +137,26 @@ class LocalDriver:
         }
         if self.sidecars is not None:
             env.update(await self.sidecars.start(worker))
-        log_path = self.run_dir / "logs" / f"{worker.id}.log"
-        spare = await self._take_spare(env, log_path)
-        if spare is not None:
-            process, log_file = spare
-            how = "from the warm spare"
-        else:
-            log_file = log_path.open("ab")
-            process = await self._spawn(env, log_file, asyncio.subprocess.DEVNULL)
-            how = "cold"
+        log_file = (self.run_dir / "logs" / f"{worker.id}.log").open("ab")
+        process = await self._spawn(env, log_file)
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
         wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
-        log.info("started %s (pid %d, %s)", worker.id, process.pid, how)
+        log.info("started %s (pid %d)", worker.id, process.pid)
         self._observe(WorkerRunning(worker.id, node))
-        self._keep_spare()
 
-    async def _spawn(
-        self, env: dict[str, str], log_file: IO[bytes], stdin: int
-    ) -> asyncio.subprocess.Process:
+    async def _spawn(self, env: dict[str, str], log_file: IO[bytes]) -> asyncio.subprocess.Process:
         """A worker process in a session of its own (its group is killed as one), logging
         to ``log_file`` and dying with the supervisor."""
         return await asyncio.create_subprocess_exec(
             *self.command,
             env=env,
-            stdin=stdin,
+            stdin=asyncio.subprocess.DEVNULL,
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-
-    # ------------------------------------------------------------ the warm spare
-
-    def _keep_spare(self) -> None:
-        """Have a spare started (after the workers' own start-up) unless one is there."""
-        if not self.warm_spare or self._closing:
-            return
-        if self._spare_task is None or self._spare_task.done():
-            self._spare_task = asyncio.create_task(self._start_spare(), name="warm-spare")
-
-    async def _start_spare(self) -> None:
-        if self._spare is not None and self._spare[0].returncode is None:
-            return
-        await asyncio.sleep(SPARE_DELAY_S)  # the workers' imports first: 2 cores are few
-        if self._closing:
-            return
-        self._spares_started += 1
-        logs = self.run_dir / "logs"
-        log_file = (logs / f"{self.job_name}-spare-{self._spares_started}.log").open("ab")
-        env = {
-            **os.environ,
-            **self.extra_env,
-            JOB_ENV: self.job_name,
-            STANDBY_ENV: "1",
-            "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1"),
-            "PYTHONUNBUFFERED": "1",
-        }
-        process = await self._spawn(env, log_file, asyncio.subprocess.PIPE)
-        self._spare = (process, log_file)
-        log.info("warm spare started (pid %d)", process.pid)
-
-    async def _take_spare(
-        self, env: dict[str, str], log_path: Path
-    ) -> tuple[asyncio.subprocess.Process, IO[bytes]] | None:
-        """The spare, told to become the worker of ``env`` (None if there is none alive)."""
-        spare, self._spare = self._spare, None
-        if spare is None:
-            return None
-        process, log_file = spare
-        if process.returncode is not None or process.stdin is None:
-            log_file.close()
-            return None
-        try:
-            process.stdin.write(json.dumps({"env": env, "log": str(log_path)}).encode() + b"\n")
-            await process.stdin.drain()
-            process.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
-            log_file.close()
-            return None
-        return process, log_file
-
-    async def _stop_spare(self) -> None:
-        if self._spare_task is not None:
-            self._spare_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._spare_task
-        spare, self._spare = self._spare, None
-        if spare is None:
-            return
-        process, log_file = spare
-        _killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(process.wait(), 10)
-        log_file.close()
 
     async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
         wp = self._procs.get(worker.id)
@@ -298,7 +211,6 @@ class LocalDriver:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after the grace) and wait for all."""
         self._closing = True
-        await self._stop_spare()
         grace = self.stop_grace_s if grace_s is None else grace_s
         live = [wp for wp in self._procs.values() if wp.running]
         for wp in live:

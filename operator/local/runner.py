@@ -53,7 +53,6 @@ class RunOptions:
     finish_grace_s: float = 30.0
     checkpoint_sidecars: bool = True
     # Keep a worker process started ahead (imports done) to replace the next lost worker.
-    warm_spare: bool = False
     shm_root: Path | None = None
 
 
@@ -114,7 +113,7 @@ class LocalRun:
         if options.checkpoint_sidecars:
             self.spec = with_local_storage(self.spec, self.run_dir / LOCAL_CHECKPOINTS)
         self.schedule = ChaosSchedule(
-            parse_chaos(options.chaos, self.spec.workers, self.spec.trainer_processes),
+            parse_chaos(options.chaos, self.spec.worker_slots, self.spec.trainer_processes),
             seed=options.chaos_seed,
         )
         self.failures_injected = 0
@@ -147,7 +146,6 @@ class LocalRun:
                 extra_env=self.options.extra_env,
                 stop_grace_s=self.options.stop_grace_s,
                 sidecars=self._sidecars(token),
-                warm_spare=self.options.warm_spare,
             )
 
         session = JobSession(open_new(self.name, self.spec), token, make_driver)
@@ -161,7 +159,9 @@ class LocalRun:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        recorder.event("RunStarted", f"{self.spec.workers} workers, chaos: {self.options.chaos}")
+        spares = self.spec.fault_tolerance.spares
+        workers = f"{self.spec.workers} workers" + (f" + {spares} spare(s)" if spares else "")
+        recorder.event("RunStarted", f"{workers}, chaos: {self.options.chaos}")
         chaos_task = asyncio.create_task(self._periodic_chaos(recorder, driver))
         interrupted = False
         try:
@@ -288,6 +288,7 @@ class LocalRun:
             "phase": phase,
             "message": status.message,
             "workers": self.spec.workers,
+            "spares": self.spec.fault_tolerance.spares,
             "steps_total": self.spec.trainer.steps,
             "steps_completed": state.step + 1 if state.has_progress else 0,
             "lost_steps": state.lost_steps,

@@ -46,7 +46,7 @@ class StatusView:
             phase=s.phase,
             conditions=self._conditions.update(s, lambda: self.rfc3339(now)),
             membership=membership,
-            workers=f"{s.live_count()}/{s.config.workers}",
+            workers=workers_column(s),
             step=s.step,
             loss=s.loss,
             last_checkpoint_step=s.last_checkpoint_step,
@@ -74,3 +74,13 @@ class StatusView:
     def rfc3339(self, t: float) -> str:
         """A session-clock time as wall-clock RFC 3339."""
         return rfc3339(t + self._wall_offset, millis=True)
+
+
+def workers_column(s: LifecycleState) -> str:
+    """``kubectl get tj``'s WORKERS: registered/desired, and with spares how many of them
+    are ready (registered beyond the workers that train), e.g. ``4/4 +1/1 spare``."""
+    desired, live = s.config.workers, s.live_count()
+    column = f"{min(live, desired)}/{desired}"
+    if s.config.spares:
+        column += f" +{max(0, live - desired)}/{s.config.spares} spare"
+    return column

@@ -236,3 +236,55 @@ def test_an_api_server_outage_does_not_lose_a_replacement(
     wait_until(lambda: accused.id not in names(), "the accused worker's pod deleted")
     assert names() == {accuser.id, *replacement}  # one replacement, no duplicate
     assert operator.alive()
+
+
+def test_a_spare_pod_takes_a_lost_workers_place_in_one_generation(
+    k8s_cluster, k8s_namespace, zone, operator
+):
+    zone_name, _ = zone
+    job = Job(k8s_cluster, k8s_namespace, "spared")
+    fault_tolerance = {
+        "maxFailures": 1,
+        "spares": 1,
+        "hangTimeoutSeconds": 600,
+        "registrationTimeoutSeconds": 600,
+        "backoff": {"initialSeconds": 0.2, "maxSeconds": 1},
+    }
+    _apply(
+        k8s_cluster,
+        job_manifest("spared", k8s_namespace, zone_name, workers=2, faultTolerance=fault_tolerance),
+    )
+    # Three pods (two workers and the spare); the first generation trains two of them.
+    workers = _form_generation(job, operator, 3)
+    first = next(iter(workers.values()))
+    view = wait_until(lambda: (v := first.membership(0)) and v["generation"] >= 1 and v, "gen 1")
+    trained = members(view)
+    assert len(trained) == 2
+    (spare,) = set(workers) - trained
+    wait_until(lambda: job.status().get("workers") == "2/2 +1/1 spare", "the spare ready")
+    printed = k8s_cluster.kubectl("get", "tj", "spared", "-n", k8s_namespace).stdout
+    assert "2/2 +1/1 spare" in printed, printed
+
+    # A member's pod is deleted: the next generation already has the spare in its place.
+    victim = min(trained)
+    survivor = next(iter(trained - {victim}))
+    k8s_cluster.kubectl("delete", "pod", victim, "-n", k8s_namespace, "--wait=false")
+    replaced = wait_until(
+        lambda: (
+            (v := workers[survivor].membership(view["generation"]))
+            and v["generation"] > view["generation"]
+            and v
+        ),
+        "a generation without the lost worker",
+    )
+    assert members(replaced) == {survivor, spare}
+    assert replaced["generation"] == view["generation"] + 1
+    # Its replacement pod is the next spare: registered, it changes no generation.
+    newcomer = wait_until(
+        lambda: [p for n, p in job.running_pods().items() if n not in workers],
+        "a replacement pod Running",
+    )[0]
+    FakeWorker(operator.url, job, job.token(), newcomer).register()
+    wait_until(lambda: job.status().get("workers") == "2/2 +1/1 spare", "the new spare ready")
+    assert job.status()["membership"]["generation"] == replaced["generation"]
+    assert operator.alive()

@@ -54,6 +54,8 @@ from bulkhead.trainer.runtime.samples_log import SamplesLog
 from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
 log = logging.getLogger(__name__)
+# How often a worker waiting for a generation that includes it checks whether it is a spare.
+_SPARE_CHECK_S = 2.0
 
 Outcome = Literal["done", "reconfigure"]
 
@@ -202,20 +204,38 @@ class ElasticTrainer:
     def _next_view(self, after: int) -> MembershipView:
         """The first published generation newer than ``after`` that includes this worker."""
 
+        def includes_me(view: MembershipView) -> bool:
+            return any(m.worker == self.me.worker for m in view.members)
+
         def usable(view: MembershipView) -> bool:
             if view.state in ("succeeded", "failed"):
                 return True
-            return view.generation > after and any(m.worker == self.me.worker for m in view.members)
+            return view.generation > after and includes_me(view)
 
         timeout = self.cfg.timeouts.registration_s
-        try:
-            view = self.watcher.wait_for(usable, timeout)
-        except Exception as exc:
-            if is_gone(exc):
-                raise Stopped(f"dropped by the manager: {exc}") from exc
-            raise
-        if view is None:
-            raise NoGeneration(f"no generation after {after} included this worker in {timeout}s")
+        deadline = time.monotonic() + timeout
+        spare = False
+        while True:
+            try:
+                view = self.watcher.wait_for(usable, _SPARE_CHECK_S)
+            except Exception as exc:
+                if is_gone(exc):
+                    raise Stopped(f"dropped by the manager: {exc}") from exc
+                raise
+            if view is not None:
+                break
+            latest = self.watcher.latest
+            running = latest is not None and latest.generation > 0 and latest.state == "running"
+            if running and not includes_me(latest):
+                # The job trains without this registered worker: a spare (faultTolerance.
+                # spares). It waits as long as the manager keeps it (which drops it if not).
+                if not spare:
+                    log.info("a spare: the job trains without this worker until it loses one")
+                    spare = True
+            elif time.monotonic() >= deadline:
+                raise NoGeneration(
+                    f"no generation after {after} included this worker in {timeout}s"
+                )
         if view.state == "failed":
             raise Stopped(f"the job failed: generation {view.generation}")
         if view.state == "succeeded":

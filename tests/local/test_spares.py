@@ -1,0 +1,78 @@
+"""``faultTolerance.spares`` in ``bulkhead run``: a spare worker takes a lost member's place.
+
+Two workers train data parallel next to one spare (a registered worker that does not
+train). A killed member's place is taken in the recovery's own generation, so the job is
+whole again at once; the replacement becomes the next spare and takes the place of the
+next member lost. Real worker processes (torch, gloo, CPU) and checkpoint sidecars.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from local_harness import (
+    BULKHEAD,
+    assert_samples_exact,
+    pod_process,
+    read_jsonl,
+    wait_no_processes,
+    write_job,
+)
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+NAME = "spares"
+
+
+def _events(run_dir: Path, reason: str) -> list[str]:
+    path = run_dir / "events.jsonl"
+    events = read_jsonl(path) if path.exists() else []
+    return [e["message"] for e in events if e["reason"] == reason]
+
+
+def test_spares_take_the_place_of_lost_members_in_the_same_generation(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", NAME, workers=2, steps=600, maxFailures=1, spares=1)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["checkpoint"] = {"intervalSteps": 50}
+    job.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [BULKHEAD, "run", str(job), "--run-dir", str(run_dir), "--no-live",
+         "--chaos", "kill:worker=0@step=20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # The replacement of worker 0 registers as the new spare; then lose worker 1.
+        wait_until(
+            lambda: any(f"{NAME}-w0-1 is a spare" in m for m in _events(run_dir, "SpareReady")),
+            "the replacement to become the spare",
+            timeout=240,
+            every=0.2,
+        )
+        pod_process(NAME, "-w1-0", local_rank=None).kill()
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps_completed"] == 600
+    assert summary["restarts"] == 0 and summary["lost_steps"] == 0
+    assert len(summary["recoveries"]) == 2, summary["recoveries"]
+    published = _events(run_dir, "MembershipPublished")
+    # Generation 1, then one per loss: every loss is replaced in its own generation.
+    assert len(published) == 3, published
+    assert f"{NAME}-w0-0 lost" in published[1] and f"{NAME}-w2-0 joined" in published[1]
+    assert f"{NAME}-w1-0 lost" in published[2] and f"{NAME}-w0-1 joined" in published[2]
+    assert all("2 workers" in m for m in published), published
+    recovered = _events(run_dir, "Recovered")
+    assert all("0 steps redone" in m for m in recovered), recovered
+    ready = _events(run_dir, "SpareReady")  # the first spare, w0-1, perhaps w1-1 by the end
+    assert [m.split()[0] for m in ready[:2]] == [f"{NAME}-w2-0", f"{NAME}-w0-1"], ready
+    assert_samples_exact(run_dir, 600)
+    assert wait_no_processes(NAME) == []
