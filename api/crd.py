@@ -25,7 +25,7 @@ PRINTER_COLUMNS = [
         "name": "Workers",
         "type": "string",
         "jsonPath": ".status.workers",
-        "description": "live/desired workers",
+        "description": "live/desired workers (and ready/desired spares)",
     },
     {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},

@@ -91,7 +91,9 @@ class TrainingJobStatus(Model):
     membership: Membership = Field(
         default_factory=Membership, description="The current generation and its members."
     )
-    workers: str = Field("", description="live/desired, for the printer column.")
+    workers: str = Field(
+        "", description="live/desired, and with spares ready/spares, for the printer column."
+    )
     step: int = Field(0, ge=0, description="Last optimizer step completed (0-based).")
     loss: float | None = Field(None, description="Training loss of the last reported step.")
     last_checkpoint_step: int | None = Field(
