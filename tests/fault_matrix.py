@@ -44,7 +44,7 @@ FAULTS: tuple[Fault, ...] = (
             "test_spares_take_the_place_of_lost_members_in_the_same_generation",
             "tests/operator/test_k8s_operator.py::"
             "test_a_spare_pod_takes_a_lost_workers_place_in_one_generation",
-            "tests/lifecycle/test_spares.py::"
+            "tests/lifecycle/test_policy_spares.py::"
             "test_a_lost_member_is_replaced_by_a_spare_in_the_same_generation",
         ),
     ),
