@@ -55,11 +55,8 @@ def run(
             click.echo(f"{job_file}: {err}", err=True)
         raise SystemExit(2) from None
     try:
-        parse_chaos(
-            chaos,
-            (workers or job.spec.workers) + job.spec.fault_tolerance.spares,
-            job.spec.trainer_processes,
-        )
+        spec = effective_spec(job, workers, steps)
+        parse_chaos(chaos, spec.worker_slots, spec.trainer_processes)
         options = RunOptions(
             workers=workers,
             steps=steps,
@@ -70,7 +67,6 @@ def run(
             timeout_s=timeout,
             checkpoint_sidecars=checkpoint_sidecar,
         )
-        effective_spec(job, workers, steps)
     except (ChaosError, ManifestError) as exc:
         raise click.UsageError(str(exc)) from None
     assert options.run_dir is not None

@@ -72,6 +72,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def event_messages(run_dir: Path, reason: str) -> list[str]:
+    """The messages of the run's Events of one reason, in order (none before the file exists:
+    a test may poll a run that is still starting)."""
+    path = run_dir / "events.jsonl"
+    events = read_jsonl(path) if path.exists() else []
+    return [e["message"] for e in events if e["reason"] == reason]
+
+
 def processes_of_job(job: str) -> list[psutil.Process]:
     """Live processes started for ``job`` (found by their launch environment)."""
     found = []

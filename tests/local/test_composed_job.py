@@ -18,8 +18,8 @@ import pytest
 from local_harness import (
     BULKHEAD,
     assert_samples_exact,
+    event_messages,
     pod_process,
-    read_jsonl,
     wait_no_processes,
 )
 from waiting import wait_until
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-3d.yaml"
 NAME = "local-3d"
-
-
-def _plans(run_dir: Path) -> list[str]:
-    path = run_dir / "events.jsonl"
-    events = read_jsonl(path) if path.exists() else []
-    return [e["message"] for e in events if e["reason"] == "PlanApplied"]
 
 
 def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path) -> None:
@@ -48,7 +42,9 @@ def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path)
         # Once the replacement of the first pod has joined (3 pods again), kill the
         # single-stage pipeline's pod, launcher and both processes.
         wait_until(
-            lambda: any("3 worker(s) x 2 processes" in p for p in _plans(run_dir)[1:]),
+            lambda: any(
+                "3 worker(s) x 2 processes" in p for p in event_messages(run_dir, "PlanApplied")[1:]
+            ),
             "the replacement pod to join",
             timeout=240,
             every=0.2,
@@ -63,12 +59,11 @@ def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path)
     assert summary["phase"] == "Succeeded" and summary["steps_completed"] == steps
     assert summary["restarts"] == 0 and summary["lost_steps"] == 0, summary
     assert len(summary["recoveries"]) == 2, summary["recoveries"]
-    plans = _plans(run_dir)
+    plans = event_messages(run_dir, "PlanApplied")
     first = plans[0]
     assert "Oobleck pipelines: 2 (2+1 stages" in first, first
     assert "ZeRO-3 inside each stage" in first and "experts inside each stage" in first, first
-    events = read_jsonl(run_dir / "events.jsonl")
-    recovered = [e["message"] for e in events if e["reason"] == "Recovered"]
+    recovered = event_messages(run_dir, "Recovered")
     assert len(recovered) == 2 and all("0 steps redone" in m for m in recovered), recovered
     assert_samples_exact(run_dir, steps, global_batch=16)
     assert wait_no_processes(NAME) == []

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from local_harness import assert_samples_exact, read_jsonl, run_cli, wait_no_processes
+from local_harness import (
+    assert_samples_exact,
+    event_messages,
+    read_jsonl,
+    run_cli,
+    wait_no_processes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +36,6 @@ def _job(tmp: Path, **fault_tolerance: float) -> Path:
     return path
 
 
-def _plans(run_dir: Path) -> list[str]:
-    events = read_jsonl(run_dir / "events.jsonl")
-    return [e["message"] for e in events if e["reason"] == "PlanApplied"]
-
-
 def test_a_killed_middle_stage_and_a_hung_stage_are_recovered_in_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     steps = 60
@@ -48,12 +49,14 @@ def test_a_killed_middle_stage_and_a_hung_stage_are_recovered_in_process(tmp_pat
     assert [r["cause"] for r in summary["recoveries"]] == ["SIGKILL", "hang"]
     assert summary["restarts"] == 0
     assert summary["lost_steps"] == 0
-    recovered = [e["message"] for e in read_jsonl(run_dir / "events.jsonl")
-                 if e["reason"] == "Recovered"]  # fmt: skip
+    recovered = event_messages(run_dir, "Recovered")
     assert len(recovered) == 2
     assert all("state moved between surviving holders" in m for m in recovered), recovered
     # 3 + 2 stages, then 2 + 2 after the kill; 3 + 2 whenever a replacement has joined.
-    shapes = [m.split("Oobleck pipelines: ")[1].split(" stages")[0] for m in _plans(run_dir)]
+    shapes = [
+        m.split("Oobleck pipelines: ")[1].split(" stages")[0]
+        for m in event_messages(run_dir, "PlanApplied")
+    ]
     assert shapes[:2] == ["2 (3+2", "2 (2+2"], shapes
     assert set(shapes) <= {"2 (3+2", "2 (2+2"}, shapes
     assert_samples_exact(run_dir, steps, global_batch=16)

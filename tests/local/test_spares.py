@@ -18,8 +18,8 @@ import yaml
 from local_harness import (
     BULKHEAD,
     assert_samples_exact,
+    event_messages,
     pod_process,
-    read_jsonl,
     wait_no_processes,
     write_job,
 )
@@ -30,15 +30,9 @@ pytestmark = pytest.mark.slow
 NAME = "spares"
 
 
-def _events(run_dir: Path, reason: str) -> list[str]:
-    path = run_dir / "events.jsonl"
-    events = read_jsonl(path) if path.exists() else []
-    return [e["message"] for e in events if e["reason"] == reason]
-
-
 def _spares(run_dir: Path) -> list[str]:
     """The workers that became spares, in order ("<worker> is a spare (...)")."""
-    return [m.split()[0] for m in _events(run_dir, "SpareReady")]
+    return [m.split()[0] for m in event_messages(run_dir, "SpareReady")]
 
 
 def test_spares_take_the_place_of_lost_members_in_the_same_generation(tmp_path: Path) -> None:
@@ -76,13 +70,13 @@ def test_spares_take_the_place_of_lost_members_in_the_same_generation(tmp_path: 
     assert summary["phase"] == "Succeeded" and summary["steps_completed"] == 600
     assert summary["restarts"] == 0 and summary["lost_steps"] == 0
     assert len(summary["recoveries"]) == 2, summary["recoveries"]
-    published = _events(run_dir, "MembershipPublished")
+    published = event_messages(run_dir, "MembershipPublished")
     # Generation 1, then one per loss: every loss is replaced in its own generation.
     assert len(published) == 3, published
     assert f"{first} lost" in published[1] and f"{spare} joined" in published[1]
     assert f"{second} lost" in published[2] and f"{replacement} joined" in published[2]
     assert all("2 workers" in m for m in published), published
-    recovered = _events(run_dir, "Recovered")
+    recovered = event_messages(run_dir, "Recovered")
     assert all("0 steps redone" in m for m in recovered), recovered
     assert_samples_exact(run_dir, 600)
     assert wait_no_processes(NAME) == []
