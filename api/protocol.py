@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 from enum import IntEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints
+from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
 from bulkhead.api.spec import Model
 from bulkhead.api.status import Member, Membership
@@ -181,13 +182,49 @@ def apply_membership_delta(base: MembershipView, delta: dict[str, Any]) -> Membe
     return view
 
 
+# The most steps one progress report carries besides its own: a worker whose manager has
+# not answered for longer keeps the newest (a gap in the per-step figures, never in steps).
+MAX_EARLIER_STEPS = 256
+
+
+class StepFigures(Model):
+    """One completed step's figures, carried by the next progress report sent."""
+
+    step: int = Field(..., ge=0)
+    loss: float | None = None
+    step_time_s: float | None = Field(None, ge=0)
+    tokens_per_s: float | None = Field(None, ge=0)
+    age_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Seconds from the step's completion to the report's sending, on the worker's "
+            "clock: the manager dates the step by its own clock without clock sync."
+        ),
+    )
+
+
 class ProgressReport(Model):
+    """The newest completed step (its figures in the report's own fields) and, in
+    ``earlier``, those of the steps completed since the worker's previous report.
+
+    A worker sends at most one report per ``trainer.reportIntervalSeconds`` (the first of a
+    generation, a changed plan and a step the manager asked for at once), so the cost of
+    reporting does not grow with the step rate; every step's figures still arrive.
+    """
+
     worker: str
     generation: int = Field(..., ge=0)
     step: int = Field(..., ge=0, description="Last completed step.")
     loss: float | None = None
     step_time_s: float | None = Field(None, ge=0)
     tokens_per_s: float | None = Field(None, ge=0)
+    age_s: float = Field(0.0, ge=0, description="As in StepFigures, for ``step``.")
+    earlier: list[StepFigures] = Field(
+        default_factory=list,
+        max_length=MAX_EARLIER_STEPS,
+        description="Steps completed since the previous report, oldest first.",
+    )
     checkpoint_step: int | None = Field(None, ge=0)
     # From ranks that persist a checkpoint shard (the others send neither): the newest step
     # their sidecar wrote to storage, and its last persist error (None once one succeeds).
@@ -209,6 +246,24 @@ class ProgressReport(Model):
             "checkpoint because some piece had no surviving holder."
         ),
     )
+
+    @model_validator(mode="after")
+    def _earlier_precede(self) -> ProgressReport:
+        steps = [f.step for f in self.earlier] + [self.step]
+        if any(a >= b for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"earlier steps must ascend and precede step {self.step}")
+        return self
+
+    def figures(self) -> list[StepFigures]:
+        """Every step this report carries, oldest first (the report's own step last)."""
+        own = StepFigures(
+            step=self.step,
+            loss=self.loss,
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+            age_s=self.age_s,
+        )
+        return [*self.earlier, own]
 
 
 class FaultReport(Model):
@@ -236,6 +291,14 @@ class Directive(Model):
     action: Action = "continue"
     generation: int = Field(..., ge=0, description="The current generation.")
     reason: str = ""
+    report_step: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Report the moment this step completes rather than at the report interval: "
+            "the manager acts on it (a chaos fault of local mode is due at that step)."
+        ),
+    )
 
 
 class WorkerReport(Model):

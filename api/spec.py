@@ -421,6 +421,15 @@ class TrainerConfig(SpecModel):
     log_interval_steps: int = Field(
         1, ge=1, le=1_000_000, description="Progress report every n steps."
     )
+    report_interval_seconds: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description=(
+            "At most one progress request to the manager per interval; each carries every "
+            "reported step since the last (0: one request per report)."
+        ),
+    )
 
 
 class BackoffConfig(SpecModel):

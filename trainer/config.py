@@ -118,6 +118,8 @@ class Timeouts:
     registration_s: float = 300.0
     hang_s: float = 120.0  # the job's hangTimeoutSeconds, told to the node agent
     membership_poll_s: float = MEMBERSHIP_POLL_SECONDS
+    # The completion report waits this long for the last progress report's answer.
+    report_flush_s: float = 10.0
 
     @property
     def peer_probe_s(self) -> float:
@@ -170,6 +172,7 @@ class TrainConfig:
     data_seed: int = 0
     data_max_bytes: int = DEFAULT_DATA_MAX_BYTES
     log_interval_steps: int = 1
+    report_interval_s: float = 0.5  # the job's reportIntervalSeconds
     checkpoint_interval_steps: int = 50
     timeouts: Timeouts = field(default_factory=Timeouts)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -195,6 +198,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         data_source=trainer.data.source,
         data_seed=trainer.data.seed,
         log_interval_steps=trainer.log_interval_steps,
+        report_interval_s=trainer.report_interval_seconds,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,
         timeouts=Timeouts(
             collective_s=ft.collective_timeout_seconds,

@@ -143,6 +143,17 @@ class ChaosSchedule:
             return fault.slot if fault.slot in live_slots else None
         return self._rng.choice(sorted(live_slots)) if live_slots else None
 
+    def next_step(self) -> int | None:
+        """The lowest step a one-shot fault not fired yet waits for (None: no such fault)."""
+        return min(
+            (
+                f.at_step
+                for i, f in enumerate(self.faults)
+                if f.at_step is not None and i not in self._fired
+            ),
+            default=None,
+        )
+
     @property
     def pending(self) -> bool:
         """Whether some one-shot fault has not fired yet."""

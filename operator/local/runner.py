@@ -155,6 +155,7 @@ class LocalRun:
         session.add_progress_listener(
             lambda report, state: self._on_progress(report, state, recorder, driver, view)
         )
+        session.watch_step(self.schedule.next_step)
         self.recorder, self.driver, self.session = recorder, driver, session
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -221,22 +222,27 @@ class LocalRun:
         driver: LocalDriver,
         view: LiveView,
     ) -> None:
-        self.throughput.learn_step_tokens(report.tokens_per_s, report.step_time_s)
-        if report.tokens_per_s is not None:
-            self._worker_tokens_per_s[report.worker] = report.tokens_per_s
-        key = (report.generation, report.step)
-        last = self._last_row
-        if last is None or report.step > last[1] or (key[0] > last[0] and key[1] != last[1]):
+        members = state.members()
+        now = recorder.elapsed()
+        for figures in report.figures():  # every step the report carries, oldest first
+            self.throughput.learn_step_tokens(figures.tokens_per_s, figures.step_time_s)
+            if figures.tokens_per_s is not None:
+                self._worker_tokens_per_s[report.worker] = figures.tokens_per_s
+            key = (report.generation, figures.step)
+            last = self._last_row
+            if last is not None and figures.step <= last[1] and (
+                key[0] <= last[0] or key[1] == last[1]
+            ):
+                continue
             self._last_row = key
-            members = state.members()
-            t = recorder.elapsed()
-            self.throughput.committed(t, report.step)
+            t = max(0.0, now - figures.age_s)  # when the step completed
+            self.throughput.committed(t, figures.step)
             per_worker = [
                 self._worker_tokens_per_s[w] for w in members if w in self._worker_tokens_per_s
             ]
             row = recorder.metric(
-                report.step,
-                report.loss,
+                figures.step,
+                figures.loss,
                 self.throughput.current(),
                 report.generation,
                 len(members),

@@ -221,6 +221,7 @@ class JobSession(Generic[D]):
         self._recent: dict[str, MembershipView] = {}  # ETag -> a view published lately
         self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
         self._progress_listeners: list[ProgressListener] = []
+        self._watched_step: Callable[[], int | None] = lambda: None
         self._started = False
         self._phase_metric: str | None = None
         short = self.job_name.removeprefix(f"{namespace}.") if namespace else self.job_name
@@ -271,6 +272,11 @@ class JobSession(Generic[D]):
     def add_progress_listener(self, listener: ProgressListener) -> None:
         """Called with every accepted progress report (local mode's live view and chaos)."""
         self._progress_listeners.append(listener)
+
+    def watch_step(self, next_step: Callable[[], int | None]) -> None:
+        """Have workers report the moment ``next_step()`` completes (not at their report
+        interval): local mode's chaos faults due at a step."""
+        self._watched_step = next_step
 
     # ------------------------------------------------------------ protocol handlers
 
@@ -345,9 +351,11 @@ class JobSession(Generic[D]):
             raise SessionError(422, f"step {report.step} is beyond the job's last step {total - 1}")
         self._apply(ProgressReported(report))
         if self._state.membership.generation == report.generation:
-            self._series.progress(
-                self._clock(), report.step, report.step_time_s, report.tokens_per_s
-            )
+            now = self._clock()
+            for figures in report.figures():  # dated by their age: no clock sync needed
+                self._series.progress(
+                    now - figures.age_s, figures.step, figures.step_time_s, figures.tokens_per_s
+                )
             for listener in self._progress_listeners:
                 try:
                     listener(report, self._state)
@@ -448,7 +456,9 @@ class JobSession(Generic[D]):
             return Directive(
                 action="reconfigure", generation=s.generation, reason="newer generation published"
             )
-        return Directive(action="continue", generation=s.generation)
+        return Directive(
+            action="continue", generation=s.generation, report_step=self._watched_step()
+        )
 
     def _touch(self, worker: str) -> None:
         self._last_seen[worker] = self._clock()

@@ -12,7 +12,7 @@ import asyncio
 from control_harness import RecordingDriver
 from prometheus_client.parser import text_string_to_metric_families
 
-from bulkhead.api.protocol import ProgressReport, RegisterRequest
+from bulkhead.api.protocol import ProgressReport, RegisterRequest, StepFigures
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator import metrics
 from bulkhead.operator.lifecycle.types import WorkerExited
@@ -130,5 +130,52 @@ def test_a_session_exports_its_training_and_recovery_series() -> None:
         # A report after the stop does not bring the series back.
         await session.progress(ProgressReport(worker=w0, generation=2, step=5, loss=2.5))
         assert _samples() == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_report_carrying_several_steps_dates_each_by_its_age() -> None:
+    """One request with steps 0..3 (as a worker sends at its report interval) gives the
+    job's series what four requests 0.5 s apart gave; a watched step reaches the worker."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        spec = TrainingJobSpec.model_validate(
+            {"workers": 1, "trainer": {"steps": 100}, "faultTolerance": {"hangTimeoutSeconds": 600}}
+        )
+        driver = RecordingDriver()
+        session = JobSession(
+            open_new("team-a.llm", spec, clock=clock),
+            "t",
+            lambda _: driver,
+            clock=clock,
+            tick_seconds=60,
+            namespace="team-a",
+        )
+        session.watch_step(lambda: 40)
+        await session.start()
+        (w0,) = (session.state.ref(s).id for s in session.state.slots)
+        await session.register(RegisterRequest(worker=w0, address="h:0"))
+        clock.t += 2.0
+        figures = dict(step_time_s=0.1, tokens_per_s=1000.0)
+        directive = await session.progress(
+            ProgressReport(
+                worker=w0,
+                generation=1,
+                step=3,
+                loss=2.7,
+                **figures,
+                earlier=[
+                    StepFigures(step=s, loss=3.0 - s / 10, age_s=1.5 - s / 2, **figures)
+                    for s in range(3)
+                ],
+            )
+        )
+        assert directive.action == "continue" and directive.report_step == 40
+        s = _samples()
+        assert s[("bulkhead_job_step", ())] == 3
+        assert s[("bulkhead_job_loss", ())] == 2.7
+        assert s[("bulkhead_job_tokens_per_second", ())] == 200.0
+        await session.stop()
 
     asyncio.run(scenario())

@@ -54,6 +54,17 @@ def test_step_faults_stay_due_until_fired_and_fire_once() -> None:
     assert schedule.due(7, 0.0) == [] and not schedule.pending
 
 
+def test_the_next_step_to_watch_is_the_lowest_unfired_step_fault() -> None:
+    schedule = ChaosSchedule(
+        parse_chaos("kill:worker=1@step=40,hang:worker=0@step=20,kill:random@every=5s")
+    )
+    assert schedule.next_step() == 20
+    schedule.fired(1)
+    assert schedule.next_step() == 40
+    schedule.fired(0)
+    assert schedule.next_step() is None
+
+
 def test_periodic_faults_start_when_armed_and_repeat() -> None:
     schedule = ChaosSchedule(parse_chaos("kill:random@every=10s"), seed=3)
     assert schedule.due(0, 100.0) == []  # not armed: training has not started

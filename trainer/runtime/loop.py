@@ -140,7 +140,7 @@ class ElasticTrainer:
         )
         # Each thread that blocks on the control endpoint has its own client.
         self.watcher = MembershipWatcher(connect(), cfg.timeouts.membership_poll_s)
-        self.reporter = Reporter(connect())
+        self.reporter = Reporter(connect(), cfg.report_interval_s)
         self.last_result: StepResult | None = None
         self._state_source: str | None = None  # how this generation got its state
         self._newer_since: float | None = None  # when a newer generation was first seen
@@ -483,6 +483,9 @@ class ElasticTrainer:
         )
 
     def _complete(self, view: MembershipView) -> None:
+        # The last steps' figures reach the manager before it hears the job is done.
+        if not self.reporter.flush(self.cfg.timeouts.report_flush_s):
+            log.warning("the last progress report was not answered before completing")
         last = self.last_result
         storage = self.checkpointer.storage(final=True) if self.checkpointer else None
         report = CompletionReport(
