@@ -230,8 +230,10 @@ class LocalRun:
                 self._worker_tokens_per_s[report.worker] = figures.tokens_per_s
             key = (report.generation, figures.step)
             last = self._last_row
-            if last is not None and figures.step <= last[1] and (
-                key[0] <= last[0] or key[1] == last[1]
+            if (
+                last is not None
+                and figures.step <= last[1]
+                and (key[0] <= last[0] or key[1] == last[1])
             ):
                 continue
             self._last_row = key
