@@ -202,7 +202,18 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 
 def _norm_sq(grads: list[torch.Tensor]) -> float:
-    return sum(float(g.double().pow(2).sum()) for g in grads)
+    """The squared L2 norm of ``grads`` together, in double: the per-tensor norms in one
+    fused call (a Python loop of four ops per tensor cost 0.6 % of a small model's step)."""
+    if not grads:
+        return 0.0
+    if not _plain(grads):  # DTensors reduce over their mesh: one at a time
+        return sum(float(g.double().pow(2).sum()) for g in grads)
+    return float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum())
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether fused (``torch._foreach_*``) kernels apply: no DTensor among ``tensors``."""
+    return not any(isinstance(t, DTensor) for t in tensors)
 
 
 def _shardable(key: str, t: torch.Tensor) -> bool:
@@ -616,7 +627,9 @@ class Engine:
         clip = self.cfg.optimizer.grad_clip
         if clip > 0:
             coef = clip / (math.sqrt(norm_sq) + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and local_grads and _plain(local_grads):
+                torch._foreach_mul_(local_grads, coef)
+            elif coef < 1.0:
                 for g in local_grads:
                     g.mul_(coef)
         for group in self.optimizer.param_groups:
