@@ -41,6 +41,19 @@ def _samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return found
 
 
+def _session(spec: TrainingJobSpec, clock: Clock) -> JobSession[RecordingDriver]:
+    """A session of job ``team-a.llm`` on the manual clock, with a recording driver."""
+    driver = RecordingDriver()
+    return JobSession(
+        open_new("team-a.llm", spec, clock=clock),
+        "t",
+        lambda _: driver,
+        clock=clock,
+        tick_seconds=60,
+        namespace="team-a",
+    )
+
+
 def test_a_session_exports_its_training_and_recovery_series() -> None:
     async def scenario() -> None:
         clock = Clock()
@@ -52,15 +65,7 @@ def test_a_session_exports_its_training_and_recovery_series() -> None:
                 "faultTolerance": {"maxFailures": 1, "hangTimeoutSeconds": 600},
             }
         )
-        driver = RecordingDriver()
-        session = JobSession(
-            open_new("team-a.llm", spec, clock=clock),
-            "t",
-            lambda _: driver,
-            clock=clock,
-            tick_seconds=60,
-            namespace="team-a",
-        )
+        session = _session(spec, clock)
         await session.start()
         w0, w1 = (session.state.ref(s).id for s in session.state.slots)
         for i, w in enumerate((w0, w1)):
@@ -143,15 +148,7 @@ def test_a_report_carrying_several_steps_dates_each_by_its_age() -> None:
         spec = TrainingJobSpec.model_validate(
             {"workers": 1, "trainer": {"steps": 100}, "faultTolerance": {"hangTimeoutSeconds": 600}}
         )
-        driver = RecordingDriver()
-        session = JobSession(
-            open_new("team-a.llm", spec, clock=clock),
-            "t",
-            lambda _: driver,
-            clock=clock,
-            tick_seconds=60,
-            namespace="team-a",
-        )
+        session = _session(spec, clock)
         session.watch_step(lambda: 40)
         await session.start()
         (w0,) = (session.state.ref(s).id for s in session.state.slots)

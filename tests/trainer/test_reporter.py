@@ -64,6 +64,15 @@ def _report(step: int, generation: int = 1, **fields: object) -> ProgressReport:
     return ProgressReport(worker="w", generation=generation, step=step, loss=float(step), **fields)
 
 
+def _past_first_report(manager: _Manager, interval_s: float = 60.0) -> Reporter:
+    """A started reporter whose generation's first report (sent at once) was answered."""
+    reporter = Reporter(client=manager, interval_s=interval_s)
+    reporter.start()
+    reporter.post(_report(0))
+    manager.wait_for(1)
+    return reporter
+
+
 def test_a_slow_manager_gets_every_step_in_one_request_not_a_backlog() -> None:
     manager = _Manager(hold_first=True)
     reporter = Reporter(client=manager)
@@ -81,10 +90,7 @@ def test_a_slow_manager_gets_every_step_in_one_request_not_a_backlog() -> None:
 
 def test_steps_wait_for_the_interval_and_a_flush_sends_them_at_once() -> None:
     manager = _Manager()
-    reporter = Reporter(client=manager, interval_s=60.0)
-    reporter.start()
-    reporter.post(_report(0))  # a generation's first report goes at once
-    manager.wait_for(1)
+    reporter = _past_first_report(manager)
     for step in range(1, 5):
         reporter.post(_report(step))
     assert reporter.flush(30)  # returns once the manager has answered
@@ -97,26 +103,18 @@ def test_steps_wait_for_the_interval_and_a_flush_sends_them_at_once() -> None:
 
 def test_the_step_a_directive_names_is_reported_at_once() -> None:
     manager = _Manager(report_step=3)
-    reporter = Reporter(client=manager, interval_s=60.0)
-    reporter.start()
-    reporter.post(_report(0))
-    manager.wait_for(1)  # its answer names step 3
+    reporter = _past_first_report(manager)  # its answer names step 3
     reporter.post(_report(1))
     reporter.post(_report(2))
     reporter.post(_report(3))
-    assert [(r.step, [f.step for f in r.earlier]) for r in manager.wait_for(2)] == [
-        (0, []),
-        (3, [1, 2]),
-    ]
+    manager.wait_for(2)
+    assert manager.steps() == [(0, []), (3, [1, 2])]
     reporter.close()
 
 
 def test_a_new_generation_and_a_new_plan_are_reported_at_once() -> None:
     manager = _Manager()
-    reporter = Reporter(client=manager, interval_s=60.0)
-    reporter.start()
-    reporter.post(_report(0))
-    manager.wait_for(1)
+    reporter = _past_first_report(manager)
     reporter.post(_report(1))  # waits for the interval...
     reporter.post(_report(1, generation=2, state_source="kept"))  # ...and is superseded
     second = manager.wait_for(2)[1]
@@ -130,10 +128,7 @@ def test_a_new_generation_and_a_new_plan_are_reported_at_once() -> None:
 
 def test_closing_sends_what_waits() -> None:
     manager = _Manager()
-    reporter = Reporter(client=manager, interval_s=60.0)
-    reporter.start()
-    reporter.post(_report(0))
-    manager.wait_for(1)
+    reporter = _past_first_report(manager)
     reporter.post(_report(1))
     reporter.close()
     assert manager.steps() == [(0, []), (1, [])]

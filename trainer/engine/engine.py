@@ -211,6 +211,15 @@ def _norm_sq(grads: list[torch.Tensor]) -> float:
     return float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum())
 
 
+def _scale(grads: list[torch.Tensor], coef: float) -> None:
+    """Multiply ``grads`` in place by ``coef`` (fused unless a DTensor is among them)."""
+    if grads and _plain(grads):
+        torch._foreach_mul_(grads, coef)
+        return
+    for g in grads:
+        g.mul_(coef)
+
+
 def _plain(tensors: list[torch.Tensor]) -> bool:
     """Whether fused (``torch._foreach_*``) kernels apply: no DTensor among ``tensors``."""
     return not any(isinstance(t, DTensor) for t in tensors)
@@ -627,11 +636,8 @@ class Engine:
         clip = self.cfg.optimizer.grad_clip
         if clip > 0:
             coef = clip / (math.sqrt(norm_sq) + 1e-6)
-            if coef < 1.0 and local_grads and _plain(local_grads):
-                torch._foreach_mul_(local_grads, coef)
-            elif coef < 1.0:
-                for g in local_grads:
-                    g.mul_(coef)
+            if coef < 1.0:
+                _scale(local_grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg.optimizer)
         self.optimizer.step()

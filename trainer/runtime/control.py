@@ -150,15 +150,9 @@ class Reporter:
     missed in one request, never a backlog of requests.
     """
 
-    def __init__(
-        self,
-        client: ControlClient,
-        interval_s: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, client: ControlClient, interval_s: float = 0.0) -> None:
         self._client = client
         self._interval_s = interval_s
-        self._clock = clock
         self._cond = threading.Condition()
         self._batch: list[tuple[ProgressReport, float]] = []  # (report, posted at), in order
         self._urgent = False
@@ -197,7 +191,7 @@ class Reporter:
                 # An older generation's steps: the manager judges only the current one's.
                 self.superseded += len(self._batch)
                 self._batch.clear()
-            self._batch.append((report, self._clock()))
+            self._batch.append((report, time.monotonic()))
             if len(self._batch) > MAX_EARLIER_STEPS + 1:
                 del self._batch[0]
                 self.superseded += 1
@@ -238,7 +232,7 @@ class Reporter:
         with self._cond:
             while True:
                 if self._batch:
-                    wait = self._last_sent_at + self._interval_s - self._clock()
+                    wait = self._last_sent_at + self._interval_s - time.monotonic()
                     if self._urgent or self._closing or wait <= 0:
                         break
                     self._cond.wait(wait)
@@ -249,7 +243,7 @@ class Reporter:
             batch, self._batch = self._batch, []
             self._urgent = False
             self._sending = True
-            now = self._clock()
+            now = time.monotonic()
             self._last_sent_at = now
             self._generation_sent = batch[-1][0].generation
         return _merged(batch, now)
