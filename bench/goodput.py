@@ -5,34 +5,39 @@ Both sides train the job of ``bench/goodput-job.yaml`` on this machine: the same
 and checkpoint interval.
 
 - bulkhead: ``bulkhead run bench/goodput-job.yaml`` (local mode, checkpoint sidecars on,
-  snapshots every ``checkpoint.intervalSteps``, progress reported every step) with
-  ``faultTolerance.spares`` = ``--spares`` (default 1): a registered worker that does not
-  train takes a killed worker's place in the recovery's own generation, and the killed
+  snapshots every ``checkpoint.intervalSteps``, progress reports at the job's interval)
+  with ``faultTolerance.spares`` = ``--spares`` (default 1): a registered worker that does
+  not train takes a killed worker's place in the recovery's own generation, and the killed
   worker's replacement becomes the next spare (``--spares 0``: the replacement joins once
   it has started);
 - baseline: ``torchrun --max-restarts`` of ``bench/ddp_baseline.py``, plain
   ``DistributedDataParallel`` on gloo with ``torch.distributed.checkpoint.async_save`` at
   the same interval, resuming from the newest DCP checkpoint after an elastic restart.
 
-Measured:
+The bench runs ``--rounds`` rounds (default 3) of four runs each: both sides without
+failures and both sides with a worker SIGKILLed every ``--kill-every`` seconds (60;
+``--quick``: 15), the kill clock starting at the first committed step (bulkhead through
+``--chaos kill:random@every=...``, torchrun by this bench killing a random live worker).
+A round runs ddp, bulkhead, bulkhead with kills, ddp with kills; the next round the other
+way round. So every ratio below compares two runs that ran one after the other, and drift
+in the machine's speed (this VM's is ~10 % over minutes) hits both sides of a ratio alike.
 
-- **steady state** (no failures): ``--pairs`` alternated pairs of runs (ddp then bulkhead,
-  then bulkhead then ddp, ...), so load from other processes hits both sides alike. A run's
-  rate is committed steps per second from ``--warmup`` seconds after its first step to the
-  end of its window. ``steady_ratio`` = median over pairs of bulkhead rate / ddp rate
-  (target >= 0.97); ``ddp_steps_per_s`` and ``bulkhead_steps_per_s`` are median rates.
-- **goodput with failures**: one run per side with a worker SIGKILLed every ``--kill-every``
-  seconds (60; ``--quick``: 15), the clock starting at the first committed step: bulkhead
-  through ``--chaos kill:random@every=...``, torchrun by this bench killing a random live
-  worker. Goodput = steps that count (a step redone after a restart counts once: the
-  highest step committed) per second over the window from the first committed step.
-  ``goodput_ratio`` = bulkhead with failures / without (the median of the steady runs'
-  goodput, measured the same way; target >= 0.90); ``vs_torchrun_goodput_ratio`` =
-  bulkhead / torchrun, both with failures (target >= 1.5).
+Every run is measured over the same window: from half a kill period after its first
+committed step, ``--kills`` kill periods long (default 4; ``--quick``: 3). A run with
+failures thus takes exactly ``--kills`` kills inside the window, each half a period after
+the window opens or after the previous one's period; the start-up seconds fall outside.
+Goodput = steps that count (a step redone after a restart counts once: the highest step
+committed) per second over the window; without failures that is the steady throughput.
 
-``--out FILE`` writes the figures and every run's raw step times, kills and restarts.
-``--quick``: 45 s windows, a kill every 15 s; default: 120 s steady windows and a 300 s
-goodput window with a kill every 60 s. Run: ``python -P bench/goodput.py [--quick]``.
+Figures (medians over rounds of the per-round ratios):
+
+- ``steady_ratio`` = bulkhead / ddp, both without failures (target >= 0.97);
+- ``goodput_ratio`` = bulkhead with failures / bulkhead without (target >= 0.90);
+- ``vs_torchrun_goodput_ratio`` = bulkhead / ddp, both with failures (target >= 1.5);
+- ``ddp_steps_per_s``, ``bulkhead_steps_per_s``: median rates without failures.
+
+``--out FILE`` writes the figures, the per-round ratios and every run's raw step times,
+kills and restarts. Run: ``python -P bench/goodput.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -67,13 +72,25 @@ POLL_S = 0.05
 TARGETS = {"steady_ratio": 0.97, "goodput_ratio": 0.90, "vs_torchrun_goodput_ratio": 1.5}
 
 
+@dataclass(frozen=True)
+class Window:
+    """The measured span of a run, in seconds from its first committed step."""
+
+    offset_s: float
+    length_s: float
+
+    @property
+    def end_s(self) -> float:
+        return self.offset_s + self.length_s
+
+
 @dataclass
 class Run:
     """One run's committed steps: (seconds since launch, step index), in commit order."""
 
     side: str  # "bulkhead" or "ddp"
     chaos: bool
-    window_s: float
+    window: Window
     rows: list[tuple[float, int]] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)  # seconds since launch
     restarts: int = 0
@@ -89,38 +106,29 @@ class Run:
         return max((step for t, step in self.rows if t <= until), default=-1)
 
     def goodput(self) -> float:
-        """Steps that count per second over the window from the first committed step (the
-        run was followed to the window's end, committing or not)."""
-        start = self.first_step_s
-        end = start + self.window_s
-        return (self.highest_step(end) - self.highest_step(start)) / self.window_s
+        """Steps that count per second over the window (the run was followed to the
+        window's end, committing or not)."""
+        start = self.first_step_s + self.window.offset_s
+        end = self.first_step_s + self.window.end_s
+        return (self.highest_step(end) - self.highest_step(start)) / self.window.length_s
 
-    def steady_rate(self, warmup_s: float) -> float:
-        """Committed steps per second from ``warmup_s`` after the first step to the end of
-        the window (without failures every step commits once)."""
-        start = self.first_step_s
-        inside = [(t, s) for t, s in self.rows if start + warmup_s <= t <= start + self.window_s]
-        if len(inside) < 2:
-            raise RuntimeError(f"{self.side} run: {len(inside)} steps in its steady window")
-        (t0, s0), (t1, s1) = inside[0], inside[-1]
-        return (s1 - s0) / (t1 - t0)
+    def kills_in_window(self) -> int:
+        start = self.first_step_s + self.window.offset_s
+        return sum(start <= t <= self.first_step_s + self.window.end_s for t in self.kills)
 
-    def summary(self, warmup_s: float) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def summary(self) -> dict[str, Any]:
+        return {
             "side": self.side,
             "chaos": self.chaos,
-            "window_s": self.window_s,
+            "window_s": [self.window.offset_s, self.window.end_s],
             "first_step_s": round(self.first_step_s, 3),
-            "steps": self.highest_step(self.first_step_s + self.window_s) + 1,
             "goodput_steps_per_s": round(self.goodput(), 4),
             "kills_s": [round(t, 3) for t in self.kills],
+            "kills_in_window": self.kills_in_window(),
             "restarts": self.restarts,
             "wall_s": round(self.wall_s, 1),
+            "step_times": [[round(t, 3), s] for t, s in self.rows],
         }
-        if not self.chaos:
-            out["steady_steps_per_s"] = round(self.steady_rate(warmup_s), 4)
-        out["step_times"] = [[round(t, 3), s] for t, s in self.rows]
-        return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -152,11 +160,11 @@ def _follow(
     process: subprocess.Popen[bytes],
     rows: Callable[[], list[tuple[float, int]]],
     launched: float,
-    window_s: float,
+    until_s: float,
     what: str,
     on_tick: Callable[[float, float], None] | None = None,
 ) -> None:
-    """Poll until the window after the first committed step is over, then stop the run.
+    """Poll until ``until_s`` seconds after the first committed step, then stop the run.
 
     ``on_tick(now, first)``, in seconds since launch, runs on every poll once training
     has started (the torchrun side's kill schedule)."""
@@ -172,14 +180,14 @@ def _follow(
                 raise RuntimeError(f"{what} committed no step in {STARTUP_TIMEOUT_S:.0f}s")
             continue
         first = seen[0][0]
-        if now >= first + window_s:
+        if now >= first + until_s:
             break
         if on_tick is not None:
             on_tick(now, first)
     _stop(process, what)
 
 
-def run_bulkhead(work: Path, window_s: float, kill_every: float | None, spares: int = 1) -> Run:
+def run_bulkhead(work: Path, window: Window, kill_every: float | None, spares: int = 1) -> Run:
     """``bulkhead run`` of the job with ``spares``, stopped (SIGTERM) once the window is over."""
     run_dir = work / "run"
     doc = yaml.safe_load(JOB.read_text())
@@ -200,7 +208,7 @@ def run_bulkhead(work: Path, window_s: float, kill_every: float | None, spares: 
         process,
         lambda: [(r["t"], r["step"]) for r in read_jsonl(metrics)],
         launched,
-        window_s,
+        window.end_s,
         f"bulkhead run (see {work})",
     )
     wall = time.monotonic() - launched
@@ -209,7 +217,7 @@ def run_bulkhead(work: Path, window_s: float, kill_every: float | None, spares: 
     return Run(
         "bulkhead",
         bool(kill_every),
-        window_s,
+        window,
         [(r["t"], r["step"]) for r in read_jsonl(metrics)],
         [e["t"] for e in events if e["reason"] == "FaultInjected"],
         summary["restarts"],
@@ -262,7 +270,7 @@ class WorkerKiller:
         return sorted(live)
 
 
-def run_ddp(work: Path, window_s: float, kill_every: float | None, workers: int) -> Run:
+def run_ddp(work: Path, window: Window, kill_every: float | None, workers: int) -> Run:
     """torchrun + DDP + DCP async_save on the same job, stopped once the window is over."""
     out_dir = work / "ddp"
     out_dir.mkdir(parents=True)
@@ -295,114 +303,107 @@ def run_ddp(work: Path, window_s: float, kill_every: float | None, workers: int)
         process,
         rows,
         started,
-        window_s,
+        window.end_s,
         f"torchrun (see {work})",
         killer.tick if killer is not None else None,
     )
     wall = time.monotonic() - started
     restarts = max((r["restart"] for r in read_jsonl(progress)), default=0)
     kills = killer.kills if killer is not None else []
-    return Run("ddp", bool(kill_every), window_s, rows(), kills, restarts, wall)
+    return Run("ddp", bool(kill_every), window, rows(), kills, restarts, wall)
+
+
+Round = dict[tuple[str, bool], Run]  # (side, with failures) -> its run
+ROUND_ORDER = (("ddp", False), ("bulkhead", False), ("bulkhead", True), ("ddp", True))
+RATIOS = {  # figure -> (numerator, denominator) runs of a round
+    "steady_ratio": (("bulkhead", False), ("ddp", False)),
+    "goodput_ratio": (("bulkhead", True), ("bulkhead", False)),
+    "vs_torchrun_goodput_ratio": (("bulkhead", True), ("ddp", True)),
+    "ddp_goodput_ratio": (("ddp", True), ("ddp", False)),
+}
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     workers = load_job(JOB).spec.workers
-    pairs: list[dict[str, Run]] = []
-    for index in range(args.pairs):
-        order = ("ddp", "bulkhead") if index % 2 == 0 else ("bulkhead", "ddp")
-        pair = {}
-        for side in order:
-            where = work / f"steady-{index}-{side}"
+    window = Window(args.kill_every / 2, args.kills * args.kill_every)
+    rounds: list[Round] = []
+    for index in range(args.rounds):
+        order = ROUND_ORDER if index % 2 == 0 else tuple(reversed(ROUND_ORDER))
+        runs: Round = {}
+        for side, chaos in order:
+            where = work / f"round-{index}-{side}{'-kills' if chaos else ''}"
             where.mkdir()
-            pair[side] = (
-                run_ddp(where, args.steady_window, None, workers)
+            kill_every = args.kill_every if chaos else None
+            run = (
+                run_ddp(where, window, kill_every, workers)
                 if side == "ddp"
-                else run_bulkhead(where, args.steady_window, None, args.spares)
+                else run_bulkhead(where, window, kill_every, args.spares)
             )
-            rate = pair[side].steady_rate(args.warmup)
-            print(f"  steady pair {index} {side:8}: {rate:.3f} steps/s", flush=True)
-        pairs.append(pair)
-    chaos: dict[str, Run] = {}
-    for side in ("ddp", "bulkhead"):
-        where = work / f"chaos-{side}"
-        where.mkdir()
-        chaos[side] = (
-            run_ddp(where, args.goodput_window, args.kill_every, workers)
-            if side == "ddp"
-            else run_bulkhead(where, args.goodput_window, args.kill_every, args.spares)
-        )
-        print(
-            f"  with a kill every {args.kill_every:g}s {side:8}: "
-            f"{chaos[side].goodput():.3f} steps/s ({len(chaos[side].kills)} kills)",
-            flush=True,
-        )
-    return figures(args, workers, pairs, chaos)
+            runs[side, chaos] = run
+            kills = f" ({run.kills_in_window()} kills)" if chaos else ""
+            print(
+                f"  round {index} {side:8} {'with' if chaos else 'without':7} failures: "
+                f"{run.goodput():.3f} steps/s{kills}",
+                flush=True,
+            )
+        rounds.append(runs)
+    return figures(args, workers, window, rounds)
 
 
 def figures(
-    args: argparse.Namespace, workers: int, pairs: list[dict[str, Run]], chaos: dict[str, Run]
+    args: argparse.Namespace, workers: int, window: Window, rounds: list[Round]
 ) -> dict[str, Any]:
-    steady = {
-        side: [pair[side].steady_rate(args.warmup) for pair in pairs]
-        for side in ("ddp", "bulkhead")
+    per_round = {
+        name: [r[top].goodput() / r[bottom].goodput() for r in rounds]
+        for name, (top, bottom) in RATIOS.items()
     }
-    ratios = [b / d for b, d in zip(steady["bulkhead"], steady["ddp"], strict=True)]
-    clean_goodput = {side: statistics.median(p[side].goodput() for p in pairs) for side in steady}
-    chaos_goodput = {side: chaos[side].goodput() for side in chaos}
+    rates = {
+        (side, chaos): statistics.median(r[side, chaos].goodput() for r in rounds)
+        for side, chaos in ROUND_ORDER
+    }
     return {
-        "ddp_steps_per_s": statistics.median(steady["ddp"]),
-        "bulkhead_steps_per_s": statistics.median(steady["bulkhead"]),
-        "steady_ratio": statistics.median(ratios),
-        "steady_pair_ratios": ratios,
-        "goodput_ratio": chaos_goodput["bulkhead"] / clean_goodput["bulkhead"],
-        "vs_torchrun_goodput_ratio": chaos_goodput["bulkhead"] / chaos_goodput["ddp"],
-        "ddp_goodput_ratio": chaos_goodput["ddp"] / clean_goodput["ddp"],
-        "clean_goodput_steps_per_s": clean_goodput,
-        "chaos_goodput_steps_per_s": chaos_goodput,
+        "ddp_steps_per_s": rates["ddp", False],
+        "bulkhead_steps_per_s": rates["bulkhead", False],
+        **{name: statistics.median(values) for name, values in per_round.items()},
+        "round_ratios": per_round,
+        "clean_goodput_steps_per_s": {side: rates[side, False] for side in ("ddp", "bulkhead")},
+        "chaos_goodput_steps_per_s": {side: rates[side, True] for side in ("ddp", "bulkhead")},
         "workers": workers,
         "kill_every_s": args.kill_every,
-        "steady_window_s": args.steady_window,
-        "goodput_window_s": args.goodput_window,
-        "warmup_s": args.warmup,
+        "kills_per_window": args.kills,
+        "window_s": [window.offset_s, window.end_s],
+        "rounds": args.rounds,
         "spares": args.spares,
         "job": json.loads(load_job(JOB).spec.model_dump_json(by_alias=True)),
-        "runs": {
-            "steady": [
-                {side: run.summary(args.warmup) for side, run in pair.items()} for pair in pairs
-            ],
-            "chaos": {side: run.summary(args.warmup) for side, run in chaos.items()},
-        },
+        "runs": [[run.summary() for run in r.values()] for r in rounds],  # in running order
     }
 
 
 def report(results: dict[str, Any]) -> None:
+    start, end = results["window_s"]
     print(
         f"{results['workers']} workers (bulkhead: + {results['spares']} spare), job "
-        f"{JOB.name}; steady windows "
-        f"{results['steady_window_s']:g}s, goodput window {results['goodput_window_s']:g}s, "
-        f"a kill every {results['kill_every_s']:g}s"
+        f"{JOB.name}; {results['rounds']} rounds; each run measured from {start:g}s to "
+        f"{end:g}s after its first step, a kill every {results['kill_every_s']:g}s"
     )
-    print(f"  torchrun + DDP + DCP async_save  {results['ddp_steps_per_s']:8.3f} steps/s")
-    print(f"  bulkhead                         {results['bulkhead_steps_per_s']:8.3f} steps/s")
     clean, faulty = results["clean_goodput_steps_per_s"], results["chaos_goodput_steps_per_s"]
-    for side in ("ddp", "bulkhead"):
+    names = {"ddp": "torchrun + DDP + DCP async_save", "bulkhead": "bulkhead"}
+    for side, name in names.items():
         print(
-            f"  goodput {side:8} without / with failures "
-            f"{clean[side]:7.3f} / {faulty[side]:7.3f} steps/s"
+            f"  {name:32} without / with failures {clean[side]:7.3f} / {faulty[side]:7.3f} steps/s"
         )
     for key, target in TARGETS.items():
         verdict = "met" if results[key] >= target else "NOT met"
-        print(f"target {key}: {results[key]:.3f} (>= {target:g}) {verdict}")
+        rounds = ", ".join(f"{r:.3f}" for r in results["round_ratios"][key])
+        print(f"target {key}: {results[key]:.3f} (>= {target:g}) {verdict}; rounds {rounds}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="45 s windows, a kill every 15 s")
-    parser.add_argument("--pairs", type=int, default=3, help="alternated steady pairs (>= 3)")
-    parser.add_argument("--steady-window", type=float, default=None, help="seconds per run")
-    parser.add_argument("--goodput-window", type=float, default=None, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="a kill every 15 s, 3 per window")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of four runs (>= 3)")
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills")
-    parser.add_argument("--warmup", type=float, default=5.0, help="steady rate ignores these")
+    parser.add_argument("--kills", type=int, default=None, help="kill periods per measured window")
     parser.add_argument(
         "--spares",
         type=int,
@@ -412,13 +413,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = parser.parse_args()
-    if args.pairs < 1:
-        parser.error("--pairs must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.spares < 0:
         parser.error("--spares must be >= 0")
-    args.steady_window = args.steady_window or (45.0 if args.quick else 120.0)
-    args.goodput_window = args.goodput_window or (45.0 if args.quick else 300.0)
     args.kill_every = args.kill_every or (15.0 if args.quick else 60.0)
+    args.kills = args.kills or (3 if args.quick else 4)
+    if args.kill_every <= 0 or args.kills < 1:
+        parser.error("--kill-every must be > 0 and --kills >= 1")
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     try:
         results = measure(args, work)

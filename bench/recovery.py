@@ -24,11 +24,7 @@ time from the kill to training resuming; lost steps = steps redone. ``--out`` th
 ``{modes: {mode: {in_process_s, restart_s, ratio, in_process_lost_steps,
 restart_lost_steps}}}``.
 
-``--goodput``: instead, two bulkhead runs of the same length (5 minutes; ``--quick``: 45 s),
-one without failures and one with a worker killed every 60 s (``--quick``: 15 s). Goodput =
-committed steps (redone steps count once) and tokens per second of the run's wall time;
-the figure is the ratio with / without failures (target >= 0.9). ``--out`` then writes
-``{goodput_clean_steps_per_s, goodput_chaos_steps_per_s, goodput_ratio, ...}``.
+Goodput with and without failures, against torchrun too, is ``bench/goodput.py``.
 """
 
 from __future__ import annotations
@@ -160,80 +156,6 @@ def _job(name: str, spec: dict[str, Any]) -> TrainingJob:
     )
 
 
-def bulkhead_goodput(
-    workers: int, duration_s: float, chaos: str, run_dir: Path
-) -> dict[str, float | int]:
-    """Committed steps and tokens per second of a run stopped after ``duration_s``."""
-    import logging
-
-    from bulkhead.operator.local.runner import RunOptions, run_local
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(filename=run_dir.parent / "supervisor.log", level=logging.INFO)
-    spec = _spec(workers, 10_000_000)  # never reached: the run is stopped by time
-    spec["trainer"]["logIntervalSteps"] = 10
-    result = run_local(
-        _job("bench-goodput", spec),
-        RunOptions(chaos=chaos or None, run_dir=run_dir, live=False, timeout_s=duration_s),
-    )
-    summary = result.summary
-    if result.phase not in ("Interrupted", "Succeeded") or not summary["steps_completed"]:
-        raise RuntimeError(f"goodput run ended {result.phase}; see {run_dir}")
-    # Up to the last committed step (from the start of the run): shutdown is not training.
-    last = max(_read(run_dir / "metrics.jsonl"), key=lambda row: row["t"])
-    wall, steps = last["t"], last["step"] + 1
-    seq_len = _seq_len(spec)
-    return {
-        "steps": steps,
-        "wall_s": round(wall, 1),
-        "steps_per_s": round(steps / wall, 3),
-        "tokens_per_s": round(steps * BATCH["globalBatchSize"] * seq_len / wall, 1),
-        "lost_steps": summary["lost_steps"],
-        "failures_injected": summary["failures_injected"],
-        "recoveries": len(summary["recoveries"]),
-        "restarts": summary["restarts"],
-    }
-
-
-def _seq_len(spec: dict[str, Any]) -> int:
-    from bulkhead.api.manifest import parse_spec
-    from bulkhead.trainer.config import train_config
-
-    return train_config(parse_spec(spec, source="bench")).model.seq_len
-
-
-def goodput(args: argparse.Namespace) -> None:
-    duration, every = (45.0, 15) if args.quick else (300.0, 60)
-    chaos = f"kill:random@every={every}s"
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
-        root = Path(tmp)
-        clean = bulkhead_goodput(args.workers, duration, "", root / "clean")
-        faulty = bulkhead_goodput(args.workers, duration, chaos, root / "chaos")
-    ratio = faulty["steps_per_s"] / clean["steps_per_s"]
-    result = {
-        "goodput_clean_steps_per_s": clean["steps_per_s"],
-        "goodput_chaos_steps_per_s": faulty["steps_per_s"],
-        "goodput_clean_tokens_per_s": clean["tokens_per_s"],
-        "goodput_chaos_tokens_per_s": faulty["tokens_per_s"],
-        "goodput_ratio": round(ratio, 3),
-        "clean": clean,
-        "chaos": {**faulty, "spec": chaos},
-        "workers": args.workers,
-        "duration_s": duration,
-    }
-    print(f"goodput over {duration:.0f} s, {args.workers} workers, chaos {chaos}")
-    for name, run in (("without failures", clean), ("with failures", faulty)):
-        print(
-            f"  {name:17} {run['steps_per_s']:7.3f} steps/s {run['tokens_per_s']:9.1f} tokens/s"
-            f"  ({run['steps']} steps, {run['failures_injected']} kills, "
-            f"{run['lost_steps']} steps lost)"
-        )
-    print(f"  ratio with / without     {ratio:.3f} (target >= 0.9)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-
 def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) -> list[float]:
     script = work / "torchrun_train.py"
     script.write_text(TORCHRUN_SCRIPT)
@@ -363,18 +285,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="One kill, few steps.")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument(
-        "--goodput", action="store_true", help="Goodput with a kill every 60 s vs none."
-    )
-    parser.add_argument(
         "--modes", action="store_true",
         help="A row per parallelism mode: in-process recovery vs restart from checkpoint.",
     )  # fmt: skip
     parser.add_argument("--mode", action="append", choices=list(MODE_SPECS),
                         help="With --modes: only this mode (repeatable).")  # fmt: skip
     args = parser.parse_args()
-    if args.goodput:
-        goodput(args)
-        return
     if args.modes:
         modes(args)
         return

@@ -3,6 +3,7 @@ both sides (bulkhead run and torchrun + bench/ddp_baseline.py) writing every pro
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -31,21 +32,49 @@ def load_bench():
     return module
 
 
-def test_goodput_counts_a_redone_step_once_and_steady_rate_skips_the_warmup() -> None:
+def test_goodput_counts_a_redone_step_once_inside_the_window() -> None:
     bench = load_bench()
     # Steps 0..9 one per second from t=10, a restart at t=20 back to step 6, then on to 12;
-    # the window runs to t=40, after the last step.
+    # the window runs from 2 s to 30 s after the first step (t=12 to t=40).
     rows = [(10.0 + i, i) for i in range(10)] + [(24.0 + i, 6 + i) for i in range(7)]
-    run = bench.Run("ddp", True, window_s=30.0, rows=rows)
+    run = bench.Run("ddp", True, bench.Window(2.0, 28.0), rows=rows, kills=[11.0, 20.0])
     assert run.first_step_s == 10.0
     assert run.highest_step(25.0) == 9  # step 7 redone at 25 s does not count again
-    assert run.goodput() == pytest.approx((12 - 0) / 30.0)
+    assert run.goodput() == pytest.approx((12 - 2) / 28.0)
+    assert run.kills_in_window() == 1  # the kill at 11 s came before the window opened
     clean = bench.Run(
-        "bulkhead", False, window_s=10.0, rows=[(5.0 + 0.5 * i, i) for i in range(30)]
+        "bulkhead", False, bench.Window(2.0, 10.0), [(5.0 + 0.5 * i, i) for i in range(30)]
     )
-    assert clean.steady_rate(warmup_s=2.0) == pytest.approx(2.0)
+    assert clean.goodput() == pytest.approx(2.0)
     with pytest.raises(RuntimeError, match="committed no step"):
-        bench.Run("ddp", False, 5.0).goodput()
+        bench.Run("ddp", False, bench.Window(0.0, 5.0)).goodput()
+
+
+def test_figures_are_medians_of_ratios_within_each_round() -> None:
+    bench = load_bench()
+    window = bench.Window(0.0, 10.0)
+
+    def run(side: str, chaos: bool, rate: float) -> object:
+        return bench.Run(side, chaos, window, [(float(t), int(t * rate)) for t in range(11)])
+
+    # The machine is twice as fast in the second round: per-round ratios stay the same.
+    rounds = [
+        {
+            ("ddp", False): run("ddp", False, 10 * speed),
+            ("bulkhead", False): run("bulkhead", False, 9 * speed),
+            ("bulkhead", True): run("bulkhead", True, 8 * speed),
+            ("ddp", True): run("ddp", True, 6 * speed),
+        }
+        for speed in (1, 2, 2)
+    ]
+    args = argparse.Namespace(kill_every=5.0, kills=2, rounds=3, spares=1)
+    out = bench.figures(args, 2, window, rounds)
+    assert out["steady_ratio"] == pytest.approx(0.9)
+    assert out["goodput_ratio"] == pytest.approx(8 / 9)
+    assert out["vs_torchrun_goodput_ratio"] == pytest.approx(8 / 6)
+    assert out["round_ratios"]["steady_ratio"] == pytest.approx([0.9] * 3)
+    assert out["ddp_steps_per_s"] == pytest.approx(20.0)  # the median round's rate
+    assert len(out["runs"]) == 3 and len(out["runs"][0]) == 4
 
 
 def test_killer_hits_only_a_worker_of_the_attempt_that_trains(tmp_path: Path) -> None:
@@ -83,8 +112,7 @@ def test_short_run_of_both_sides_writes_every_figure(tmp_path: Path) -> None:
     """Both sides for real, with short windows (the --quick run takes minutes): bench/goodput.py
     drives `bulkhead run` and torchrun of bench/ddp_baseline.py, kills workers on both."""
     out = tmp_path / "goodput.json"
-    args = ["--pairs", "1", "--steady-window", "8", "--goodput-window", "14"]
-    args += ["--kill-every", "5", "--warmup", "1", "--out", str(out)]
+    args = ["--rounds", "1", "--kill-every", "5", "--kills", "2", "--out", str(out)]
     run = subprocess.run(
         [sys.executable, "-P", str(BENCH), *args], capture_output=True, text=True, timeout=600
     )
@@ -92,6 +120,13 @@ def test_short_run_of_both_sides_writes_every_figure(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     for key in KEYS:
         assert figures[key] > 0, key
-    chaos = figures["runs"]["chaos"]
-    assert chaos["bulkhead"]["kills_s"] and chaos["ddp"]["kills_s"]  # both sides lost workers
+    runs = figures["runs"][0]
+    assert [(r["side"], r["chaos"]) for r in runs] == [
+        ("ddp", False),
+        ("bulkhead", False),
+        ("bulkhead", True),
+        ("ddp", True),
+    ]
+    assert all(r["kills_in_window"] >= 1 for r in runs if r["chaos"])  # both sides lost workers
+    assert all(not r["kills_s"] for r in runs if not r["chaos"])
     assert "target steady_ratio" in run.stdout
