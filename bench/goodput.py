@@ -68,7 +68,7 @@ BASELINE = HERE / "ddp_baseline.py"
 BIN = Path(sys.executable).parent  # the venv's entry points: bulkhead, torchrun
 STARTUP_TIMEOUT_S = 120.0  # a side that commits no step by then has failed
 STOP_TIMEOUT_S = 60.0
-POLL_S = 0.05
+POLL_S = 0.1
 TARGETS = {"steady_ratio": 0.97, "goodput_ratio": 0.90, "vs_torchrun_goodput_ratio": 1.5}
 
 
@@ -144,6 +144,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def first_time(path: Path, origin: float = 0.0) -> float | None:
+    """``t - origin`` of the file's first complete JSON line, reading nothing else: following a run
+    must not take CPU from it."""
+    try:
+        with path.open() as file:
+            line = file.readline()
+    except FileNotFoundError:
+        return None
+    return json.loads(line)["t"] - origin if line.endswith("\n") else None
+
+
 def _stop(process: subprocess.Popen[bytes], what: str) -> None:
     """SIGTERM the run's process group (both launchers stop their workers on it)."""
     if process.poll() is None:
@@ -158,7 +169,7 @@ def _stop(process: subprocess.Popen[bytes], what: str) -> None:
 
 def _follow(
     process: subprocess.Popen[bytes],
-    rows: Callable[[], list[tuple[float, int]]],
+    first_step: Callable[[], float | None],
     launched: float,
     until_s: float,
     what: str,
@@ -167,19 +178,21 @@ def _follow(
     """Poll until ``until_s`` seconds after the first committed step, then stop the run.
 
     ``on_tick(now, first)``, in seconds since launch, runs on every poll once training
-    has started (the torchrun side's kill schedule)."""
+    has started (the torchrun side's kill schedule). ``first_step()`` gives the first
+    committed step's time since launch, or None before it."""
+    first: float | None = None
     while True:
         time.sleep(POLL_S)
         now = time.monotonic() - launched
-        seen = rows()
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with {process.returncode} during its window")
-        if not seen:
+        if first is None:
+            first = first_step()
+        if first is None:
             if now > STARTUP_TIMEOUT_S:
                 _stop(process, what)
                 raise RuntimeError(f"{what} committed no step in {STARTUP_TIMEOUT_S:.0f}s")
             continue
-        first = seen[0][0]
         if now >= first + until_s:
             break
         if on_tick is not None:
@@ -206,7 +219,7 @@ def run_bulkhead(work: Path, window: Window, kill_every: float | None, spares: i
     # metrics.jsonl times count from the supervisor's start, a few ms after the launch.
     _follow(
         process,
-        lambda: [(r["t"], r["step"]) for r in read_jsonl(metrics)],
+        lambda: first_time(metrics),
         launched,
         window.end_s,
         f"bulkhead run (see {work})",
@@ -301,7 +314,7 @@ def run_ddp(work: Path, window: Window, kill_every: float | None, workers: int) 
 
     _follow(
         process,
-        rows,
+        lambda: first_time(progress, launched),
         started,
         window.end_s,
         f"torchrun (see {work})",
