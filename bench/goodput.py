@@ -20,7 +20,7 @@ failures and both sides with a worker SIGKILLed every ``--kill-every`` seconds (
 ``--chaos kill:random@every=...``, torchrun by this bench killing a random live worker).
 A round runs ddp, bulkhead, bulkhead with kills, ddp with kills; the next round the other
 way round. So every ratio below compares two runs that ran one after the other, and drift
-in the machine's speed (this VM's is ~10 % over minutes) hits both sides of a ratio alike.
+in the machine's speed (this VM's is up to 20 % within minutes) hits both sides of a ratio alike.
 
 Every run is measured over the same window: from half a kill period after its first
 committed step, ``--kills`` kill periods long (default 4; ``--quick``: 3). A run with
@@ -105,16 +105,19 @@ class Run:
     def highest_step(self, until: float) -> int:
         return max((step for t, step in self.rows if t <= until), default=-1)
 
+    def span(self) -> tuple[float, float]:
+        """The window in seconds since launch."""
+        return self.first_step_s + self.window.offset_s, self.first_step_s + self.window.end_s
+
     def goodput(self) -> float:
         """Steps that count per second over the window (the run was followed to the
         window's end, committing or not)."""
-        start = self.first_step_s + self.window.offset_s
-        end = self.first_step_s + self.window.end_s
+        start, end = self.span()
         return (self.highest_step(end) - self.highest_step(start)) / self.window.length_s
 
     def kills_in_window(self) -> int:
-        start = self.first_step_s + self.window.offset_s
-        return sum(start <= t <= self.first_step_s + self.window.end_s for t in self.kills)
+        start, end = self.span()
+        return sum(start <= t <= end for t in self.kills)
 
     def summary(self) -> dict[str, Any]:
         return {
