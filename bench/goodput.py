@@ -14,13 +14,16 @@ and checkpoint interval.
   ``DistributedDataParallel`` on gloo with ``torch.distributed.checkpoint.async_save`` at
   the same interval, resuming from the newest DCP checkpoint after an elastic restart.
 
-The bench runs ``--rounds`` rounds (default 3) of four runs each: both sides without
+The bench runs ``--rounds`` rounds (default 4) of four runs each: both sides without
 failures and both sides with a worker SIGKILLed every ``--kill-every`` seconds (60;
 ``--quick``: 15), the kill clock starting at the first committed step (bulkhead through
 ``--chaos kill:random@every=...``, torchrun by this bench killing a random live worker).
 A round runs ddp, bulkhead, bulkhead with kills, ddp with kills; the next round the other
 way round. So every ratio below compares two runs that ran one after the other, and drift
 in the machine's speed (this VM's is up to 20 % within minutes) hits both sides of a ratio alike.
+An even number of rounds puts each ratio's numerator first in half of them: on this VM the
+second of two back-to-back runs was the slower one in 4 of 4 pairs of identical runs (by
+0.3-5 %), which an odd count would charge to one side.
 
 Every run is measured over the same window: from half a kill period after its first
 committed step, ``--kills`` kill periods long (default 4; ``--quick``: 3). A run with
@@ -417,7 +420,12 @@ def report(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a kill every 15 s, 3 per window")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of four runs (>= 3)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="rounds of four runs; even, so that each side of a ratio runs first equally often",
+    )
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills")
     parser.add_argument("--kills", type=int, default=None, help="kill periods per measured window")
     parser.add_argument(
@@ -431,6 +439,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.rounds > 1 and args.rounds % 2:
+        print(
+            f"--rounds {args.rounds} is odd: the ratios' two sides do not run first equally often",
+            file=sys.stderr,
+        )
     if args.spares < 0:
         parser.error("--spares must be >= 0")
     args.kill_every = args.kill_every or (15.0 if args.quick else 60.0)
