@@ -1,0 +1,209 @@
+"""The model-family protocol: everything the engine knows about a model.
+
+The engine, the planners' profiling, checkpoint keys and ``bulkhead plan`` use only what
+this module declares; nothing outside ``trainer/models/`` names a family's modules or
+parameters. A family is a ``ModelFamily`` (registered in ``registry.py``) that builds a
+``CausalLM`` from the job's ``ModelConfig`` (or a Hugging Face ``config.json``).
+
+Units. A model is a sequence of units: unit 0 is the embedding, units ``1..n`` are the
+decoder blocks, unit ``n + 1`` the final norm and the head. A pipeline stage holds a
+contiguous range of units and runs ``model(x, targets, units=(start, stop))``; ZeRO shards
+each block as one FSDP2 unit. Weights shared by several units (a tied embedding and head)
+are declared in ``tied``: their key group is ``TIED`` and every stage holding one of those
+units holds them.
+
+Mixture-of-Experts. A block's MoE layer is an ``MoELayer``: a router, whole experts (the
+unit placement moves), the routing function and the auxiliary loss. Expert parallelism
+never re-implements routing: it replaces only ``MoELayer.dispatch`` (how routed tokens
+reach the experts and come back) and the set of experts a rank hosts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ModelOutput:
+    """``logits``: ``[batch, seq, vocab]``, or the hidden states leaving a stage that does
+    not hold the head. ``lm_loss``: mean cross-entropy over the batch's tokens (``None``
+    without targets or without the head). ``aux_loss``: the summed MoE auxiliary loss of
+    the blocks that ran (zero for a dense model)."""
+
+    logits: torch.Tensor
+    lm_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+
+    def total(self, aux_coef: float) -> torch.Tensor:
+        if self.lm_loss is None:
+            raise ValueError("no targets were given, so there is no loss")
+        return self.lm_loss + aux_coef * self.aux_loss
+
+
+@dataclass
+class Routing:
+    """Where each token of a flattened ``[tokens, d_model]`` input goes.
+
+    ``probs``: ``[tokens, experts]`` router probabilities (what the auxiliary loss reads);
+    ``weights``: ``[tokens, top_k]`` mixing weights of the chosen experts; ``chosen``:
+    ``[tokens, top_k]`` expert indices (int64)."""
+
+    probs: torch.Tensor
+    weights: torch.Tensor
+    chosen: torch.Tensor
+
+
+class Dispatch(Protocol):
+    """How routed tokens reach the experts: ``(layer, tokens, routing) -> [tokens, d]``,
+    the weighted sum of each token's chosen experts' outputs."""
+
+    def __call__(self, layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> torch.Tensor: ...
+
+
+def local_dispatch(layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Every expert on this process, each on the tokens that chose it."""
+    out = torch.zeros_like(tokens)
+    for key, expert in layer.experts.items():
+        e = int(key)
+        # Every expert runs, on no tokens if none chose it: its gradient is then zero
+        # rather than missing, so sharded and replicated gradient reductions line up.
+        token_idx, slot = (routing.chosen == e).nonzero(as_tuple=True)
+        contribution = expert(tokens[token_idx]) * routing.weights[token_idx, slot].unsqueeze(-1)
+        out = out.index_add(0, token_idx, contribution.to(out.dtype))
+    return out
+
+
+class MoELayer(nn.Module, ABC):
+    """A routed feed-forward: ``forward(x) -> (y, aux_loss)``.
+
+    ``experts`` is a ``ModuleDict`` keyed by the expert's index as a string, so that a rank
+    hosting only some experts keeps their true indices (and their parameter names).
+    ``dispatch`` is replaced by expert parallelism; everything else is the family's.
+    """
+
+    num_experts: int
+    top_k: int
+    router: nn.Module
+    experts: nn.ModuleDict
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dispatch: Dispatch = local_dispatch
+
+    @abstractmethod
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """The router's decision for ``tokens`` (``[tokens, d_model]``)."""
+
+    @abstractmethod
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        """The load-balancing loss of one routing (a scalar)."""
+
+    @abstractmethod
+    def new_expert(self) -> nn.Module:
+        """A fresh expert of this layer's shape (its values are transferred in)."""
+
+    def shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Output of experts every token uses (DeepSeek/Qwen-style shared experts)."""
+        return None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.route(tokens)
+        out = self.dispatch(self, tokens, routing)
+        shared = self.shared_output(tokens)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(shape), self.aux_loss(routing)
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model of some family (see the module docstring).
+
+    ``forward(tokens, targets=None, units=None)``: ``tokens`` are token ids ``[batch,
+    seq]`` (int64), or the hidden states entering unit ``units[0] > 0``. Calling the model
+    with only ``tokens`` returns logits through ``ModelOutput.logits``; ``__call__`` of an
+    exported model (``from_pretrained``) returns the logits tensor itself.
+    """
+
+    family: ClassVar[str]
+    # Groups of parameter names that are one tensor (e.g. the tied embedding and head),
+    # the first name of each group being the one state keys use.
+    tied: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    @property
+    @abstractmethod
+    def blocks(self) -> nn.ModuleList:
+        """The decoder blocks, in order (unit ``i + 1`` is ``blocks[i]``)."""
+
+    @abstractmethod
+    def unit_modules(self, unit: int) -> list[nn.Module]:
+        """The modules unit ``unit`` runs (0: embedding, ``n + 1``: final norm and head;
+        tied weights appear in every unit that uses them)."""
+
+    @abstractmethod
+    def unit_of(self, param: str) -> int:
+        """The unit a parameter name belongs to (a tied name: its first user's unit)."""
+
+    @abstractmethod
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """Block index (0-based) -> that block's MoE layer, for the MoE blocks."""
+
+    @abstractmethod
+    def moe_path(self, block: int) -> str:
+        """Qualified module name of block ``block``'s MoE layer; its experts' parameters
+        are named ``f"{moe_path(block)}.experts.{expert}.<rest>"``."""
+
+    @abstractmethod
+    def decays(self, param: str, tensor: torch.Tensor) -> bool:
+        """Whether weight decay applies (not to norms, biases or embeddings)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        units: tuple[int, int] | None = None,
+    ) -> ModelOutput: ...
+
+    def retie(self) -> None:
+        """Share the tied tensors again (``to_empty`` and meta materialization untie)."""
+
+    def init_weights(self) -> None:
+        """Initialize every parameter from the global RNG (the caller seeds it)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One registered family.
+
+    ``sizes(model_config)`` resolves the job's ``spec.trainer.model`` into the family's
+    frozen size object (it raises ``ValueError`` naming the spec field); ``build(sizes)``
+    constructs the modules on the current default device, uninitialized when that is
+    ``meta``. ``hf`` maps to and from Hugging Face checkpoints (``None``: the family has
+    no Hugging Face counterpart).
+    """
+
+    name: str
+    sizes: Callable[[Any], Any]
+    build: Callable[[Any], CausalLM]
+    hf: Any = None  # hf.HFMapping
+    description: str = ""
+
+
+def count_params(model: nn.Module, names: Sequence[str] | None = None) -> int:
+    """Parameters of ``model`` (each shared tensor once)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():
+        if (names is None or name in names) and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
