@@ -11,7 +11,7 @@ Written for a one-GPU machine (an H100/H200, see the README's "Checking a GPU ma
    PyTorch loop of the same model (AdamW, clipping, same batches; ``torch.compile`` off on
    both, as in the trainer). bf16 rows say "not supported by the trainer yet" while the
    engine has no precision setting: nothing is run in a precision the trainer does not use.
-2. **shared-gpu**: 4 ranks on ``cuda:0`` over gloo (``bench/engine_runs.py``, the
+2. **shared-gpu**: 4 ranks on ``cuda:0`` over gloo (``bench/_engine_runs.py``, the
    machinery ``bench/gpu_smoke.py`` uses): data parallelism, and ZeRO-3 (2 replicas x 2
    shards) with the last rank SIGKILLed inside a step's forward; the survivors recover in
    process on the GPU. Both equal check 1's one-process run (the reference) in losses
@@ -66,8 +66,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine_runs.py
-from engine_runs import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_engine_runs.py
+from _engine_runs import (
     Scenario,
     compare,
     engine_config,
@@ -214,9 +214,12 @@ def family_absent(family: str) -> str | None:
 
 
 def trainer_precisions() -> dict[str, str | None]:
-    """Precision -> None when the trainer trains in it, else why not."""
-    has_setting = "precision" in TrainConfig.__dataclass_fields__
-    why = None if has_setting else "not supported by the trainer yet (the engine computes in fp32)"
+    """Precision -> None when the trainer trains in it, else why the row does not run."""
+    if "precision" in TrainConfig.__dataclass_fields__:
+        # Never run fp32 under a bf16 label: the setting must be passed first.
+        why = "the trainer has a precision setting now: set it in gpu_check.family_model"
+    else:
+        why = "not supported by the trainer yet (the engine computes in fp32)"
     return {"fp32": None, "bf16": why}
 
 
@@ -315,7 +318,8 @@ def one_process_row(family: str, precision: str, opts: Options) -> dict[str, Any
         return row | {"status": "skipped", "reason": absent}
     why = trainer_precisions()[precision]
     if why:
-        return row | {"status": "n/a", "reason": why}
+        unset = "precision" in TrainConfig.__dataclass_fields__
+        return row | {"status": "FAIL" if unset else "n/a", "reason": why}
     small = family_model(family, opts.small)
     if isinstance(small, str):
         return row | {"status": "FAIL", "reason": small}
@@ -333,10 +337,14 @@ def one_process_row(family: str, precision: str, opts: Options) -> dict[str, Any
     gb, micro = (8, 1) if opts.cpu else BENCH_BATCH
     bench = family_model(family, sizes)
     assert not isinstance(bench, str)
-    row["throughput"] = throughput(engine_config(0, 1, 1, 0, bench, gb, micro), device,
-                                   precision, opts)  # fmt: skip
-    row["status"] = "PASS" if worst <= LOSS_RTOL[precision] and all(map(math.isfinite, losses)) \
-        else "FAIL"  # fmt: skip
+    equal = worst <= LOSS_RTOL[precision] and all(map(math.isfinite, losses))
+    row["status"] = "PASS" if equal else "FAIL"
+    try:  # a failure here keeps the row's losses (and check 2's reference)
+        row["throughput"] = throughput(engine_config(0, 1, 1, 0, bench, gb, micro), device,
+                                       precision, opts)  # fmt: skip
+    except Exception as exc:
+        traceback.print_exc()
+        row |= {"status": "FAIL", "reason": f"throughput: {type(exc).__name__}: {exc}"}
     return row
 
 
@@ -376,7 +384,9 @@ def check_shared_gpu(opts: Options, reference: dict[str, Any] | None) -> dict[st
     with tempfile.TemporaryDirectory(prefix="bench-gpu-check-") as tmp:
         for sc in scenarios:
             try:
-                out["runs"][sc.name] = compare(run(sc, Path(tmp)), reference)
+                # Bounded, so that a hang leaves time for the other checks (8 minutes).
+                timeout = 300 if opts.cpu else 150
+                out["runs"][sc.name] = compare(run(sc, Path(tmp), timeout), reference)
             except Exception as exc:
                 traceback.print_exc()
                 out["runs"][sc.name] = {"passed": False, "reason": f"{type(exc).__name__}: {exc}"}
@@ -695,7 +705,12 @@ def main() -> None:
     args = parser.parse_args()
     opts = Options(cpu=args.cpu, quick=args.quick)
     if not opts.cpu and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run on a GPU machine, or pass --cpu")
+        # As gpu_smoke.py: `make bench` runs every bench, also where there is no GPU.
+        print("no CUDA device: skipped (--cpu runs the checks on the CPU)")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"skipped": "no CUDA"}) + "\n")
+        return
     device = opts.device()
     activate(device)
     if opts.cpu:  # a shared test machine: one thread per process, as the ranks have

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine_runs.py
-from engine_runs import Scenario, compare, engine_config, run
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_engine_runs.py
+from _engine_runs import Scenario, compare, engine_config, run
 
 SLEEP_CYCLES = 50_000_000  # tens of milliseconds on current GPUs
 

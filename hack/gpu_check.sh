@@ -24,6 +24,10 @@ runtime=$(ls hack/gpu-wheels/*.whl | grep -vE '/(setuptools|wheel)-')
     "$PYTHON" -m pip install --no-index --no-deps --no-build-isolation -e . ||
         "$PYTHON" -m pip install --no-index --find-links hack/gpu-wheels --no-deps -e .
 } >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log" >&2; exit 2; }
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "torch sees no CUDA device here: nothing to check (the driver? CUDA_VISIBLE_DEVICES?)" >&2
+    exit 2
+fi
 set +e
 "$PYTHON" -P bench/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -263,10 +263,13 @@ def run(sc: Scenario, root: Path, timeout_s: float = 600) -> dict[str, Any]:
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
+        hung = [s for s, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+    if hung:
+        raise RuntimeError(f"{sc.name}: slot(s) {hung} did not finish within {timeout_s:g} s")
     victim = sc.slots - 1 if sc.kill_at is not None else None
     codes = {s: p.exitcode for s, p in enumerate(procs)}
     if victim is not None and codes[victim] != -signal.SIGKILL:
