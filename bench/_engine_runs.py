@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
-from bulkhead.trainer.data import open_dataset
+from bulkhead.trainer.data import ByteDataset, open_dataset
 from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
 from bulkhead.trainer.engine.engine import Engine, HeldState
 from bulkhead.trainer.engine.plan import make_plan
@@ -322,3 +322,24 @@ def compare(run_: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
         }
         out["passed"] = out["passed"] and lost == 0
     return out
+
+
+# -- one-rank worlds (bench/gpu_check.py) --------------------------------------------
+
+
+def solo_world(cfg: TrainConfig, device: DeviceChoice, **world: Any) -> tuple[World, Engine]:
+    """A world of one rank on its own store and the engine a worker builds in it."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
+    w = open_world(1, 0, ["w0"], ["w0"], store, device, 60, **world)
+    engine = Engine.build(make_plan(1, ["w0"], ["w0"], cfg), w, cfg)
+    engine.adopt(None)
+    return w, engine
+
+
+def dataset_for(cfg: TrainConfig) -> ByteDataset:
+    return open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
