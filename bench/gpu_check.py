@@ -95,7 +95,8 @@ def check_shared_gpu(opts: Options, reference: dict[str, Any] | None) -> dict[st
 
 def versions(device: DeviceChoice) -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                           "cuda": torch.version.cuda}  # fmt: skip
+                           "cuda": torch.version.cuda,
+                           "missing_torch_names": missing_torch_names()}  # fmt: skip
     if device.is_cuda:
         nccl = torch.cuda.nccl.version()
         out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
@@ -104,6 +105,50 @@ def versions(device: DeviceChoice) -> dict[str, Any]:
         out["driver"] = _driver_version()
         out["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     return out
+
+
+# Private or recent torch names the trainer's recovery path uses (world.py, device.py,
+# engine.py): on another torch (2.11 on the GPU machine) a missing one is named in the
+# result, next to whichever check then fails on it.
+TRAINER_TORCH_NAMES = (
+    "torch.distributed.distributed_c10d._world.pg_map",
+    "torch.distributed.distributed_c10d._world.pg_names",
+    "torch.distributed.distributed_c10d._world.pg_group_ranks",
+    "torch.distributed.distributed_c10d._world.pg_backend_config",
+    "torch.distributed.distributed_c10d._world.pg_to_tag",
+    "torch.distributed.distributed_c10d._world.tags_to_pg",
+    "torch.distributed.distributed_c10d._world.pg_coalesce_state",
+    "torch.distributed.distributed_c10d._world.pg_flight_recorder_hooks",
+    "torch.distributed.distributed_c10d._world.group_count",
+    "torch.distributed.distributed_c10d._update_default_pg",
+    "torch.distributed.distributed_c10d._unregister_all_process_groups",
+    "torch.distributed.distributed_c10d._abort_process_group",  # else: one abort per group
+    "torch.distributed.fsdp.fully_shard",
+    "torch._foreach_norm",
+    "torch._foreach_mul_",
+)
+
+
+def missing_torch_names() -> list[str]:
+    """The names of ``TRAINER_TORCH_NAMES`` this torch does not have."""
+    import importlib
+
+    missing = []
+    for name in TRAINER_TORCH_NAMES:
+        parts = name.split(".")
+        obj: Any = None
+        for i in range(len(parts), 0, -1):  # the longest importable module prefix
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(name)
+                break
+    return missing
 
 
 def _driver_version() -> str | None:
@@ -179,8 +224,10 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name} {_mib(c.get('peak_memory', {}).get('bytes'))}" for name, c in checks.items()
         )
     )
-    v = result["versions"]
+    v = dict(result["versions"])
+    missing = v.pop("missing_torch_names")
     print("versions: " + ", ".join(f"{k} {val}" for k, val in v.items()))
+    print("torch names the trainer's recovery uses, missing here:", ", ".join(missing) or "none")
 
 
 def timed_check(name: str, action: Callable[[], dict[str, Any]], device: torch.device,

@@ -43,6 +43,8 @@ def test_every_check_passed_and_reports_its_peak_memory(result: dict) -> None:
         assert check["passed"] is True, name
         assert check["peak_memory"]["bytes"] > 0, name
     assert result["versions"]["torch"]
+    # The pinned torch has every private name the trainer's recovery path relies on.
+    assert result["versions"]["missing_torch_names"] == []
 
 
 def test_one_process_rows_cover_every_family_and_precision(result: dict) -> None:
