@@ -69,27 +69,42 @@ def _abort_child(cpu: bool, model: dict[str, Any], out_path: str) -> None:
     monitor = AbortMonitor(abort_now.is_set, abort).start()
     if device.backend == "nccl":
         pending = torch.zeros(1, device=device.device)
-        work = dist.irecv(pending, src=0)  # no rank sends: this receive never completes
         threading.Timer(0.5, abort_now.set).start()  # the control plane's part
-        save("waiting")
         error: str | None = None
+        collective_error = False
         unblocked: float | None = None
         try:
-            work.wait()  # the stream waits for the receive...
-            float(pending.item())  # ...and the main thread blocks on that stream
+            # As inside a step: library waits under world.guard, which turns a
+            # communication failure into the CollectiveError the runtime recovers from.
+            with world.guard("the pending receive"):
+                # A receive from this rank itself that no send matches: it never completes.
+                # The process group's own call (what irecv makes), so that no version's
+                # wrapper check on the source rank stands in the way.
+                work = dist.group.WORLD.recv([pending], 0, 0)
+                save("waiting")
+                work.wait()  # the stream waits for the receive...
+                float(pending.item())  # ...and the main thread blocks on that stream
             unblocked = time.monotonic()
             world.all_reduce(torch.zeros(1, device=device.device))  # the trainer's next wait
-        except (CollectiveError, RuntimeError, dist.DistError) as exc:
+        except Exception as exc:  # whatever it is, the record says
             error = f"{type(exc).__name__}: {exc}"[:400]
+            collective_error = isinstance(exc, CollectiveError)
         returned = time.monotonic()
         monitor.stop()
         abort_t = aborted_at[0] if aborted_at else None
         # The main thread must still have been blocked when the monitor aborted.
         blocked = abort_t is not None and (unblocked or returned) >= abort_t
         latency = returned - abort_t if abort_t is not None else None
-        save("waited", error=error, blocked_until_abort=blocked, error_after_abort_s=latency,
-             unblocked_after_abort_s=(unblocked or returned) - abort_t if blocked else None,
-             interrupted=bool(error and blocked and latency <= ABORT_LIMIT_S))  # fmt: skip
+        in_time = latency is not None and latency <= ABORT_LIMIT_S
+        save(
+            "waited",
+            error=error,
+            collective_error=collective_error,
+            blocked_until_abort=blocked,
+            unblocked_after_abort_s=(unblocked or returned) - abort_t if blocked else None,
+            error_after_abort_s=latency,
+            interrupted=collective_error and blocked and in_time,
+        )
     else:
         abort_now.set()
         monitor.fired.wait(5)
