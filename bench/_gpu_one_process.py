@@ -118,12 +118,10 @@ def run_losses(cfg: TrainConfig, device: DeviceChoice, steps: int) -> tuple[list
         world.close()
 
 
-def plain_loop(model: nn.Module, cfg: TrainConfig, dataset: ByteDataset, device: torch.device,
-               steps: range) -> None:  # fmt: skip
+def plain_loop(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+               dataset: ByteDataset, device: torch.device, steps: range) -> None:  # fmt: skip
     """The same training in plain PyTorch: AdamW, gradient clipping, the same batches."""
     opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas,
-                                  weight_decay=opt.weight_decay)  # fmt: skip
     gb, micro = cfg.global_batch_size, cfg.micro_batch_size
     aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
     model.train()
@@ -163,10 +161,13 @@ def throughput(cfg: TrainConfig, device: DeviceChoice, precision: str, opts: Opt
     finally:
         world.close()
         del engine
-    plain_loop(plain, cfg, dataset, device.device, range(warm))
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=opt.lr, betas=opt.betas,
+                                  weight_decay=opt.weight_decay)  # fmt: skip
+    plain_loop(plain, optimizer, cfg, dataset, device.device, range(warm))
     sync(device.device)
     started = time.perf_counter()
-    plain_loop(plain, cfg, dataset, device.device, range(warm, warm + timed))
+    plain_loop(plain, optimizer, cfg, dataset, device.device, range(warm, warm + timed))
     sync(device.device)
     plain_s = time.perf_counter() - started
     peak, name = peak_flops(device.device, precision)
