@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine without network (README, "Checking a GPU
 # machine"): installs the wheels hack/gpu_wheels.sh downloaded and bulkhead itself
-# (editable, no dependencies, no build isolation: nothing is fetched), then runs
+# (editable, no dependencies, nothing fetched), then runs
 # bench/gpu_check.py, writing gpu_check.json and gpu_check.log into $OUT.
 #
 #   OUT=/path/to/results hack/gpu_check.sh [--quick]
