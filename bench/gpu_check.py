@@ -175,7 +175,11 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"gpu check on {result['device']}: "
           f"{'PASS' if result['passed'] else 'FAIL'} in {result['wall_s']:.0f} s")  # fmt: skip
     print(f"{'check':38} {'result':7} detail")
-    for row in checks["one-process"]["rows"]:
+    for name in ("one-process", "shared-gpu", "snapshot"):  # failed as a whole: why
+        check = checks[name]
+        if "reason" in check and not check["passed"]:
+            print(f"{name:38} FAIL    {check['reason']}")
+    for row in checks["one-process"].get("rows", []):
         name = f"1 one-process {row['family']} {row['precision']}"
         if "reason" in row:
             print(f"{name:38} {row['status']:7} {row['reason']}")
@@ -187,21 +191,20 @@ def print_table(result: dict[str, Any]) -> None:
               f"(<= {row['tolerance']:.0e}); tokens/s engine {t['engine_tokens_per_s']:,.0f} "
               f"/ plain {t['plain_tokens_per_s']:,.0f}{mfu}")  # fmt: skip
     shared = checks["shared-gpu"]
+    placement = shared.get("placement", "")
     for name, r in shared.get("runs", {}).items():
         status = "PASS" if r["passed"] else "FAIL"
         if "reason" in r:
-            print(f"{'2 ' + shared['placement'] + ' ' + name:38} {status:7} {r['reason']}")
+            print(f"{'2 ' + placement + ' ' + name:38} {status:7} {r['reason']}")
             continue
         kill = (f"; detect {r['detect_s']:.2f} s, adopt {r['adopt_s']:.2f} s, lost "
                 f"{r['lost_steps']}" if "lost_steps" in r else "")  # fmt: skip
         print(
-            f"{'2 ' + shared['placement'] + ' ' + name:38} {status:7} loss diff "
+            f"{'2 ' + placement + ' ' + name:38} {status:7} loss diff "
             f"{r['max_loss_rel_diff']:.1e}, param diff {r['max_param_abs_diff']:.1e}{kill}"
         )
     s = checks["snapshot"]
-    if "reason" in s:
-        print(f"{'3 snapshot':38} FAIL    {s['reason']}")
-    else:
+    if "bytes" in s:  # else it failed as a whole, said above
         d2h = s.get("d2h_pinned_s", s["d2h_pageable_s"])
         h2d = s.get("h2d_pinned_s", s["h2d_pageable_s"])
         print(
@@ -213,6 +216,8 @@ def print_table(result: dict[str, Any]) -> None:
     detail = (f"error {a['error_after_abort_s']:.3f} s after the abort"
               if a.get("error_after_abort_s") is not None else
               a.get("not_applicable", a.get("reason", "")))  # fmt: skip
+    if not a["passed"] and a.get("error"):
+        detail += f" ({a['error']})"
     print(
         f"{'4 abort (' + a.get('backend', '?') + ')':38} "
         f"{'PASS' if a['passed'] else 'FAIL':7} {detail}; new world {a.get('adoption', '-')}, "
@@ -225,7 +230,7 @@ def print_table(result: dict[str, Any]) -> None:
         )
     )
     v = dict(result["versions"])
-    missing = v.pop("missing_torch_names")
+    missing = v.pop("missing_torch_names", [])
     print("versions: " + ", ".join(f"{k} {val}" for k, val in v.items()))
     print("torch names the trainer's recovery uses, missing here:", ", ".join(missing) or "none")
 
