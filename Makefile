@@ -48,7 +48,7 @@ lint: venv
 
 bench: venv
 	@mkdir -p bench/results
-	@set -e; for b in bench/*.py; do \
+	@set -e; for b in bench/[!_]*.py; do \
 	  name=$$(basename $$b .py); \
 	  echo "== $$name"; \
 	  $(PY) $$b --quick --out bench/results/$$name.json; \
