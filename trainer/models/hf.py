@@ -1,0 +1,218 @@
+"""Hugging Face weights in: read exactly the rows each rank holds from ``*.safetensors``.
+
+``read_params(directory, family_or_model, wanted)`` takes bulkhead parameter names (the
+model's ``named_parameters()`` names) with a flat element range of whole rows (dim-0
+aligned, as the engine's layouts shard) or ``None`` for the whole tensor, and returns flat
+tensors of exactly those elements. It reads through safetensors' lazy slices
+(``safe_open(...).get_slice(name)[row0:row1]``): only the requested rows' bytes are read,
+so no rank ever materialises a tensor, let alone a model, it does not hold.
+
+Checkpoints may be one file or sharded with ``model.safetensors.index.json``. Mixtral's
+experts come in the two layouts seen in the wild, told apart by the tensor names: one
+tensor per expert (``block_sparse_moe.experts.E.w1.weight``: identical to bulkhead's
+names) or fused per layer as transformers 5 holds them in memory
+(``experts.gate_up_proj [E, 2F, D]`` with the gate rows first, ``experts.down_proj
+[E, D, F]``, router ``mlp.gate.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from bulkhead.trainer.models.hf_config import mapping_for, read_config
+from bulkhead.trainer.models.protocol import CausalLM, ModelFamily
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+Range = tuple[int, int]
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+
+
+class WeightsError(ValueError):
+    """A Hugging Face directory that does not hold what the model needs (names the tensor
+    and the file)."""
+
+
+@dataclass
+class ReadStats:
+    """What a ``read_params`` call read: tensor bytes taken from the files (as stored)."""
+
+    bytes: int = 0
+    slices: int = 0
+    files: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a bulkhead parameter's rows live: ``tensor[index..., offset + row]``."""
+
+    name: str  # the Hugging Face tensor
+    file: str
+    index: tuple[int, ...] = ()  # leading indices (the expert of a fused tensor)
+    offset: int = 0  # row offset inside the indexed tensor (w3's rows follow w1's)
+    shape: tuple[int, ...] = ()  # the whole Hugging Face tensor's shape, for the check
+
+
+class HFWeights:
+    """The tensors of a Hugging Face directory: which file holds each, and their layout."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                self.files: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise WeightsError(f"{index}: not a safetensors index ({exc})") from None
+        else:
+            found = sorted(self.directory.glob("*.safetensors"))
+            if not found:
+                raise WeightsError(f"{self.directory}: no *.safetensors files")
+            self.files = {}
+            for path in found:
+                with safe_open(path, framework="pt") as f:
+                    self.files.update(dict.fromkeys(f.keys(), path.name))
+        self.fused = any(n.endswith(".experts.gate_up_proj") for n in self.files)
+
+    def where(self, name: str) -> str:
+        return f"{self.directory / self.files[name]}" if name in self.files else str(self.directory)
+
+    def source(self, param: str, shape: torch.Size) -> _Source:
+        """Where ``param`` (a bulkhead name, of ``shape``) is stored."""
+        expert = _EXPERT.match(param)
+        if expert is not None and self.fused:
+            layer, e, which = expert.group(1), int(expert.group(2)), expert.group(3)
+            fused = "down_proj" if which == "w2" else "gate_up_proj"
+            name = self._first(
+                [f"{layer}.{p}.experts.{fused}" for p in ("mlp", "block_sparse_moe")]
+            )
+            offset = shape[0] if which == "w3" else 0
+            return _Source(name, self.files[name], (e,), offset)
+        router = _ROUTER.match(param)
+        if router is not None:
+            name = self._first([param, f"{router.group(1)}.mlp.gate.weight"])
+            return _Source(name, self.files[name])
+        self._first([param])
+        return _Source(param, self.files[param])
+
+    def _first(self, names: list[str]) -> str:
+        for name in names:
+            if name in self.files:
+                return name
+        raise WeightsError(
+            f"tensor {names[0]!r} is missing from {self.directory}"
+            + (f" (nor is {', '.join(map(repr, names[1:]))})" if len(names) > 1 else "")
+        )
+
+
+def _shapes(
+    family_or_model: CausalLM | ModelFamily | str, directory: Path
+) -> dict[str, torch.Size]:
+    if isinstance(family_or_model, nn.Module):
+        return {n: p.shape for n, p in family_or_model.named_parameters()}
+    from bulkhead.trainer.models.registry import family
+
+    fam = family(family_or_model) if isinstance(family_or_model, str) else family_or_model
+    config = read_config(directory)
+    sizes = _hf_of(fam).sizes(config, str(directory / "config.json"))
+    with torch.device("meta"):
+        model = fam.build(sizes)
+    return {n: p.shape for n, p in model.named_parameters()}
+
+
+def _hf_of(fam: ModelFamily):
+    if fam.hf is None:
+        raise WeightsError(f"the {fam.name} family has no Hugging Face counterpart")
+    return fam.hf
+
+
+def read_params(
+    directory: str | Path,
+    family_or_model: CausalLM | ModelFamily | str,
+    wanted: Mapping[str, Range | None],
+    dtype: torch.dtype | None = None,
+    stats: ReadStats | None = None,
+) -> dict[str, torch.Tensor]:
+    """Flat tensors of the ``wanted`` element ranges of bulkhead parameters, read from the
+    Hugging Face ``directory`` (see the module docstring). ``family_or_model`` gives the
+    parameter shapes: a model (possibly on ``meta``), a family or its name (then sized by
+    the directory's config.json). ``dtype``: convert to it (default: as stored)."""
+    directory = Path(directory)
+    shapes = _shapes(family_or_model, directory)
+    weights = HFWeights(directory)
+    plans: dict[str, list[tuple[str, _Source, tuple[int, int]]]] = {}
+    for param, span in wanted.items():
+        if param not in shapes:
+            raise WeightsError(f"{param!r} is not a parameter of the model")
+        shape = shapes[param]
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        start, stop = span if span is not None else (0, math.prod(shape))
+        if start % row or stop % row or not 0 <= start <= stop <= math.prod(shape):
+            raise WeightsError(
+                f"{param}: range [{start}, {stop}) is not whole rows of {tuple(shape)}"
+            )
+        source = weights.source(param, shape)
+        plans.setdefault(source.file, []).append((param, source, (start // row, stop // row)))
+    out: dict[str, torch.Tensor] = {}
+    for file, items in plans.items():
+        path = directory / file
+        with safe_open(path, framework="pt") as f:
+            for param, source, (r0, r1) in items:
+                piece = f.get_slice(source.name)
+                _check_shape(source, tuple(piece.get_shape()), shapes[param], path)
+                if source.index:
+                    e, a, b = source.index[0], source.offset + r0, source.offset + r1
+                    tensor = piece[e : e + 1, a:b]
+                else:
+                    tensor = piece[r0:r1]
+                flat = tensor.reshape(-1)
+                if dtype is not None and flat.dtype != dtype:
+                    flat = flat.to(dtype)
+                out[param] = flat
+                if stats is not None:
+                    stats.bytes += tensor.numel() * tensor.element_size()
+                    stats.slices += 1
+                    stats.files.add(file)
+    return out
+
+
+def _check_shape(source: _Source, stored: tuple[int, ...], shape: torch.Size, path: Path) -> None:
+    ours = tuple(shape)
+    if source.index:  # fused experts: [E, rows of w1 and w3 | rows of w2, columns]
+        rows = ours[0] * (2 if source.name.endswith("gate_up_proj") else 1)
+        ok = len(stored) == 3 and stored[0] > source.index[0] and stored[1:] == (rows, ours[1])
+    else:
+        ok = stored == ours
+    if not ok:
+        raise WeightsError(
+            f"{path}: tensor {source.name!r} has shape {list(stored)}, the model needs "
+            f"{list(ours)}" + (" per expert" if source.index else "")
+        )
+
+
+def load_pretrained(model: CausalLM, directory: str | Path) -> CausalLM:
+    """Fill every parameter of ``model`` from the Hugging Face ``directory`` (whose
+    config.json must describe the model's family)."""
+    directory = Path(directory)
+    mapping = mapping_for(read_config(directory), str(directory / "config.json"))
+    if mapping.family != model.family:
+        raise WeightsError(
+            f"{directory / 'config.json'}: a {mapping.architecture}, not a {model.family} model"
+        )
+    params = dict(model.named_parameters())
+    tensors = read_params(directory, model, dict.fromkeys(params))
+    with torch.no_grad():
+        for name, p in params.items():
+            p.view(-1).copy_(tensors[name])
+    return model
