@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from bulkhead.trainer.models.protocol import ModelFamily
+
 VOCAB = 96
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -110,3 +112,12 @@ def shifted(tokens: torch.Tensor) -> torch.Tensor:
     ``lm_loss`` equals transformers' loss for ``labels=tokens``."""
     ignore = torch.full_like(tokens[:, :1], -100)
     return torch.cat([tokens[:, 1:], ignore], dim=1)
+
+
+def _no_build(sizes: Any) -> Any:
+    raise AssertionError("export must refuse a family without a Hugging Face counterpart first")
+
+
+# A user family (``spec.trainer.model.family: hf_models:NO_HF``) with no Hugging Face
+# counterpart, as the gpt family is.
+NO_HF = ModelFamily(name="no-hf", sizes=lambda model: None, build=_no_build)
