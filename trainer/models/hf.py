@@ -3,9 +3,13 @@
 ``read_params(directory, family_or_model, wanted)`` takes bulkhead parameter names (the
 model's ``named_parameters()`` names) with a flat element range of whole rows (dim-0
 aligned, as the engine's layouts shard) or ``None`` for the whole tensor, and returns flat
-tensors of exactly those elements. It reads through safetensors' lazy slices
-(``safe_open(...).get_slice(name)[row0:row1]``): only the requested rows' bytes are read,
-so no rank ever materialises a tensor, let alone a model, it does not hold.
+tensors of exactly those elements. Whole rows of a tensor are one contiguous byte range of
+its file, so each is read with one positioned read (``preadv``) straight into the tensor
+returned: no rank reads, maps or materialises bytes it does not hold. (safetensors' lazy
+``get_slice`` does the same through a memory map; its page faults cost 10-20x the CPU of
+one read per range, measured in bench/models.py's setting, so the reader takes the byte
+ranges from the file's header, whose format safetensors documents: an 8-byte little-endian
+length, then JSON ``{name: {dtype, shape, data_offsets}}``, then the data.)
 
 Checkpoints may be one file or sharded with ``model.safetensors.index.json``. Mixtral's
 experts come in the two layouts seen in the wild, told apart by the tensor names: one
@@ -19,13 +23,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from bulkhead.trainer.models.hf_config import mapping_for, read_config
@@ -61,7 +66,64 @@ class _Source:
     file: str
     index: tuple[int, ...] = ()  # leading indices (the expert of a fused tensor)
     offset: int = 0  # row offset inside the indexed tensor (w3's rows follow w1's)
-    shape: tuple[int, ...] = ()  # the whole Hugging Face tensor's shape, for the check
+
+
+# safetensors dtype codes -> torch dtypes (the data is little-endian, like every host here).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
+
+
+class SafetensorsFile:
+    """One ``*.safetensors`` file: its header, and positioned reads of element ranges."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise WeightsError(f"{path}: cannot open it: {exc.strerror}") from None
+        try:
+            size = os.fstat(self.fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0).ljust(8, b"\0"))
+            if not 2 <= n <= min(_MAX_HEADER, size - 8):
+                raise ValueError(f"header length {n}")
+            header = json.loads(os.pread(self.fd, n, 8))
+            self.data_start = 8 + n
+            self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ValueError(f"{name}: unsupported dtype {info['dtype']}")
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(v) for v in info["data_offsets"])
+                if end - begin != math.prod(shape) * dtype.itemsize or self.data_start + end > size:
+                    raise ValueError(f"{name}: data_offsets {begin}..{end} do not fit")
+                self.tensors[name] = (dtype, shape, begin)
+        except (ValueError, KeyError, TypeError) as exc:
+            self.close()
+            raise WeightsError(f"{path}: not a safetensors file ({exc})") from None
+
+    def read(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Elements ``[first, first + count)`` of tensor ``name`` (flattened), read now."""
+        dtype, _, begin = self.tensors[name]
+        out = torch.empty(count, dtype=dtype)
+        view = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
+        at, done = self.data_start + begin + first * dtype.itemsize, 0
+        while done < len(view):  # a read may return fewer bytes (e.g. past 2 GiB)
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise WeightsError(f"{self.path}: ended early reading {name!r}")
+            done += got
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class HFWeights:
@@ -81,12 +143,10 @@ class HFWeights:
                 raise WeightsError(f"{self.directory}: no *.safetensors files")
             self.files = {}
             for path in found:
-                with safe_open(path, framework="pt") as f:
-                    self.files.update(dict.fromkeys(f.keys(), path.name))
+                file = SafetensorsFile(path)
+                file.close()
+                self.files.update(dict.fromkeys(file.tensors, path.name))
         self.fused = any(n.endswith(".experts.gate_up_proj") for n in self.files)
-
-    def where(self, name: str) -> str:
-        return f"{self.directory / self.files[name]}" if name in self.files else str(self.directory)
 
     def source(self, param: str, shape: torch.Size) -> _Source:
         """Where ``param`` (a bulkhead name, of ``shape``) is stored."""
@@ -167,23 +227,27 @@ def read_params(
     out: dict[str, torch.Tensor] = {}
     for file, items in plans.items():
         path = directory / file
-        with safe_open(path, framework="pt") as f:
+        reader = SafetensorsFile(path)
+        try:
             for param, source, (r0, r1) in items:
-                piece = f.get_slice(source.name)
-                _check_shape(source, tuple(piece.get_shape()), shapes[param], path)
-                if source.index:
-                    e, a, b = source.index[0], source.offset + r0, source.offset + r1
-                    tensor = piece[e : e + 1, a:b]
-                else:
-                    tensor = piece[r0:r1]
-                flat = tensor.reshape(-1)
+                if source.name not in reader.tensors:
+                    raise WeightsError(f"{path}: has no tensor {source.name!r} (the index says so)")
+                stored = reader.tensors[source.name][1]
+                _check_shape(source, stored, shapes[param], path)
+                row = math.prod(stored[-1:]) if source.index else math.prod(stored[1:])
+                first_row = source.offset + r0
+                if source.index:  # fused: expert e's rows start after e experts' rows
+                    first_row += source.index[0] * stored[1]
+                flat = reader.read(source.name, first_row * row, (r1 - r0) * row)
                 if dtype is not None and flat.dtype != dtype:
                     flat = flat.to(dtype)
                 out[param] = flat
                 if stats is not None:
-                    stats.bytes += tensor.numel() * tensor.element_size()
+                    stats.bytes += (r1 - r0) * row * reader.tensors[source.name][0].itemsize
                     stats.slices += 1
                     stats.files.add(file)
+        finally:
+            reader.close()
     return out
 
 
