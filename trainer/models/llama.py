@@ -186,14 +186,21 @@ class Llama(CausalLM):
     def __init__(self, sizes: LlamaSizes) -> None:
         super().__init__()
         self.sizes = sizes
-        self.model = LlamaModel(sizes, self.moe_class)
-        self.lm_head = nn.Linear(sizes.d_model, sizes.vocab_size, bias=False)
         self.tied = (
             (("model.embed_tokens.weight", "lm_head.weight"),) if sizes.tie_embeddings else ()
         )
         self.rotary = Rotary(sizes)
+        device = torch.empty(()).device  # the caller's default device
+        # Built on meta, then given storage and initialized once by ``init_weights``: the
+        # weights are the same function of the RNG whether the engine builds on meta and
+        # initializes later or builds initialized (and torch's default inits are skipped).
+        with torch.device("meta"):
+            self.model = LlamaModel(sizes, self.moe_class)
+            self.lm_head = nn.Linear(sizes.d_model, sizes.vocab_size, bias=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
         self.retie()
-        if self.lm_head.weight.device.type != "meta":
+        if device.type != "meta":
             self.init_weights()
 
     @property
