@@ -1,7 +1,8 @@
 """Checkpoints written by real ``bulkhead run`` jobs of the GPT engine read back whole: a
 composed run (pipeline stages x experts x ZeRO-3 over each pod's 2 processes, 4 shards)
 assembles to the parameters a data-parallel run of the same job persisted, and ``bulkhead
-export`` refuses the family, which has no Hugging Face counterpart."""
+export`` (reading the model from the checkpoint's plan) refuses the family, which has no
+Hugging Face counterpart."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def test_a_composed_runs_checkpoint_assembles_to_the_data_parallel_one(tmp_path)
     for name in shapes:
         torch.testing.assert_close(mine[name], expected[name], atol=1e-4, rtol=0, msg=name)
 
-    job = tmp_path / "composed.yaml"
-    out = CliRunner().invoke(cli, ["export", str(composed), "--job", str(job), "--out",
-                                   str(tmp_path / "hf")])  # fmt: skip
+    # Every shard records the job's model, so export needs no manifest.
+    assert {r.plan["model"]["preset"] for r in persisted.records.values()} == {"tiny-moe"}
+    out = CliRunner().invoke(cli, ["export", str(composed), "--out", str(tmp_path / "hf")])
     assert out.exit_code != 0 and "gpt" in out.output, out.output
     assert not (tmp_path / "hf").exists()
