@@ -187,3 +187,15 @@ def test_model_init_writes_a_random_directory_of_the_preset(name, tmp_path):
     logits = loaded(torch.zeros(1, 5, dtype=torch.int64))
     assert logits.shape == (1, 5, expected.vocab_size)
     assert math.isfinite(float(logits.detach().abs().sum()))
+
+
+def test_export_converts_to_the_dtype_asked_for(tmp_path):
+    model = {"family": "mixtral", "preset": "tiny"}
+    _, params = _model(model)
+    _write(tmp_path / "ckpt", _zero_pieces(params, 2), {"model": model})
+    args = ["export", str(tmp_path / "ckpt" / JOB), "--out", str(tmp_path / "hf")]
+    result = CliRunner().invoke(cli, [*args, "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    loaded = from_pretrained(tmp_path / "hf")
+    for name, p in loaded.model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, params[name].bfloat16()), name
