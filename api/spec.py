@@ -86,19 +86,98 @@ class MoEConfig(SpecModel):
     )
 
 
-class ModelConfig(SpecModel):
-    """A GPT-style decoder; a preset picks a size and explicit fields override it."""
+class RopeScalingConfig(SpecModel):
+    """Llama-3 rotary frequency scaling (Hugging Face ``rope_type: llama3``): wavelengths
+    longer than originalMaxPositionEmbeddings / lowFreqFactor are divided by factor, shorter
+    than originalMaxPositionEmbeddings / highFreqFactor kept, those between interpolated."""
 
+    rope_type: Literal["llama3"] = Field("llama3", description="The scaling rule (llama3).")
+    factor: float = Field(8.0, gt=0, le=1e6, description="Scale of the long wavelengths.")
+    low_freq_factor: float = Field(1.0, gt=0, le=1e6, description="Low-frequency bound.")
+    high_freq_factor: float = Field(4.0, gt=0, le=1e6, description="High-frequency bound.")
+    original_max_position_embeddings: int = Field(
+        8192, ge=1, le=100_000_000, description="Context length the model was pretrained at."
+    )
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> RopeScalingConfig:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise _rule(
+                "highFreqFactor",
+                "must be > lowFreqFactor ({lo}), got {hi}",
+                lo=self.low_freq_factor,
+                hi=self.high_freq_factor,
+            )
+        return self
+
+
+class PretrainedConfig(SpecModel):
+    """Start from a Hugging Face checkpoint instead of random weights."""
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "Directory holding config.json and *.safetensors (sharded with "
+            "model.safetensors.index.json or not), e.g. on a PVC. Sizes come from config.json; "
+            "explicit model fields must agree with it. Each rank reads only what it holds."
+        ),
+    )
+
+
+class ModelConfig(SpecModel):
+    """The model: a family (gpt, llama, mixtral or a user's), its sizes (a preset, explicit
+    fields overriding it, or a Hugging Face config.json) and optional pretrained weights."""
+
+    family: str = Field(
+        "gpt",
+        min_length=1,
+        description=(
+            "Model family: gpt, llama, mixtral, the name of a bulkhead.models entry point, or "
+            "'module:attribute' of a ModelFamily."
+        ),
+    )
+    pretrained: PretrainedConfig | None = Field(
+        None, description="Hugging Face weights to start from (llama and mixtral families)."
+    )
     preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
     vocab_size: int = Field(256, ge=2, le=1_000_000, description="Byte-level data uses 256.")
     d_model: int = Field(64, ge=8, le=65536, description="Hidden (embedding) width.")
     n_layers: int = Field(4, ge=1, le=1024, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, le=512, description="Attention heads; must divide dModel.")
-    seq_len: int = Field(64, ge=4, le=1_000_000, description="Tokens per training sequence.")
+    n_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="Key/value heads of grouped-query attention (llama, mixtral); must divide "
+        "nHeads. Default nHeads.",
+    )
+    seq_len: int = Field(
+        64,
+        ge=4,
+        le=1_000_000,
+        description="Tokens per training sequence (with pretrained weights: default the "
+        "checkpoint's max_position_embeddings).",
+    )
     ffn_dim: int | None = Field(
-        None, ge=8, le=1_048_576, description="Feed-forward width; default 4 x dModel."
+        None,
+        ge=8,
+        le=1_048_576,
+        description="Feed-forward width (of each expert for MoE); default 4 x dModel.",
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability (0 = none).")
+    rope_theta: float = Field(
+        10000.0, gt=0, le=1e12, description="Rotary embedding base (llama, mixtral)."
+    )
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="Llama-3 rotary frequency scaling (llama, mixtral); omit for none."
+    )
+    rms_norm_eps: float = Field(1e-5, gt=0, le=1, description="RMSNorm epsilon (llama, mixtral).")
+    tie_embeddings: bool | None = Field(
+        None,
+        description="Share the embedding and the output head (llama, mixtral; default false; "
+        "gpt always ties).",
+    )
     moe: MoEConfig | None = Field(None, description="Omit for a dense model.")
 
     @model_validator(mode="after")
@@ -106,6 +185,13 @@ class ModelConfig(SpecModel):
         if self.d_model % self.n_heads:
             raise _rule(
                 "nHeads", "must divide dModel ({d}), got {h}", d=self.d_model, h=self.n_heads
+            )
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise _rule(
+                "nKvHeads",
+                "must divide nHeads ({h}), got {kv}",
+                h=self.n_heads,
+                kv=self.n_kv_heads,
             )
         return self
 

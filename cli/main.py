@@ -19,6 +19,14 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("bulkhead.operator.local.cli:run", "Run a TrainingJob on this machine."),
     "plan": ("bulkhead.trainer.planning.cli:plan", "Show pipeline and expert plans for a job."),
     "agent": ("bulkhead.agent.cli:agent", "Node agent tools (evaluate detectors, ...)."),
+    "export": (
+        "bulkhead.trainer.models.cli:export",
+        "Write a persisted checkpoint as a Hugging Face model directory.",
+    ),
+    "model": (
+        "bulkhead.trainer.models.cli:model",
+        "Hugging Face model directories (init: random weights, no network).",
+    ),
 }
 
 

@@ -69,14 +69,31 @@ class ModelSizes:
         return self.moe is not None and (layer + 1) % self.moe.every == 0
 
 
+# ModelConfig fields of the llama/mixtral families that the GPT decoder has no use for.
+_NOT_GPT = {
+    "n_kv_heads": "nKvHeads",
+    "rope_theta": "ropeTheta",
+    "rope_scaling": "ropeScaling",
+    "rms_norm_eps": "rmsNormEps",
+    "tie_embeddings": "tieEmbeddings",
+    "pretrained": "pretrained",
+}
+
+
 def resolve_model(model: ModelConfig) -> ModelSizes:
     """Concrete sizes: preset values, overridden by every field that differs from its default."""
+    defaults = ModelConfig()
+    for name, wire in _NOT_GPT.items():
+        if getattr(model, name) != getattr(defaults, name):
+            raise ValueError(
+                f"spec.trainer.model.{wire}: the gpt family has no such setting "
+                "(family llama or mixtral has)"
+            )
     values: dict[str, Any] = {}
     if model.preset is not None:
         values.update(PRESETS[model.preset])
-    defaults = ModelConfig()
     for name in ModelConfig.model_fields:
-        if name in ("preset", "moe"):
+        if name in ("preset", "moe", "family", *_NOT_GPT):
             continue
         value = getattr(model, name)
         if name not in values or value != getattr(defaults, name):
@@ -181,6 +198,12 @@ class TrainConfig:
 def train_config(spec: TrainingJobSpec) -> TrainConfig:
     """Resolve a validated spec into the trainer's config (raises ValueError on bad sizes)."""
     trainer = spec.trainer
+    if trainer.model.family != "gpt":
+        # Until the engine builds models through trainer.models' registry (issue 34).
+        raise ValueError(
+            f"spec.trainer.model.family: this engine trains the gpt family only, got "
+            f"{trainer.model.family!r}"
+        )
     if trainer.model.vocab_size < 256:
         raise ValueError(
             "spec.trainer.model.vocabSize: byte-level data needs >= 256, "

@@ -244,7 +244,7 @@ def _checkpointer(
     settings = CheckpointSettings.from_spec(
         spec.checkpoint, job=launch.job, env=env, worker=launch.worker
     )
-    return EngineCheckpointer(CheckpointEngine(settings))
+    return EngineCheckpointer(CheckpointEngine(settings), model=spec.trainer.model.wire())
 
 
 def main() -> None:

@@ -27,6 +27,12 @@ EXPECTED_KEYS = {
         "detection_latency_max_s",
     },
     "recovery": {"bulkhead_recovery_s", "torchrun_recovery_s", "ratio"},
+    "models": {
+        "import_bytes_ratio",
+        "import_wall_ratio",
+        "import_sequential_cpu_ratio",
+        "export_ratio",
+    },
     "pipeline": {
         "bubble_measured",
         "bubble_theory",

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
@@ -114,8 +115,11 @@ class RestoredState:
 class EngineCheckpointer:
     """The loop's ``Checkpointer`` backed by a ``CheckpointEngine``."""
 
-    def __init__(self, engine: CheckpointEngine) -> None:
+    def __init__(self, engine: CheckpointEngine, model: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        # The job's spec.trainer.model (wire form), recorded in every snapshot's plan so
+        # that ``bulkhead export`` knows the model a persisted checkpoint holds.
+        self.model = model
         self._last_step: int | None = None
         self._generation: int | None = None
         self._shard = ""  # the checkpoint shard this rank snapshots (set per generation)
@@ -139,6 +143,8 @@ class EngineCheckpointer:
             return
         self._generation = view.generation
         topology = topology_for(view, plan, rank)
+        if self.model is not None:
+            topology = topology.model_copy(update={"plan": {**topology.plan, "model": self.model}})
         self._shard = topology.shard
         self.engine.set_topology(topology)
         self._persists = topology.persist and self.engine.settings.storage_dir is not None

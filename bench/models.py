@@ -1,0 +1,190 @@
+"""Hugging Face weights in and out, side by side with safetensors alone (issue 34 targets).
+
+1. Import into N ranks: N processes each read their ZeRO share (torch.chunk rows of every
+   parameter, as the engine shards) of a sharded checkpoint with ``read_params``. Measured:
+   the bytes all ranks read together vs the checkpoint's tensor bytes (target <= 1.1x), and
+   the wall time from the common start to the last rank's end vs one process reading every
+   file once, whole, into memory (target <= 1.5x).
+2. Export: ``export_hf`` (shards, index, config.json) vs safetensors' ``save_file`` of the
+   same tensors into one file from one process (target <= 1.5x).
+
+Every timing is the best of a few rounds in which both sides run back to back (the machine
+is shared: the best is the least disturbed); CPU seconds are reported beside wall seconds.
+Both sides read files the previous step just wrote, i.e. from the page cache.
+
+    .venv/bin/python -P bench/models.py [--quick] [--out FILE] [--ranks N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from bulkhead.trainer.engine.layout import KeySpec, shard_range
+from bulkhead.trainer.models.hf import ReadStats, read_params
+from bulkhead.trainer.models.hf_export import export_hf
+from bulkhead.trainer.models.llama import Llama
+from bulkhead.trainer.models.sizes import LlamaSizes
+
+
+def sizes_for(quick: bool) -> LlamaSizes:
+    if quick:
+        return LlamaSizes(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                          ffn_dim=704, seq_len=128)  # fmt: skip
+    return LlamaSizes(vocab_size=16000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                      ffn_dim=1408, seq_len=1024)  # fmt: skip
+
+
+def _share(model: Llama, rank: int, ranks: int) -> dict[str, tuple[int, int]]:
+    """Rank ``rank``'s ZeRO rows of every parameter, as the engine's layout cuts them."""
+    wanted = {}
+    for name, p in model.named_parameters():
+        spec = KeySpec(name, p.numel(), p.shape[0], "float32", shardable=True)
+        start, stop = shard_range(spec, ranks, rank)
+        if stop > start:
+            wanted[name] = (start, stop)
+    return wanted
+
+
+def _rank(directory: str, rank: int, ranks: int, barrier: Any, sizes: LlamaSizes) -> tuple:
+    with torch.device("meta"):
+        model = Llama(sizes)
+    wanted = _share(model, rank, ranks)
+    barrier.wait()
+    started, cpu = time.monotonic(), time.process_time()
+    stats = ReadStats()
+    read_params(directory, model, wanted, stats=stats)
+    return stats.bytes, started, time.monotonic(), time.process_time() - cpu
+
+
+def import_round(pool: Any, barrier: Any, directory: Path, ranks: int, sizes: LlamaSizes) -> dict:
+    results = pool.starmap(
+        _rank, [(str(directory), r, ranks, barrier, sizes) for r in range(ranks)]
+    )
+    return {
+        "bytes": sum(r[0] for r in results),
+        "max_rank_bytes": max(r[0] for r in results),
+        "wall_s": max(r[2] for r in results) - min(r[1] for r in results),
+        "cpu_s": sum(r[3] for r in results),
+    }
+
+
+def baseline_read(directory: Path) -> dict[str, float]:
+    """One process reading every file once, whole, into memory: the floor for getting the
+    checkpoint's bytes off the files (no parsing, one read per file)."""
+    started, cpu = time.perf_counter(), time.process_time()
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        buffer = torch.empty(path.stat().st_size, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            total += f.readinto(memoryview(buffer.numpy()))
+    return {"bytes": total, "wall_s": time.perf_counter() - started,
+            "cpu_s": time.process_time() - cpu}  # fmt: skip
+
+
+def sequential_shares(directory: Path, ranks: int, sizes: LlamaSizes) -> dict[str, float]:
+    """Every rank's share read one after the other in this process: the reading cost per
+    byte without the ranks contending for the two cores."""
+    with torch.device("meta"):
+        model = Llama(sizes)
+    shares = [_share(model, r, ranks) for r in range(ranks)]
+    started, cpu = time.perf_counter(), time.process_time()
+    for wanted in shares:
+        read_params(directory, model, wanted)
+    return {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float]:
+    started, cpu = time.perf_counter(), time.process_time()
+    fn(*args, **kwargs)
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--ranks", type=int, default=4, help="importing processes")
+    args = parser.parse_args()
+    sizes = sizes_for(args.quick)
+    rounds = 2 if args.quick else 3
+    torch.manual_seed(0)
+    state = {n: p.detach() for n, p in Llama(sizes).named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    shard_bytes = max(nbytes // 6, 1 << 20)
+    work = Path(tempfile.mkdtemp(prefix="bench-models-"))
+    try:
+        ours_export, base_export, ours_import, base_import, sequential = [], [], [], [], []
+        for i in range(rounds):
+            out, single = work / f"hf-{i}", work / f"single-{i}.safetensors"
+            ours_export.append(timed(export_hf, state, sizes, out, shard_bytes, progress=False))
+            base_export.append(timed(save_file, state, str(single), metadata={"format": "pt"}))
+            single.unlink()
+        directory = work / "hf-0"
+        # spawn: a forked child of a process that ran torch's OpenMP pool can deadlock in
+        # it. The ranks start (and import torch) once; each round starts them together.
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, ctx.Pool(args.ranks) as pool:
+            barrier = manager.Barrier(args.ranks)
+            for _ in range(rounds):
+                ours_import.append(import_round(pool, barrier, directory, args.ranks, sizes))
+                base_import.append(baseline_read(directory))
+                sequential.append(sequential_shares(directory, args.ranks, sizes))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    best_ours = min(ours_import, key=lambda r: r["wall_s"])
+    best_base = min(base_import, key=lambda r: r["wall_s"])
+    best_sequential = min(sequential, key=lambda r: r["cpu_s"])
+    base_cpu = min(r["cpu_s"] for r in base_import)
+    export_s, export_cpu = min(ours_export)
+    save_s, save_cpu = min(base_export)
+    figures = {
+        "params": sum(t.numel() for t in state.values()),
+        "checkpoint_bytes": nbytes,
+        "ranks": args.ranks,
+        "import_bytes_read": best_ours["bytes"],
+        "import_bytes_ratio": best_ours["bytes"] / nbytes,
+        "import_max_rank_share": best_ours["max_rank_bytes"] / (nbytes / args.ranks),
+        "import_wall_s": best_ours["wall_s"],
+        "import_cpu_s": best_ours["cpu_s"],
+        "baseline_read_wall_s": best_base["wall_s"],
+        "baseline_read_cpu_s": best_base["cpu_s"],
+        "import_wall_ratio": best_ours["wall_s"] / best_base["wall_s"],
+        "import_sequential_cpu_s": best_sequential["cpu_s"],
+        "import_sequential_cpu_ratio": best_sequential["cpu_s"] / base_cpu,
+        "export_s": export_s,
+        "export_cpu_s": export_cpu,
+        "save_file_s": save_s,
+        "save_file_cpu_s": save_cpu,
+        "export_ratio": export_s / save_s,
+        "quick": args.quick,
+    }
+    print(
+        f"import of {nbytes / 1e6:.1f} MB into {args.ranks} ranks: read "
+        f"{figures['import_bytes_ratio']:.3f}x the checkpoint (target <= 1.1x), largest rank "
+        f"{figures['import_max_rank_share']:.2f}x its share; wall {best_ours['wall_s']:.3f} s "
+        f"vs {best_base['wall_s']:.3f} s for one process reading every file = "
+        f"{figures['import_wall_ratio']:.2f}x (target <= 1.5x); CPU {best_ours['cpu_s']:.3f} s "
+        f"vs {best_base['cpu_s']:.3f} s; the {args.ranks} shares read one after the other in "
+        f"one process: {best_sequential['cpu_s']:.3f} s CPU = "
+        f"{figures['import_sequential_cpu_ratio']:.2f}x the one whole read"
+    )
+    print(
+        f"export: {export_s:.3f} s ({export_cpu:.3f} s CPU) vs safetensors save_file "
+        f"{save_s:.3f} s ({save_cpu:.3f} s CPU) = {figures['export_ratio']:.2f}x (target <= 1.5x)"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Settings the gpt family cannot honour are refused, naming the field (no silent ignore)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bulkhead.api.spec import ModelConfig, TrainingJobSpec
+from bulkhead.trainer.config import resolve_model, train_config
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("nKvHeads", 2), ("ropeTheta", 5e5), ("tieEmbeddings", False), ("pretrained", {"path": "/x"})],
+)
+def test_llama_only_fields_are_refused_for_gpt(field, value):
+    with pytest.raises(ValueError, match=rf"spec\.trainer\.model\.{field}: the gpt family has no"):
+        resolve_model(ModelConfig.model_validate({"preset": "tiny", field: value}))
+
+
+def test_this_engine_trains_only_gpt_until_it_builds_from_the_registry():
+    spec = TrainingJobSpec.model_validate(
+        {"workers": 1, "trainer": {"model": {"family": "llama", "preset": "tiny"}}}
+    )
+    with pytest.raises(ValueError, match=r"spec\.trainer\.model\.family: this engine trains"):
+        train_config(spec)
