@@ -4,6 +4,6 @@
 ``fit(train[T, D]) -> self`` and ``predict(test[T, D]) -> 0/1 flags[T]``.
 """
 
-from bulkhead.agent.detect.multivariate import KnnParams, MultivariateDetector
+from bulkhead.agent.detect.multivariate import DetectorParams, MultivariateDetector
 
-__all__ = ["KnnParams", "MultivariateDetector"]
+__all__ = ["DetectorParams", "MultivariateDetector"]

@@ -18,7 +18,7 @@ import re
 import numpy as np
 
 from bulkhead.agent.collectors.base import GPUS, HOST, Snapshot
-from bulkhead.agent.detect.multivariate import KnnParams, MultivariateDetector
+from bulkhead.agent.detect.multivariate import DetectorParams, MultivariateDetector
 from bulkhead.agent.problems import Finding
 from bulkhead.api.node_problems import Reason, format_blame
 
@@ -60,13 +60,13 @@ def metric_kind(name: str) -> str:
 # Thresholds from a 10-minute warm-up at 1 s: a healthy smoothed score passes the alarm
 # level once in 10^4 ticks by the fitted tail (the empirical quantile there does not exist
 # in 600 ticks); the tail starts at the 95 % quantile so that 30 peaks describe it.
-AGENT_PARAMS = KnnParams(smooth=10, update_every=300, risk=1e-4, initial_quantile=0.95)
+AGENT_PARAMS = DetectorParams(smooth=10, update_every=300, risk=1e-4, initial_quantile=0.95)
 
 
 class MetricAnomalyDetector:
     reads = (HOST, GPUS)
 
-    def __init__(self, warmup: int = 600, params: KnnParams | None = None) -> None:
+    def __init__(self, warmup: int = 600, params: DetectorParams | None = None) -> None:
         if warmup < 10:
             raise ValueError(f"the warm-up needs at least 10 ticks, got {warmup}")
         self._warmup = warmup
@@ -94,9 +94,9 @@ class MetricAnomalyDetector:
                 self._detector = MultivariateDetector(self._params).fit(np.array(self._healthy))
                 self._healthy = []
                 log.info(
-                    "multivariate detector fitted on %d healthy ticks (threshold %.3f)",
+                    "multivariate detector fitted on %d healthy ticks (alarm levels %s)",
                     self._warmup,
-                    self._detector.threshold,
+                    {name: round(level, 3) for name, level in self._detector.thresholds.items()},
                 )
             return []
         seen = self._detector.observe(vector)
@@ -104,12 +104,13 @@ class MetricAnomalyDetector:
         if not seen.flagged:
             return []
         blamed = seen.top(names, BLAMED)
+        scores = ", ".join(f"{name} {value:.2f}" for name, value in seen.by_scorer.items())
         return [
             Finding(
                 Reason.METRIC_ANOMALY,
                 "node",
-                f"node metrics far from their healthy history (score {seen.score:.2f}, "
-                f"threshold {self._detector.threshold:.2f}); {format_blame(blamed)}",
+                f"node metrics far from their healthy history ({seen.score:.2f} x the alarm "
+                f"level; {scores}); {format_blame(blamed)}",
                 metrics=tuple(blamed),
             )
         ]

@@ -28,9 +28,11 @@ def test_one_asd_server_is_detected_and_blamed_with_train_only_thresholds(omi2):
     train, test, labels = omi2
     segments = read_segments(asd_path().parent / "interpretation_label" / "omi-2.txt")
     detector = MultivariateDetector().fit(train)
-    assert detector.train_scores is not None and len(detector.train_scores) == len(train)
-    # the threshold is a high tail of the held-out training scores, not of the test's
-    assert np.mean(detector.train_scores > detector.threshold) < 0.02
+    assert set(detector.thresholds) == {"knn", "forecast"}
+    assert len(detector.train_scores["knn"]) == len(train)
+    # each alarm level is a high tail of its cross-fitted training scores (risk 1 % shared)
+    for name, level in detector.thresholds.items():
+        assert np.mean(detector.train_scores[name] > level) < 0.01
     result = score(detector.run(test), labels, segments)
     assert result.f1 > 0.4 and result.precision > 0.5, result  # random scores reach ~0.03
     assert result.f1_oracle >= result.f1
@@ -45,6 +47,8 @@ def test_streaming_observe_matches_batch_run(omi2):
     assert np.allclose([s.score for s in streamed], batch.scores)
     assert [int(s.flagged) for s in streamed] == batch.flags.tolist()
     assert np.allclose(np.array([s.contributions for s in streamed]), batch.contributions)
+    scorer_max = [max(s.by_scorer.values()) for s in streamed]
+    assert np.allclose(scorer_max, batch.scores)  # the score is the largest scorer's
     assert np.array_equal(detector.predict(test), batch.flags)  # run leaves no state behind
 
 
@@ -64,14 +68,37 @@ def test_flags_a_shifted_segment_blames_its_metric_and_spares_the_rest():
     assert seen.flagged and seen.top(["a", "b", "c", "d"], 2)[0][0] == "c"
 
 
-def test_both_tails_give_a_threshold_from_training_data():
+def test_both_tails_and_each_scorer_give_alarm_levels_from_training_data():
     rng = np.random.default_rng(2)
     train = rng.normal(0.5, 0.05, size=(1500, 3))
     pot = MultivariateDetector(tail="pot", risk=1e-3).fit(train)
     empirical = MultivariateDetector(tail="quantile", risk=1e-3).fit(train)
-    assert pot.threshold == pytest.approx(empirical.threshold, rel=0.25)
-    # a lower risk means a higher alarm level
-    assert MultivariateDetector(risk=1e-5).fit(train).threshold > pot.threshold
+    for name in ("knn", "forecast"):
+        assert pot.thresholds[name] == pytest.approx(empirical.thresholds[name], rel=0.25)
+    # a lower risk means higher alarm levels
+    lower = MultivariateDetector(risk=1e-5).fit(train)
+    assert all(lower.thresholds[n] > pot.thresholds[n] for n in pot.thresholds)
+    alone = MultivariateDetector(scorers=("knn",), risk=1e-3).fit(train)
+    assert set(alone.thresholds) == {"knn"}
+    assert alone.thresholds["knn"] < pot.thresholds["knn"]  # no risk shared with another
+
+
+def test_the_forecast_sees_a_jump_the_neighbours_know():
+    # The metrics alternate between two healthy levels every 50 points; a fault flips them
+    # every point. Every point is a healthy state (kNN stays quiet); the moves are not.
+    rng = np.random.default_rng(4)
+
+    def series(length: int, period: int) -> np.ndarray:
+        level = (np.arange(length) // period) % 2
+        return np.stack([level, 1 - level], 1) + rng.normal(0, 0.02, (length, 2))
+
+    test = series(400, 50)
+    test[200:230] = series(30, 1)
+    run = MultivariateDetector(smooth=3).fit(series(3000, 50))
+    by_point = [run.observe(row) for row in test]
+    assert np.mean([o.flagged for o in by_point[205:230]]) > 0.8
+    assert max(o.by_scorer["knn"] for o in by_point[205:230]) < 1.0
+    assert np.mean([o.flagged for o in by_point[:195]]) < 0.05
 
 
 def test_bad_input_gives_clear_errors():
@@ -86,6 +113,8 @@ def test_bad_input_gives_clear_errors():
         MultivariateDetector(quantile=0.99)
     with pytest.raises(ValueError, match="tail"):
         MultivariateDetector(tail="gaussian")
+    with pytest.raises(ValueError, match="scorers"):
+        MultivariateDetector(scorers=("lstm",))
     detector.fit(np.random.default_rng(1).random((100, 2)))
     with pytest.raises(ValueError, match="fitted on 2"):
         detector.predict(np.zeros((5, 3)))
