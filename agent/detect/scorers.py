@@ -81,6 +81,11 @@ class KnnStream:
         self._cached: np.ndarray | None = base
         self._seen = 0
 
+    @property
+    def size(self) -> int:
+        """Reference points: the training ones plus the learned ones."""
+        return len(self._base) + len(self._learned)
+
     def score(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self._cached is None:
             self._cached = np.vstack([self._base, *self._learned])
