@@ -44,7 +44,8 @@ class AgentMetrics:
             self.problems.labels(str(reason), DEFAULT_SEVERITY[reason])
         self.anomaly_share = Gauge(
             "bulkhead_agent_metric_anomaly_share",
-            "Share of the active MetricAnomaly score per metric kind (0 when none).",
+            "Share of the active MetricAnomaly score held by the metrics it blames, per metric "
+            "kind (0 when none).",
             ["metric"],
             registry=r,
         )
