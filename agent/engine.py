@@ -173,6 +173,7 @@ class Agent:
                         finding.message,
                         since=now,
                         last_seen=now,
+                        metrics=finding.metrics,
                     )
                     self._problems[key] = problem
                     started.append(problem)
@@ -182,6 +183,7 @@ class Agent:
                         severity,
                         now,
                     )
+                    problem.metrics = finding.metrics
         return started, resolved
 
     # --- the loop --------------------------------------------------------------------------

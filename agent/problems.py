@@ -8,7 +8,7 @@ Findings become a *problem* only after they persist (k of n ticks, see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bulkhead.api.node_problems import SEVERITY_RANK, Reason
 from bulkhead.api.spec import Severity
@@ -22,6 +22,8 @@ class Finding:
     subject: str
     message: str
     severity: Severity | None = None  # None: the configured severity of the reason
+    # The metrics to blame with their shares of the score, largest first (MetricAnomaly).
+    metrics: tuple[tuple[str, float], ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
@@ -38,7 +40,7 @@ class Problem:
     message: str
     since: float
     last_seen: float
-    details: dict[str, float] = field(default_factory=dict)
+    metrics: tuple[tuple[str, float], ...] = ()  # as the latest finding blamed them
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,6 +50,7 @@ class Problem:
             "message": self.message,
             "since": self.since,
             "lastSeen": self.last_seen,
+            "metrics": [{"name": name, "share": share} for name, share in self.metrics],
         }
 
 

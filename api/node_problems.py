@@ -3,7 +3,8 @@
 Like node-problem-detector's one ``types`` package, this is the only place that says what
 the ``BulkheadAnomaly`` Node condition means: its type, its reasons, each reason's default
 severity, the order of severities, the format of the condition message and its parser, and
-the timestamp format of condition and Event times.
+the timestamp format of condition and Event times, and how a message names the metrics
+to blame (:func:`format_blame` / :func:`parse_blame`).
 
 Why the severity travels in the message: a Node condition has only ``type``, ``status``,
 ``reason`` and ``message`` (the API server drops any other field), and ``reason`` is taken by
@@ -83,6 +84,25 @@ _SEVERITY_IN_MESSAGE = re.compile(
 def format_message(severity: str, subject: str, message: str) -> str:
     """The condition (and Event) message: ``<severity>: <subject>: <message>``."""
     return f"{severity}: {subject}: {message}"
+
+
+# "...; blame: gpu3.temperature=62%, host.load1=9%" at the end of a message: the metrics
+# that contributed most to a MetricAnomaly, largest share first.
+_BLAME = re.compile(r"\bblame: ((?:[\w.\-/]+=\d+%(?:, )?)+)\s*(?:\(|$)")
+
+
+def format_blame(metrics: list[tuple[str, float]]) -> str:
+    """``blame: <metric>=<share>%, ...`` for metrics with their shares (0-1) of a score."""
+    return "blame: " + ", ".join(f"{name}={round(share * 100)}%" for name, share in metrics)
+
+
+def parse_blame(message: str) -> list[tuple[str, float]]:
+    """The blamed metrics and their shares (0-1) in a condition or Event message, if any."""
+    found = _BLAME.search(message or "")
+    if not found:
+        return []
+    pairs = [item.rsplit("=", 1) for item in found.group(1).split(", ") if item]
+    return [(name, int(share.rstrip("%")) / 100) for name, share in pairs]
 
 
 def parse_severity(reason: str, message: str = "") -> str:

@@ -1,39 +1,99 @@
-"""The multivariate detector: k-nearest-neighbour distance to healthy history, online.
+"""The multivariate detector: a kNN distance and a forecast error, each with a train-only
+alarm level, combined online.
 
-Fitted on healthy data only. A point's score is its mean distance to the ``k`` nearest
-reference points (metrics standardised with the training mean and a floored standard
-deviation, so near-constant metrics do not explode), averaged over the last ``smooth``
-points, because real faults last several samples while single-sample spikes are noise.
+Fitted on healthy data only (metrics standardised with the training mean and a floored
+standard deviation, so near-constant metrics do not explode). Two scores (``scorers.py``):
+the distance of a point to its nearest healthy neighbours (an unusual *state*) and the error
+of a linear forecast from the points before it (an unusual *move*). Each is averaged over
+the last ``smooth`` points, because real faults last several samples while single-sample
+spikes are noise.
 
-The threshold is a quantile of the scores of a held-out tail of the training data (never
-the test labels): the held-out part is not in the reference set, so its scores look like
-those of new healthy data rather than the zero distance of a point to itself.
+The alarm levels come from training data only. Each score is cross-fitted on the training
+series (every block scored by a model fitted on the others), so the training scores look
+like those of new healthy data; each alarm level is the score those healthy points exceed
+with probability ``risk / len(scorers)`` (so that the combination alarms on healthy data
+with probability at most ``risk``): by default read from a generalised Pareto fit of their
+tail (peaks over threshold, ``threshold.py``), which also extrapolates beyond the largest
+score a short warm-up has seen; ``tail="quantile"`` takes the empirical quantile instead.
+A point's score is the largest of its scores, each divided by its alarm level: it is
+flagged above 1.
 
-Servers drift (a deploy, a new tenant), so the reference grows online with observed points
-that were *not* flagged, every ``update_every`` points; flagged points never enter it, so a
-lasting fault is not learned as normal. The batch ``predict`` and the streaming ``observe``
-follow the same schedule and give the same flags.
+Attribution: each metric's share of a score is its squared difference (from the mean of the
+nearest neighbours, or from its forecast), smoothed over the same window; the shares of the
+two scores are weighted by how far each is over its alarm level.
+
+The kNN reference grows online with the points that were *not* flagged, every
+``update_every`` points, so drift is learned but a lasting fault is not. The batch ``run``
+and the streaming ``observe`` go through the same session and give the same results.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Literal
 
 import numpy as np
 
+from bulkhead.agent.detect.scorers import ForecastScorer, KnnScorer
+from bulkhead.agent.detect.threshold import pot_threshold
+
+SCORERS = ("knn", "forecast")
+
 
 @dataclass(frozen=True)
-class KnnParams:
-    k: int = 5
+class DetectorParams:
+    scorers: tuple[str, ...] = SCORERS
+    k: int = 5  # nearest neighbours (knn)
+    stride: int = 2  # every stride-th training point is a reference point (knn)
+    update_every: int = 288  # learn unflagged points this often (knn)
+    max_learned: int = 8640  # learned reference points kept (knn)
+    lags: int = 3  # past points a forecast reads (forecast)
     smooth: int = 6
     scale_floor: float = 0.03
-    holdout: float = 0.2
-    quantile: float = 0.99
-    margin: float = 1.0  # threshold = margin x the held-out quantile (> 1: fewer alarms)
-    stride: int = 2
-    update_every: int = 288
-    max_learned: int = 8640
+    folds: int = 5  # cross-fitting blocks of the training series
+    tail: Literal["pot", "quantile"] = "pot"
+    risk: float = 0.01  # the probability that a healthy point is flagged
+    initial_quantile: float = 0.98  # where the fitted tail starts (``tail="pot"``)
+
+    def __post_init__(self) -> None:
+        if min(self.k, self.smooth, self.stride, self.update_every, self.lags) < 1:
+            raise ValueError("k, smooth, stride, update_every and lags must be >= 1")
+        if self.folds < 2:
+            raise ValueError(f"cross-fitting needs folds >= 2, got {self.folds}")
+        if self.tail not in ("pot", "quantile"):
+            raise ValueError(f"tail must be 'pot' or 'quantile', got {self.tail!r}")
+        if not 0.0 < self.risk < 1.0:
+            raise ValueError(f"risk must be in (0, 1), got {self.risk}")
+        unknown = [name for name in self.scorers if name not in SCORERS]
+        if unknown or not self.scorers:
+            raise ValueError(f"scorers must be a non-empty subset of {SCORERS}, got {self.scorers}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A scored series: scores [T] (1 = the alarm level), 0/1 flags [T], per-metric shares
+    [T, D] (each row sums to 1)."""
+
+    scores: np.ndarray
+    flags: np.ndarray
+    contributions: np.ndarray
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One streamed sample: its score (1 = the alarm level), the verdict, each scorer's
+    score, and the per-metric shares [D]."""
+
+    score: float
+    flagged: bool
+    by_scorer: dict[str, float]
+    contributions: np.ndarray
+
+    def top(self, names: list[str], count: int = 3) -> list[tuple[str, float]]:
+        """The ``count`` metrics with the largest shares, largest first, with their shares."""
+        order = np.argsort(-self.contributions, kind="stable")[:count]
+        return [(names[i], float(self.contributions[i])) for i in order]
 
 
 def _check(data: np.ndarray, name: str, dims: int | None = None) -> np.ndarray:
@@ -47,55 +107,70 @@ def _check(data: np.ndarray, name: str, dims: int | None = None) -> np.ndarray:
     return arr
 
 
-def _knn_distance(points: np.ndarray, reference: np.ndarray, k: int) -> np.ndarray:
-    """Mean Euclidean distance of each point to its k nearest reference points."""
-    k = min(k, len(reference))
-    ref_sq = (reference**2).sum(axis=1)
-    out = np.empty(len(points))
-    for start in range(0, len(points), 1024):
-        block = points[start : start + 1024]
-        sq = (block**2).sum(axis=1)[:, None] + ref_sq[None, :] - 2.0 * block @ reference.T
-        nearest = np.partition(np.maximum(sq, 0.0), k - 1, axis=1)[:, :k]
-        out[start : start + len(block)] = np.sqrt(nearest).mean(axis=1)
-    return out
-
-
 def _trailing_mean(values: np.ndarray, window: int, history: np.ndarray) -> np.ndarray:
-    """Mean of each value with the ``window - 1`` values before it (``history`` first)."""
-    full = np.concatenate([history, values])
-    csum = np.concatenate([[0.0], np.cumsum(full)])
+    """Mean of each value (row) with the ``window - 1`` before it (``history`` first)."""
+    full = np.concatenate([history, values]) if len(history) else values
+    csum = np.concatenate([np.zeros((1, *full.shape[1:])), np.cumsum(full, axis=0)])
     idx = np.arange(len(history), len(full))
     lo = np.maximum(idx - window + 1, 0)
-    return (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
+    count = (idx + 1 - lo).reshape(-1, *([1] * (full.ndim - 1)))
+    return (csum[idx + 1] - csum[lo]) / count
+
+
+def _shares(squared: np.ndarray) -> np.ndarray:
+    """Rows of squared differences as shares summing to 1 (uniform when all are zero)."""
+    total = squared.sum(axis=-1, keepdims=True)
+    uniform = np.full_like(squared, 1.0 / squared.shape[-1])
+    return np.divide(squared, total, out=uniform, where=total > 0)
+
+
+def tail_threshold(scores: np.ndarray, risk: float, params: DetectorParams) -> float:
+    """The level healthy ``scores`` exceed with probability ``risk`` (POT or empirical)."""
+    if params.tail == "quantile":
+        return float(np.quantile(scores, 1.0 - risk))
+    return pot_threshold(scores, risk, params.initial_quantile)
 
 
 class MultivariateDetector:
-    """``fit(train[T, D]) -> self``; ``predict(test[T, D]) -> 0/1 flags[T]``; ``observe(x)``."""
+    """``fit(train[T, D]) -> self``; ``run(test[T, D]) -> Run``; ``predict(test) -> flags``;
+    ``observe(x[D]) -> Observation``."""
 
-    def __init__(self, params: KnnParams | None = None, **overrides: float) -> None:
-        base = params or KnnParams()
-        self.params = KnnParams(**{**base.__dict__, **overrides})
-        self.threshold: float | None = None
+    def __init__(self, params: DetectorParams | None = None, **overrides: object) -> None:
+        base = params or DetectorParams()
+        known = {f.name for f in fields(DetectorParams)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown detector parameters {unknown}; known: {sorted(known)}")
+        self.params = DetectorParams(**{**base.__dict__, **overrides})  # type: ignore[arg-type]
+        self.thresholds: dict[str, float] = {}  # per scorer, in its own units
+        self.train_scores: dict[str, np.ndarray] = {}  # cross-fitted, smoothed
+        self._scorers: list[KnnScorer | ForecastScorer] = []
         self._mean: np.ndarray | None = None
         self._scale: np.ndarray | None = None
-        self._base_reference: np.ndarray | None = None
-        self._stream: _Stream | None = None
+        self._session: _Session | None = None
 
     # --- fitting -------------------------------------------------------------------------
     def fit(self, train: np.ndarray) -> MultivariateDetector:
         p = self.params
         data = _check(train, "train")
-        if len(data) < 10:
-            raise ValueError(f"train needs at least 10 rows, got {len(data)}")
-        cut = min(max(int(len(data) * (1 - p.holdout)), p.k), len(data) - 1)
-        fit_part, held_out = data[:cut], data[cut:]
-        self._mean = fit_part.mean(axis=0)
-        self._scale = np.maximum(fit_part.std(axis=0), p.scale_floor)
-        self._base_reference = self._standardise(fit_part)[:: p.stride]
-        raw = _knn_distance(self._standardise(held_out), self._base_reference, p.k)
-        scores = _trailing_mean(raw, p.smooth, np.empty(0))
-        self.threshold = float(np.quantile(scores, p.quantile)) * p.margin
-        self._stream = None
+        least = max(10, 2 * p.folds, p.folds * (p.lags + 1))
+        if len(data) < least:
+            raise ValueError(f"train needs at least {least} rows, got {len(data)}")
+        self._mean = data.mean(axis=0)
+        self._scale = np.maximum(data.std(axis=0), p.scale_floor)
+        points = self._standardise(data)
+        made = {
+            "knn": lambda: KnnScorer(p.k, p.stride, p.max_learned),
+            "forecast": lambda: ForecastScorer(p.lags),
+        }
+        self._scorers = [made[name]() for name in p.scorers]
+        risk = p.risk / len(self._scorers)  # the union of the alarms stays within ``risk``
+        for scorer in self._scorers:
+            raw, _ = scorer.cross_fit(points, p.folds)
+            smoothed = _trailing_mean(raw, p.smooth, np.empty(0))
+            self.train_scores[scorer.name] = smoothed
+            self.thresholds[scorer.name] = tail_threshold(smoothed, risk, p)
+        self._session = None
         return self
 
     @property
@@ -108,90 +183,96 @@ class MultivariateDetector:
         return (data - self._mean) / self._scale
 
     def _require_fit(self) -> None:
-        if self.threshold is None:
+        if not self.thresholds:
             raise RuntimeError("the detector is not fitted: call fit(train) first")
 
     # --- batch ---------------------------------------------------------------------------
     def score(self, test: np.ndarray) -> np.ndarray:
-        """Smoothed anomaly scores of a whole series (online reference updates included)."""
-        return self._run(test)[0]
+        """Scores of a whole series (1 = the alarm level), online learning included."""
+        return self.run(test).scores
 
     def predict(self, test: np.ndarray) -> np.ndarray:
         """0/1 flags of a whole series, as the streaming detector would have raised them."""
-        return self._run(test)[1]
+        return self.run(test).flags
 
-    def _run(self, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, test: np.ndarray) -> Run:
+        """Scores, flags and per-metric shares of a whole series, as streamed."""
         self._require_fit()
-        assert self._base_reference is not None and self.threshold is not None
-        p = self.params
         data = self._standardise(_check(test, "test", self.dims))
-        stream = _Stream(self._base_reference, p)
+        session = _Session(self)
         scores = np.empty(len(data))
         flags = np.zeros(len(data), dtype=np.int64)
-        for start in range(0, len(data), p.update_every):
-            block = data[start : start + p.update_every]
-            raw = _knn_distance(block, stream.reference(), p.k)
-            smoothed = _trailing_mean(raw, p.smooth, np.array(stream.recent_raw))
-            block_flags = smoothed > self.threshold
-            scores[start : start + len(block)] = smoothed
-            flags[start : start + len(block)] = block_flags
-            stream.absorb(block, raw, block_flags)
-        return scores, flags
+        shares = np.empty_like(data)
+        every = self.params.update_every
+        for start in range(0, len(data), every):
+            end = min(start + every, len(data))
+            scores[start:end], flags[start:end], shares[start:end], _ = session.step(
+                data[start:end]
+            )
+        return Run(scores, flags, shares)
 
     # --- streaming -----------------------------------------------------------------------
-    def observe(self, sample: np.ndarray) -> tuple[float, bool]:
-        """Score one new sample [D]; returns (smoothed score, flagged)."""
+    def observe(self, sample: np.ndarray) -> Observation:
+        """Score one new sample [D]."""
         self._require_fit()
-        assert self._base_reference is not None and self.threshold is not None
-        if self._stream is None:
-            self._stream = _Stream(self._base_reference, self.params)
+        if self._session is None:
+            self._session = _Session(self)
         point = self._standardise(_check(np.atleast_2d(sample), "sample", self.dims))
-        stream = self._stream
-        raw = float(_knn_distance(point, stream.reference(), self.params.k)[0])
-        window = [*stream.recent_raw, *stream.pending_raw, raw][-self.params.smooth :]
-        smoothed = float(np.mean(window))
-        flagged = smoothed > self.threshold
-        stream.hold(point[0], raw, flagged)
-        return smoothed, flagged
+        score, flag, share, by_scorer = self._session.step(point)
+        return Observation(
+            float(score[0]),
+            bool(flag[0]),
+            {name: float(v[0]) for name, v in by_scorer.items()},
+            share[0],
+        )
 
 
-class _Stream:
-    """Online state: the learned reference points and the not-yet-absorbed block."""
+class _Session:
+    """One pass over a series: each scorer's online state and smoothing window, and the
+    points not yet learned (the kNN reference learns every ``update_every`` points)."""
 
-    def __init__(self, base: np.ndarray, params: KnnParams) -> None:
-        self._base = base
-        self._p = params
-        self._learned: deque[np.ndarray] = deque(maxlen=params.max_learned)
-        self._cached: np.ndarray | None = base
-        self.recent_raw: deque[float] = deque(maxlen=max(params.smooth - 1, 0))
-        self.pending_raw: list[float] = []
-        self._pending_points: list[np.ndarray] = []
-        self._pending_flags: list[bool] = []
-        self._seen = 0
+    def __init__(self, detector: MultivariateDetector) -> None:
+        self._detector = detector
+        self._p = detector.params
+        self._streams = [scorer.start() for scorer in detector._scorers]
+        self._names = [scorer.name for scorer in detector._scorers]
+        window = self._p.smooth - 1
+        self._raw: list[deque[float]] = [deque(maxlen=window) for _ in self._streams]
+        self._squared: list[deque[np.ndarray]] = [deque(maxlen=window) for _ in self._streams]
+        self._pending: list[np.ndarray] = []
+        self._pending_flags: list[np.ndarray] = []
+        self._pending_count = 0
 
-    def reference(self) -> np.ndarray:
-        if self._cached is None:
-            self._cached = np.vstack([self._base, *self._learned]) if self._learned else self._base
-        return self._cached
+    def step(
+        self, block: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Scores, flags, shares and per-scorer scores of the next points (a block must
+        not cross an ``update_every`` boundary)."""
+        p, dims = self._p, block.shape[1]
+        ratios, weighted = [], np.zeros_like(block)
+        for i, stream in enumerate(self._streams):
+            raw, squared = stream.score(block)
+            smoothed = _trailing_mean(raw, p.smooth, np.array(self._raw[i]))
+            history = np.array(self._squared[i]).reshape(-1, dims)
+            shares = _shares(_trailing_mean(squared, p.smooth, history))
+            if p.smooth > 1:
+                self._raw[i].extend(raw.tolist())
+                self._squared[i].extend(squared[-(p.smooth - 1) :])
+            ratio = smoothed / self._detector.thresholds[self._names[i]]
+            ratios.append(ratio)
+            weighted += ratio[:, None] * shares
+        stacked = np.vstack(ratios)
+        score = stacked.max(axis=0)
+        flags = score > 1.0
+        self._learn(block, flags)
+        return score, flags, _shares(weighted), dict(zip(self._names, stacked, strict=True))
 
-    def absorb(self, block: np.ndarray, raw: np.ndarray, flags: np.ndarray) -> None:
-        """Learn a finished block: its unflagged points (strided) join the reference."""
-        # Stride by absolute position so batch and streaming keep the same points.
-        positions = self._seen + np.arange(len(block))
-        keep = (~flags) & (positions % self._p.stride == 0)
-        self._learned.extend(block[keep])
-        self._cached = None
-        self._seen += len(block)
-        self.recent_raw.extend(raw.tolist())
-
-    def hold(self, point: np.ndarray, raw: float, flagged: bool) -> None:
-        self._pending_points.append(point)
-        self.pending_raw.append(raw)
-        self._pending_flags.append(flagged)
-        if len(self._pending_points) >= self._p.update_every:
-            self.absorb(
-                np.array(self._pending_points),
-                np.array(self.pending_raw),
-                np.array(self._pending_flags),
-            )
-            self._pending_points, self.pending_raw, self._pending_flags = [], [], []
+    def _learn(self, block: np.ndarray, flags: np.ndarray) -> None:
+        self._pending.append(block)
+        self._pending_flags.append(flags)
+        self._pending_count += len(block)
+        if self._pending_count >= self._p.update_every:
+            points, flags = np.vstack(self._pending), np.concatenate(self._pending_flags)
+            for stream in self._streams:
+                stream.learn(points, flags)
+            self._pending, self._pending_flags, self._pending_count = [], [], 0

@@ -1,9 +1,14 @@
-"""Prometheus metrics of the agent (``bulkhead_agent_*``), in the agent's own registry."""
+"""Prometheus metrics of the agent (``bulkhead_agent_*``), in the agent's own registry.
+
+A MetricAnomaly's blamed metrics are exported by *kind* (``gpu.temperature``, not
+``gpu3.temperature``): the label takes one of ``METRIC_KINDS``, whatever the GPU count.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from bulkhead.agent.detect.metric import METRIC_KINDS, metric_kind
 from bulkhead.agent.engine import TickResult
 from bulkhead.api.node_problems import DEFAULT_SEVERITY, Reason
 
@@ -37,6 +42,23 @@ class AgentMetrics:
         )
         for reason in Reason:  # export zeros so dashboards see every reason from the start
             self.problems.labels(str(reason), DEFAULT_SEVERITY[reason])
+        self.anomaly_share = Gauge(
+            "bulkhead_agent_metric_anomaly_share",
+            "Share of the active MetricAnomaly score held by the metrics it blames, per metric "
+            "kind (0 when none).",
+            ["metric"],
+            registry=r,
+        )
+        self.anomalies_blamed = Counter(
+            "bulkhead_agent_metric_anomalies_total",
+            "MetricAnomaly problems raised, by the kind of the metric blamed most.",
+            ["metric"],
+            registry=r,
+        )
+        for kind in METRIC_KINDS:
+            self.anomaly_share.labels(kind)
+            self.anomalies_blamed.labels(kind)
+        self._shared: set[str] = set()
         self.condition = Gauge(
             "bulkhead_agent_anomaly_condition",
             "1 while the BulkheadAnomaly Node condition is True.",
@@ -79,6 +101,7 @@ class AgentMetrics:
         self._active = active
         for problem in result.started:
             self.problems_started.labels(str(problem.reason), problem.severity).inc()
+        self._publish_blame(result)
         self.condition.set(1 if result.condition.status == "True" else 0)
         snap = result.snapshot
         if snap is None:
@@ -91,3 +114,16 @@ class AgentMetrics:
         for worker in snap.workers:
             if worker.step_time_s is not None:
                 self.worker_step_seconds.labels(worker.worker).set(worker.step_time_s)
+
+    def _publish_blame(self, result: TickResult) -> None:
+        shares: dict[str, float] = {}
+        for problem in result.problems:
+            for name, share in problem.metrics:
+                kind = metric_kind(name)
+                shares[kind] = shares.get(kind, 0.0) + share
+        for kind in self._shared | shares.keys():
+            self.anomaly_share.labels(kind).set(shares.get(kind, 0.0))
+        self._shared = set(shares)
+        for problem in result.started:
+            if problem.metrics:
+                self.anomalies_blamed.labels(metric_kind(problem.metrics[0][0])).inc()

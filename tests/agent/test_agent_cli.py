@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ASD = Path(__file__).resolve().parents[3] / "shared" / "data" / "asd" / "asd.npz"
+from agent_helpers import planted_dataset
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -16,28 +17,35 @@ def _bulkhead(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_evaluate_json_shape():
-    assert ASD.is_file(), f"the ASD dataset is missing: expected {ASD}"
-    out = _bulkhead("agent", "evaluate", "--data", str(ASD), "--series", "omi-2", "--json")
+def test_evaluate_json_shape(tmp_path):
+    data = planted_dataset(tmp_path)
+    out = _bulkhead("agent", "evaluate", "--data", str(data), "--series", "srv-2", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert set(report) == {"mean_f1", "mean_f1_point_adjusted", "series"}
-    assert set(report["series"]) == {"omi-2"}
-    series = report["series"]["omi-2"]
-    assert {"precision", "recall", "f1"} <= set(series)
-    assert report["mean_f1"] == series["f1"] > 0
+    assert set(report["series"]) == {"srv-2"}
+    series = report["series"]["srv-2"]
+    assert {"precision", "recall", "f1", "f1_oracle", "hit_rate_100", "hit_rate_150"} <= set(series)
+    assert report["mean_f1"] == series["f1"] > 0.5
+    assert series["f1_oracle"] >= series["f1"]
+    # the labels next to the data were found; the planted metrics are blamed
+    assert report["mean_hit_rate_150"] == series["hit_rate_150"] >= 0.9
 
 
-def test_evaluate_table_and_errors():
-    out = _bulkhead("agent", "evaluate", "--data", str(ASD), "--series", "omi-5")
+def test_evaluate_table_and_errors(tmp_path):
+    data = planted_dataset(tmp_path)
+    out = _bulkhead("agent", "evaluate", "--data", str(data))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["series", "precision", "recall", "F1", "F1", "(PA)"]
-    assert lines[1].startswith("omi-5") and lines[-1].startswith("mean")
+    assert lines[0].split() == [
+        "series", "precision", "recall", "F1", "F1", "(PA)", "F1", "oracle", "HR@100", "HR@150"
+    ]  # fmt: skip
+    assert [line.split()[0] for line in lines[1:]] == ["srv-1", "srv-2", "mean"]
     missing = _bulkhead("agent", "evaluate", "--data", "/nonexistent/asd.npz")
     assert missing.returncode != 0 and "dataset not found" in missing.stderr
-    unknown = _bulkhead("agent", "evaluate", "--data", str(ASD), "--series", "omi-99")
+    unknown = _bulkhead("agent", "evaluate", "--data", str(data), "--series", "omi-99")
     assert unknown.returncode != 0 and "unknown series" in unknown.stderr
+    no_labels = _bulkhead("agent", "evaluate", "--data", str(data), "--labels", "/nonexistent")
+    assert no_labels.returncode != 0 and "interpretation labels folder" in no_labels.stderr
 
 
 def test_agent_entry_point_rejects_a_bad_config(tmp_path):
