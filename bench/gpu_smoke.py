@@ -136,7 +136,7 @@ def _worker(slot: int, sc: Scenario, port: int, out_dir: str) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
     )
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     members = list(range(sc.slots))
     record: dict[str, Any] = {"slot": slot, "device": device.describe(), "losses": {}}
     losses: dict[int, float] = {}

@@ -19,6 +19,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("bulkhead.operator.local.cli:run", "Run a TrainingJob on this machine."),
     "plan": ("bulkhead.trainer.planning.cli:plan", "Show pipeline and expert plans for a job."),
     "agent": ("bulkhead.agent.cli:agent", "Node agent tools (evaluate detectors, ...)."),
+    "data": (
+        "bulkhead.trainer.data.cli:data",
+        "Prepare token shards (bulkhead data prepare) and train a small tokenizer.",
+    ),
 }
 
 
