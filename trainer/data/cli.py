@@ -21,7 +21,7 @@ from rich.progress import (
 )
 
 from bulkhead.trainer.data.errors import DataError
-from bulkhead.trainer.data.prepare import DEFAULT_SHARD_TOKENS, input_files, prepare
+from bulkhead.trainer.data.prepare import DEFAULT_SHARD_TOKENS, UNIT_BYTES, input_files, prepare
 from bulkhead.trainer.data.tokenizer import fingerprint, train_bpe
 
 
@@ -65,6 +65,13 @@ def data() -> None:
     help="Tokens per shard (closed at the first unit boundary past it).",
 )
 @click.option(
+    "--unit-bytes",
+    default=UNIT_BYTES,
+    show_default=True,
+    type=int,
+    help="Input bytes per unit of work (text files are never split).",
+)
+@click.option(
     "--eod",
     default=None,
     help="End-of-document token (default: <|endoftext|>, </s>, ... if present).",
@@ -76,6 +83,7 @@ def prepare_command(
     field: str,
     workers: int,
     shard_tokens: int,
+    unit_bytes: int,
     eod: str | None,
 ) -> None:  # fmt: skip
     """Tokenize files into memory-mappable token shards plus index.json."""
@@ -102,6 +110,7 @@ def prepare_command(
                 workers=workers,
                 shard_tokens=shard_tokens,
                 eod=eod,
+                unit_bytes=unit_bytes,
                 on_start=lambda total, done: progress.update(task, total=total, completed=done),
                 on_progress=lambda nbytes, tokens: progress.update(
                     task, advance=nbytes, tokens=tokens

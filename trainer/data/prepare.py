@@ -289,6 +289,8 @@ def prepare(
     ``on_start(total_bytes, done_bytes)`` and ``on_progress`` drive a progress display."""
     if workers < 1:
         raise DataError(f"--workers: must be >= 1, got {workers}")
+    if unit_bytes < 1:
+        raise DataError(f"--unit-bytes: must be >= 1, got {unit_bytes}")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens: must be >= 1, got {shard_tokens}")
     tokenizer_json = tokenizer_file(tokenizer_path)
