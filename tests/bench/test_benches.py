@@ -27,6 +27,14 @@ EXPECTED_KEYS = {
         "detection_latency_max_s",
     },
     "recovery": {"bulkhead_recovery_s", "torchrun_recovery_s", "ratio"},
+    "data": {
+        "prepare_vs_encoder",
+        "prepare_vs_encoder_cpu",
+        "rss_large_mb",
+        "rss_small_mb",
+        "open_cold_s",
+        "open_warm_s",
+    },
     "pipeline": {
         "bubble_measured",
         "bubble_theory",

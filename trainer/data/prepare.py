@@ -203,13 +203,10 @@ def encode_unit(unit: Unit) -> tuple[np.ndarray, int]:
     document count."""
     docs = [d for piece in unit.pieces for d in read_documents(piece, _worker["field"])]
     encoded = _worker["tokenizer"].encode_batch(docs, add_special_tokens=False)
-    eod = [_worker["eod"]]
-    ids = [e.ids + eod for e in encoded]
-    flat = np.fromiter(
-        (i for doc in ids for i in doc),
-        dtype=np.dtype(_worker["dtype"]),
-        count=sum(len(d) for d in ids),
-    )
+    dtype = np.dtype(_worker["dtype"])
+    eod = np.array([_worker["eod"]], dtype=dtype)
+    parts = [part for e in encoded for part in (np.array(e.ids, dtype=dtype), eod)]
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
     return flat, len(docs)
 
 
