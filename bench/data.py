@@ -47,7 +47,6 @@ from bulkhead.trainer.data.index import (
     shard_name,
 )
 from bulkhead.trainer.data.prepare import UNIT_BYTES, input_files, plan_units, prepare
-from bulkhead.trainer.data.text import stdlib_files
 from bulkhead.trainer.data.tokenizer import load_tokenizer, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -103,6 +102,10 @@ def run_prepare(tokenizer: Path, pattern: str, workers: int, out: Path) -> tuple
 def throughput(tmp: Path, quick: bool, workers: int, rounds: int) -> dict[str, Any]:
     tokenizer = tmp / "tok"
     train_bpe(sorted((STDLIB / "json").glob("*.py")), VOCAB, tokenizer)
+    # Imported here: the pools' spawned processes re-import this module, and text imports
+    # torch, which neither side's workers need.
+    from bulkhead.trainer.data.text import stdlib_files
+
     # The standard library without installed packages, linked into one tree.
     corpus, nbytes = tmp / "corpus", 0
     for path in stdlib_files():
