@@ -429,6 +429,15 @@ class OptimizerConfig(SpecModel):
         return self
 
 
+class DataSource(SpecModel):
+    """One prepared token directory of a data mix and its weight."""
+
+    path: str = Field(..., min_length=1, description="A directory made by 'bulkhead data prepare'.")
+    weight: float = Field(
+        ..., gt=0, le=1e6, description="Share of the mix: weight / the sum of the weights."
+    )
+
+
 class DataConfig(SpecModel):
     """Where training tokens come from and how they are shuffled."""
 
@@ -461,14 +470,24 @@ class DataConfig(SpecModel):
         min_length=1,
         description="tokens: the prepared directory (its index.json and shards).",
     )
+    mix: list[DataSource] | None = Field(
+        None,
+        min_length=2,
+        max_length=64,
+        description=(
+            "tokens, instead of path: several prepared directories (one tokenizer), each "
+            "step drawing from them in proportion to their weights."
+        ),
+    )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the data order.")
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.format) || self.format != 'tokens' || has(self.path)",
-                    "format tokens reads a prepared directory: set path",
+                    "!has(self.format) || self.format != 'tokens' || has(self.path) "
+                    "|| has(self.mix)",
+                    "format tokens reads prepared directories: set path or mix",
                     "path",
                 ),
                 cel(
@@ -476,20 +495,30 @@ class DataConfig(SpecModel):
                     "path is read by format tokens only",
                     "path",
                 ),
+                cel(
+                    "!has(self.mix) || (has(self.format) && self.format == 'tokens')",
+                    "mix is read by format tokens only",
+                    "mix",
+                ),
+                cel("!has(self.mix) || !has(self.path)", "set path or mix, not both", "mix"),
             ]
         },
     )
 
     @model_validator(mode="after")
     def _format_fields(self) -> DataConfig:
-        if self.format == "tokens" and self.path is None:
-            raise _rule("path", "format tokens reads a prepared directory: set path")
+        if self.format == "tokens" and self.path is None and self.mix is None:
+            raise _rule("path", "format tokens reads prepared directories: set path or mix")
         if self.format == "text" and self.path is not None:
             raise _rule(
                 "path",
                 "is read by format tokens only (text reads source), got {p!r}",
                 p=self.path,
             )
+        if self.format == "text" and self.mix is not None:
+            raise _rule("mix", "is read by format tokens only (text reads source)")
+        if self.path is not None and self.mix is not None:
+            raise _rule("mix", "set path or mix, not both")
         return self
 
 

@@ -3,7 +3,8 @@
 
 order (the sample order, step positions) -> windows (``Batch``, the ``TokenDataset`` the
 engine trains on) <- text (byte-level text, ``ByteDataset``) | shards (memory-mapped token
-shards of ``index``). prepare + tokenizer are the core of ``bulkhead data`` (cli).
+shards of ``index``) | mix (several token corpora by weight). prepare + tokenizer are the
+core of ``bulkhead data`` (cli).
 
 Names are imported lazily: ``bulkhead data prepare`` and its worker processes never
 import torch.
@@ -14,9 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from bulkhead.trainer.data.errors import DataError
+
 if TYPE_CHECKING:
     from bulkhead.trainer.config import TrainConfig
-    from bulkhead.trainer.data.errors import DataError
+    from bulkhead.trainer.data.mix import MixDataset
     from bulkhead.trainer.data.order import SampleOrder, step_positions
     from bulkhead.trainer.data.shards import TokenShardDataset
     from bulkhead.trainer.data.text import ByteDataset, load_corpus, source_files, stdlib_files
@@ -33,12 +36,14 @@ _EXPORTS = {
     "Batch": "windows",
     "TokenDataset": "windows",
     "TokenShardDataset": "shards",
+    "MixDataset": "mix",
 }
 
 __all__ = [
     "Batch",
     "ByteDataset",
     "DataError",
+    "MixDataset",
     "SampleOrder",
     "TokenDataset",
     "TokenShardDataset",
@@ -58,11 +63,27 @@ def __getattr__(name: str) -> Any:
 
 def open_dataset(cfg: TrainConfig) -> TokenDataset:
     """The dataset ``spec.trainer.data`` names, checked against the model."""
-    data = cfg.data
-    if data.format == "tokens":
-        from bulkhead.trainer.data.shards import open_tokens
+    data, seq_len, vocab = cfg.data, cfg.model.seq_len, cfg.model.vocab_size
+    if data.format == "text":
+        from bulkhead.trainer.data.text import open_text
 
-        return open_tokens(data.path, cfg.model.seq_len, data.seed, cfg.model.vocab_size)
-    from bulkhead.trainer.data.text import open_text
+        return open_text(data.source, seq_len, data.seed, data.max_bytes)
+    from bulkhead.trainer.data.shards import open_tokens
 
-    return open_text(data.source, cfg.model.seq_len, data.seed, data.max_bytes)
+    if data.path is not None:
+        return open_tokens(data.path, seq_len, data.seed, vocab)
+    from bulkhead.trainer.data.mix import MixDataset
+
+    assert data.mix is not None  # the spec requires path or mix for tokens
+    sources = [
+        open_tokens(s.path, seq_len, data.seed, vocab, field=f"spec.trainer.data.mix[{j}].path")
+        for j, s in enumerate(data.mix)
+    ]
+    for j, source in enumerate(sources[1:], start=1):
+        if source.index.tokenizer_fingerprint != sources[0].index.tokenizer_fingerprint:
+            raise DataError(
+                f"spec.trainer.data.mix[{j}].path: {source.directory} was tokenized by "
+                f"another tokenizer than mix[0] ({source.index.tokenizer_fingerprint} vs "
+                f"{sources[0].index.tokenizer_fingerprint})"
+            )
+    return MixDataset(sources, [s.weight for s in data.mix], data.seed)

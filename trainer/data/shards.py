@@ -104,7 +104,14 @@ def verify_shards(
 class TokenShardDataset(WindowDataset):
     """Windows of the token stream formed by a prepared directory's shards, in order."""
 
-    def __init__(self, directory: Path, index: TokenIndex, seq_len: int, seed: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        index: TokenIndex,
+        seq_len: int,
+        seed: int,
+        field: str = "spec.trainer.data.path",
+    ) -> None:
         self.directory = directory
         self.index = index
         self.vocab_size = index.vocab_size
@@ -122,7 +129,7 @@ class TokenShardDataset(WindowDataset):
         # Stream offset of each mapped shard's first token.
         self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
         self._touched: list[tuple[int, int, int]] = []
-        super().__init__(int(self._starts[-1]), seq_len, seed, "spec.trainer.data.path")
+        super().__init__(int(self._starts[-1]), seq_len, seed, field)
 
     def _read(self, start: int, stop: int, out: np.ndarray) -> None:
         shard = int(np.searchsorted(self._starts, start, side="right")) - 1
@@ -149,10 +156,12 @@ def open_tokens(
     seed: int,
     model_vocab_size: int,
     cache_dir: Path | None = None,
+    field: str = "spec.trainer.data.path",
 ) -> TokenShardDataset:
-    """Open a prepared directory for training, after the checks of this module's doc."""
+    """Open a prepared directory for training, after the checks of this module's doc
+    (``field`` names the setting that gave the directory)."""
     directory = Path(directory)
-    index = read_index(directory)
+    index = read_index(directory, field)
     if index.max_token_id >= model_vocab_size:
         raise DataError(
             f"spec.trainer.model.vocabSize: the tokens in {directory} go up to id "
@@ -161,7 +170,7 @@ def open_tokens(
         )
     stamps = ChecksumStamps(cache_dir or default_cache_dir())
     hashed, seconds = verify_shards(directory, index, stamps)
-    dataset = TokenShardDataset(directory, index, seq_len, seed)
+    dataset = TokenShardDataset(directory, index, seq_len, seed, field)
     log.info(
         "data: %d tokens (%d documents) in %d shards of %s from %s, %d samples of %d "
         "tokens; hashed %.1f MB of unstamped shards in %.2f s",

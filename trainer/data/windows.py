@@ -29,13 +29,11 @@ class Batch:
 
 
 class TokenDataset(Protocol):
-    """The dataset type the engine trains on (text bytes or token shards)."""
+    """The dataset type the engine trains on (text bytes, token shards, a mix of them)."""
 
     seq_len: int
     num_samples: int
     vocab_size: int
-
-    def sample_index(self, position: int) -> int: ...
 
     def batch(self, positions: Sequence[int]) -> Batch: ...
 
