@@ -38,7 +38,7 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def source_files(source: str, field: str = "spec.trainer.data.source") -> list[Path]:
+def source_files(source: str) -> list[Path]:
     """The text files a data source names, in a deterministic order."""
     if source == STDLIB_SOURCE:
         files = stdlib_files()
@@ -52,7 +52,7 @@ def source_files(source: str, field: str = "spec.trainer.data.source") -> list[P
         matches = (Path(p) for p in glob.glob(source, recursive=True))
         files = sorted(p for p in matches if p.is_file() and not _is_binary(p))
     if not files:
-        raise DataError(f"{field}: no text files found at {source!r}")
+        raise DataError(f"spec.trainer.data.source: no text files found at {source!r}")
     return files
 
 
