@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import STDLIB, VOCAB
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_token_shards import _step_tokens
 
@@ -20,6 +20,7 @@ from bulkhead.trainer.data.prepare import prepare
 from bulkhead.trainer.data.tokenizer import train_bpe
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.floats(0.01, 100), min_size=1, max_size=8))
 def test_block_counts_follow_the_weights(weights: list[float]) -> None:
     counts = block_counts(weights)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bulkhead.trainer.data.order import SampleOrder
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1), epoch=st.integers(0, 10**6))
 def test_every_epoch_is_a_permutation(n: int, seed: int, epoch: int) -> None:
     perm = SampleOrder(n, seed).permute(epoch, np.arange(n))
@@ -24,6 +25,7 @@ def test_epochs_and_seeds_give_different_orders() -> None:
     assert (first == np.arange(1000)).sum() < 20
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 10**12),
     seed=st.integers(0, 2**32 - 1),

@@ -7,7 +7,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -53,6 +53,7 @@ def test_warmup_stable_decay_boundaries() -> None:
     assert lr_at(80, default, 100) == LR and lr_at(90, default, 100) == pytest.approx(LR / 2)
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     schedule=st.sampled_from(["constant", "cosine", "wsd"]),
     warmup=st.integers(0, 50),
