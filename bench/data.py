@@ -232,22 +232,28 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="tokenizer processes per side")
     parser.add_argument("--rounds", type=int, help="throughput rounds (default 4, quick 2)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
+    parser.add_argument(
+        "--part", choices=["all", "throughput", "memory"], default="all", help="what to measure"
+    )
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
-        figures = throughput(Path(tmp), args.quick, args.workers, rounds)
-        print(
-            f"prepare: {figures['prepare_mb_per_s']:.2f} MB/s of text; vs encode_batch "
-            f"directly: {figures['prepare_vs_encoder']:.2f}x wall, "
-            f"{figures['prepare_vs_encoder_cpu']:.2f}x CPU (target >= 0.8x)"
-        )
-        figures.update(memory(Path(tmp), args.quick))
-    print(
-        f"RSS: {figures['rss_large_mb']:.1f} MB on {figures['corpora']['large']['corpus_mb']:.0f} "
-        f"MB of tokens vs {figures['rss_small_mb']:.1f} MB on "
-        f"{figures['corpora']['small']['corpus_mb']:.0f} MB: {figures['rss_diff_mb']:+.1f} MB "
-        f"(target within {RSS_TARGET_MB:.0f} MB)"
-    )
+        figures: dict[str, Any] = {}
+        if args.part in ("all", "throughput"):
+            figures.update(throughput(Path(tmp), args.quick, args.workers, rounds))
+            print(
+                f"prepare: {figures['prepare_mb_per_s']:.2f} MB/s of text; vs encode_batch "
+                f"directly: {figures['prepare_vs_encoder']:.2f}x wall, "
+                f"{figures['prepare_vs_encoder_cpu']:.2f}x CPU (target >= 0.8x)"
+            )
+        if args.part in ("all", "memory"):
+            figures.update(memory(Path(tmp), args.quick))
+            large, small = figures["corpora"]["large"], figures["corpora"]["small"]
+            print(
+                f"RSS: {figures['rss_large_mb']:.1f} MB on {large['corpus_mb']:.0f} MB of "
+                f"tokens vs {figures['rss_small_mb']:.1f} MB on {small['corpus_mb']:.0f} MB: "
+                f"{figures['rss_diff_mb']:+.1f} MB (target within {RSS_TARGET_MB:.0f} MB)"
+            )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
 
