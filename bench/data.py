@@ -3,7 +3,7 @@ token corpus.
 
 Throughput: a byte-level BPE (vocabulary 4096, trained here on the standard library's
 ``json`` package) tokenizes the standard library's ``*.py`` files (``--quick``: the first
-4 MB of them) twice per round with the same number of processes: ``prepare`` (reading,
+1.5 MB of them) twice per round with the same number of processes: ``prepare`` (reading,
 batch encoding, ids to numpy, shards, sha256, index) and the baseline, a pool of the same
 size calling the tokenizer's ``encode_batch`` directly on the same files, grouped alike,
 and counting the ids. Rounds alternate which side runs first; the figure is the median of
@@ -109,7 +109,7 @@ def throughput(tmp: Path, quick: bool, workers: int, rounds: int) -> dict[str, A
     # The standard library without installed packages, linked into one tree.
     corpus, nbytes = tmp / "corpus", 0
     for path in stdlib_files():
-        if quick and nbytes > 4e6:
+        if quick and nbytes > 1.5e6:
             break
         link = corpus / path.relative_to(STDLIB)
         link.parent.mkdir(parents=True, exist_ok=True)
