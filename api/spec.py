@@ -512,7 +512,7 @@ class DataConfig(SpecModel):
         if self.format == "text" and self.path is not None:
             raise _rule(
                 "path",
-                "is read by format tokens only (text reads source), got {p!r}",
+                "is read by format tokens only (text reads source), got {p}",
                 p=self.path,
             )
         if self.format == "text" and self.mix is not None:
