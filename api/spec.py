@@ -469,7 +469,7 @@ class BatchConfig(SpecModel):
 
 
 class OptimizerConfig(SpecModel):
-    """The optimizer and its learning-rate schedule (linear warmup, then constant)."""
+    """The optimizer and its learning-rate schedule: a linear warm-up, then ``schedule``."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd.")
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate.")
@@ -481,17 +481,131 @@ class OptimizerConfig(SpecModel):
     warmup_steps: int = Field(
         0, ge=0, le=1_000_000_000, description="Steps of linear learning-rate warmup."
     )
+    schedule: Literal["constant", "cosine", "wsd"] = Field(
+        "constant",
+        description=(
+            "After the warm-up: constant (lr), cosine (from lr down to minLr over decaySteps) "
+            "or wsd (warmup-stable-decay: lr, then a linear decay to minLr over the last "
+            "decaySteps steps)."
+        ),
+    )
+    min_lr: float = Field(
+        0.0, ge=0, le=10, description="Learning rate at the end of the decay (cosine, wsd)."
+    )
+    decay_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description=(
+            "Steps of the decay. cosine: from the end of the warm-up (default: to the last "
+            "step); wsd: the last steps of the run (default: the last 20 %)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _schedule_fields(self) -> OptimizerConfig:
+        if self.min_lr > self.lr:
+            raise _rule("minLr", "must be <= lr ({lr}), got {m}", lr=self.lr, m=self.min_lr)
+        if self.schedule == "constant" and (self.min_lr or self.decay_steps is not None):
+            raise _rule(
+                "schedule",
+                "constant keeps lr after the warm-up: minLr and decaySteps apply to cosine "
+                "and wsd only",
+            )
+        return self
+
+
+class DataSource(SpecModel):
+    """One prepared token directory of a data mix and its weight."""
+
+    path: str = Field(..., min_length=1, description="A directory made by 'bulkhead data prepare'.")
+    weight: float = Field(
+        ..., gt=0, le=1e6, description="Share of the mix: weight / the sum of the weights."
+    )
 
 
 class DataConfig(SpecModel):
-    """Where training text comes from and how it is shuffled."""
+    """Where training tokens come from and how they are shuffled."""
 
+    format: Literal["text", "tokens"] = Field(
+        "text",
+        description=(
+            "text: files read as bytes (vocabulary 256), held in each worker's memory; "
+            "tokens: a directory of token shards made by 'bulkhead data prepare', "
+            "memory-mapped."
+        ),
+    )
     source: str = Field(
         "python-stdlib",
         min_length=1,
-        description="'python-stdlib' (the interpreter's own source tree), a directory or a glob.",
+        description=(
+            "text: 'python-stdlib' (the interpreter's own source tree), a directory or a glob."
+        ),
+    )
+    max_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=1 << 40,
+        description=(
+            "text: bytes read into each worker's memory at most (files in order, the last "
+            "one cut). Larger corpora: prepare token shards."
+        ),
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="tokens: the prepared directory (its index.json and shards).",
+    )
+    mix: list[DataSource] | None = Field(
+        None,
+        min_length=2,
+        max_length=64,
+        description=(
+            "tokens, instead of path: several prepared directories (one tokenizer), each "
+            "step drawing from them in proportion to their weights."
+        ),
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the data order.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.format) || self.format != 'tokens' || has(self.path) "
+                    "|| has(self.mix)",
+                    "format tokens reads prepared directories: set path or mix",
+                    "path",
+                ),
+                cel(
+                    "!has(self.path) || (has(self.format) && self.format == 'tokens')",
+                    "path is read by format tokens only",
+                    "path",
+                ),
+                cel(
+                    "!has(self.mix) || (has(self.format) && self.format == 'tokens')",
+                    "mix is read by format tokens only",
+                    "mix",
+                ),
+                cel("!has(self.mix) || !has(self.path)", "set path or mix, not both", "mix"),
+            ]
+        },
+    )
+
+    @model_validator(mode="after")
+    def _format_fields(self) -> DataConfig:
+        if self.format == "tokens" and self.path is None and self.mix is None:
+            raise _rule("path", "format tokens reads prepared directories: set path or mix")
+        if self.format == "text" and self.path is not None:
+            raise _rule(
+                "path",
+                "is read by format tokens only (text reads source), got {p}",
+                p=self.path,
+            )
+        if self.format == "text" and self.mix is not None:
+            raise _rule("mix", "is read by format tokens only (text reads source)")
+        if self.path is not None and self.mix is not None:
+            raise _rule("mix", "set path or mix, not both")
+        return self
 
 
 class TrainerConfig(SpecModel):
@@ -516,6 +630,24 @@ class TrainerConfig(SpecModel):
             "reported step since the last (0: one request per report)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> TrainerConfig:
+        opt = self.optimizer
+        decay = opt.decay_steps
+        if (
+            opt.schedule != "constant"
+            and decay is not None
+            and opt.warmup_steps + decay > self.steps
+        ):
+            raise _rule(
+                "optimizer.decaySteps",
+                "warmupSteps ({w}) + decaySteps must be <= steps ({s}), got {d}",
+                w=opt.warmup_steps,
+                s=self.steps,
+                d=decay,
+            )
+        return self
 
 
 class BackoffConfig(SpecModel):

@@ -185,7 +185,7 @@ def _worker(slot: int, sc: Scenario, port: int, out_dir: str) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
     )
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     members = list(range(sc.slots))
     record: dict[str, Any] = {"slot": slot, "device": device.describe(), "losses": {}}
     losses: dict[int, float] = {}
@@ -337,7 +337,7 @@ def solo_world(cfg: TrainConfig, device: DeviceChoice, **world: Any) -> tuple[Wo
 
 
 def dataset_for(cfg: TrainConfig) -> ByteDataset:
-    return open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    return open_dataset(cfg)
 
 
 def sync(device: torch.device) -> None:

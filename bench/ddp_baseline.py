@@ -65,9 +65,7 @@ class Trainer:
         self.out_dir = out_dir
         self.restart = restart
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dataset = open_dataset(
-            cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes
-        )
+        self.dataset = open_dataset(cfg)
         model = build_model(cfg.model, cfg.seed)
         self.ddp = DistributedDataParallel(model)
         self.optimizer = make_optimizer(model, cfg.optimizer)
@@ -112,7 +110,7 @@ class Trainer:
         if cfg.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), cfg.optimizer.grad_clip)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optimizer)
+            group["lr"] = lr_at(step, cfg.optimizer, cfg.steps)
         self.optimizer.step()
         self.completed = step + 1
         return lm_sum

@@ -117,7 +117,7 @@ def _worker(
     torch.set_num_threads(1)
     cfg = config(mode, quick)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     workers = [f"w{r}" for r in range(WORKERS)]
     world = open_world(1, rank, workers, workers, store, pick_device(), 30)
     engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)
@@ -173,7 +173,7 @@ def _restart_worker(rank: int, port: int, results: Any, quick: bool, out_dir: st
     torch.set_num_threads(1)
     cfg = config("lazarus", quick)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     workers = [f"w{r}" for r in range(WORKERS - 1)]
     world = open_world(1, rank, workers, workers, store, pick_device(), 30)
     engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)

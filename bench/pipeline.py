@@ -202,7 +202,7 @@ def _store(port: int) -> dist.TCPStore:
 
 
 def _dataset(cfg: TrainConfig) -> ByteDataset:
-    return open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    return open_dataset(cfg)
 
 
 # -- 1. bubble ---------------------------------------------------------------------------

@@ -72,7 +72,7 @@ workers = [f"w{r}" for r in range(world_size)]
 world = open_world(
     restart, rank, workers, workers, store, pick_device(), cfg.timeouts.collective_s
 )
-dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+dataset = open_dataset(cfg)
 engine = Engine.build(make_plan(restart, workers, workers, cfg), world, cfg)
 # Every rank loads the whole saved state (data parallel: each holds all of it).
 held = HeldState.from_snapshot(torch.load(ckpt)) if os.path.exists(ckpt) else None

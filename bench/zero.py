@@ -233,7 +233,7 @@ def _worker(slot: int, job: Job) -> None:
         "127.0.0.1", job.port, None, False, timedelta(seconds=job.timeout_s),
         wait_for_workers=False,
     )  # fmt: skip
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     device = pick_device()
     workers = [f"w{s}" for s in range(WORKERS)]
     record: dict[str, Any] = {"slot": slot}

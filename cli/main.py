@@ -27,6 +27,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "bulkhead.trainer.models.cli:model",
         "Hugging Face model directories (init: random weights, no network).",
     ),
+    "data": (
+        "bulkhead.trainer.data.cli:data",
+        "Prepare token shards (bulkhead data prepare) and train a small tokenizer.",
+    ),
 }
 
 

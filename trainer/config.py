@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulkhead.api.spec import ModelConfig, MoEConfig, OptimizerConfig, TrainingJobSpec
+from bulkhead.api.spec import DataConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainingJobSpec
 
 # Each preset is a complete set of ModelConfig fields (wire names are not used here).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -35,8 +35,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Byte-level data: cap the corpus so every worker loads it in well under a second.
-DEFAULT_DATA_MAX_BYTES = 4 * 1024 * 1024
 # How long one membership long poll may wait at the control endpoint (which caps it at a
 # quarter of the hang timeout). A poll answers at once when a generation is published, so
 # its length only sets the steady re-poll rate: 16,384 workers / 30 s = 546 requests/s.
@@ -185,9 +183,7 @@ class TrainConfig:
     micro_batch_size: int
     steps: int
     seed: int
-    data_source: str = "python-stdlib"
-    data_seed: int = 0
-    data_max_bytes: int = DEFAULT_DATA_MAX_BYTES
+    data: DataConfig = field(default_factory=DataConfig)
     log_interval_steps: int = 1
     report_interval_s: float = 0.5  # the job's reportIntervalSeconds
     checkpoint_interval_steps: int = 50
@@ -204,9 +200,9 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
             f"spec.trainer.model.family: this engine trains the gpt family only, got "
             f"{trainer.model.family!r}"
         )
-    if trainer.model.vocab_size < 256:
+    if trainer.data.format == "text" and trainer.model.vocab_size < 256:
         raise ValueError(
-            "spec.trainer.model.vocabSize: byte-level data needs >= 256, "
+            "spec.trainer.model.vocabSize: byte-level text data needs >= 256, "
             f"got {trainer.model.vocab_size}"
         )
     ft = spec.fault_tolerance
@@ -218,8 +214,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         micro_batch_size=trainer.batch.micro_batch_size,
         steps=trainer.steps,
         seed=trainer.seed,
-        data_source=trainer.data.source,
-        data_seed=trainer.data.seed,
+        data=trainer.data,
         log_interval_steps=trainer.log_interval_steps,
         report_interval_s=trainer.report_interval_seconds,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,

@@ -161,9 +161,7 @@ def run(env: Mapping[str, str]) -> int:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     trainer: ElasticTrainer | None = None
     try:
-        dataset = open_dataset(
-            cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes
-        )
+        dataset = open_dataset(cfg)
         samples = None
         if launch.run_dir is not None:
             samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)

@@ -33,6 +33,14 @@ EXPECTED_KEYS = {
         "import_sequential_cpu_ratio",
         "export_ratio",
     },
+    "data": {
+        "prepare_vs_encoder",
+        "prepare_vs_encoder_cpu",
+        "rss_large_mb",
+        "rss_small_mb",
+        "open_cold_s",
+        "open_warm_s",
+    },
     "pipeline": {
         "bubble_measured",
         "bubble_theory",

@@ -106,7 +106,7 @@ def _slot_main(
     store = dist.TCPStore(
         "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
     )
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     device = pick_device()
     held: HeldState | None = None
     outcome = Outcome()

@@ -126,7 +126,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, len(WORKERS), rank == 0, timedelta(seconds=60), wait_for_workers=False
     )
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     device = pick_device()
     world = open_world(1, rank, WORKERS, WORKERS, store, device, 60)
     plan = make_plan(1, WORKERS, WORKERS, cfg)

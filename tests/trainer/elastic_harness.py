@@ -200,7 +200,7 @@ def worker_main(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     cfg = train_config(TrainingJobSpec.model_validate(spec_wire))
-    dataset = open_dataset(cfg.data_source, cfg.model.seq_len, cfg.data_seed, cfg.data_max_bytes)
+    dataset = open_dataset(cfg)
     trainer = ElasticTrainer(
         cfg,
         lambda: FileControl(base),

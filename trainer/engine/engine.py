@@ -639,7 +639,7 @@ class Engine:
             if coef < 1.0:
                 _scale(local_grads, coef)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.cfg.optimizer)
+            group["lr"] = lr_at(step, self.cfg.optimizer, self.cfg.steps)
         self.optimizer.step()
         if self.root is not None:
             after_optimizer_step(self.model, self.plan.zero)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -22,8 +23,29 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
-def lr_at(step: int, cfg: OptimizerConfig) -> float:
-    """Learning rate of step ``step``: linear warm-up, then constant."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate of step ``step`` (0-based) of a run of ``total_steps``: a pure function,
+    so a recovery or a restart resumes the schedule exactly.
+
+    Warm-up: ``lr * (step + 1) / warmupSteps`` for the first warmupSteps steps. Then
+    constant: ``lr``; cosine: from ``lr`` at the end of the warm-up down to ``minLr``
+    ``decaySteps`` later (default: at ``total_steps``), then ``minLr``; wsd: ``lr`` until the
+    last ``decaySteps`` steps (default: the last 20 %), then linear down to ``minLr`` at
+    ``total_steps``.
+    """
+    warmup = cfg.warmup_steps
+    if warmup and step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "cosine":
+        start = warmup
+        length = cfg.decay_steps or max(1, total_steps - warmup)
+        progress = min(1.0, (step - start) / length)
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    length = cfg.decay_steps or max(1, round(0.2 * total_steps))
+    start = max(warmup, total_steps - length)
+    if step < start:
+        return cfg.lr
+    progress = min(1.0, (step - start) / length)
+    return cfg.lr - (cfg.lr - cfg.min_lr) * progress

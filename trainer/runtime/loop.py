@@ -27,7 +27,7 @@ from bulkhead.api.protocol import (
     WorkerReport,
 )
 from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.data import ByteDataset
+from bulkhead.trainer.data import TokenDataset
 from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
 from bulkhead.trainer.engine.engine import (
     Adoption,
@@ -115,7 +115,7 @@ class ElasticTrainer:
         cfg: TrainConfig,
         connect: Callable[[], ControlClient],
         identity: WorkerIdentity,
-        dataset: ByteDataset,
+        dataset: TokenDataset,
         samples_log: SamplesLog | None = None,
         checkpointer: Checkpointer | None = None,
         node_agent: NodeAgentReporter | None = None,
