@@ -9,8 +9,9 @@ Each request names its lane, and each lane has its own connections and its own b
 work of one kind never waits in the queue of another:
 
 - ``urgent``: what a recovery waits on: cordoning and tainting a bad node (and its Event),
-  recording and creating a replacement pod. A thousand routine requests in flight must
-  not delay these (a bad node stayed schedulable 17 s behind the pod labels of a
+  recording and creating a replacement pod; and the leader's Lease, whose renewal must
+  not miss its deadline while a big job starts. A thousand routine requests in flight
+  must not delay these (a bad node stayed schedulable 17 s behind the pod labels of a
   1,000-worker job, issue 42).
 - ``routine``: first pod creates, deletes, status writes, Events (the ``concurrency`` bound).
 - ``background``: bookkeeping nobody waits on (the generation label of every member pod):
