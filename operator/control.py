@@ -21,6 +21,7 @@ import gc
 import hmac
 import logging
 import math
+import resource
 import socket
 import time
 from collections.abc import Coroutine, Generator
@@ -349,13 +350,35 @@ def tune_gc_for_connections() -> None:
 T = TypeVar("T")
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft open-file limit to the hard one; returns (before, after), logged.
+
+    Every worker holds a connection to the control endpoint (a long poll), and the
+    operator's own API calls and Lease renewals need sockets too: at the usual soft limit
+    of 1,024 a job of about 1,000 pods made them fail with EMFILE (issue 36).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raised = soft
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        raised = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        except (ValueError, OSError) as exc:  # e.g. above the kernel's nr_open
+            log.warning("open files: cannot raise the limit from %d to %d: %s", soft, raised, exc)
+            raised = soft
+    log.info("open files: limit %d (was %d, hard limit %s)", raised, soft, hard)
+    return soft, raised
+
+
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run a control-plane process's loop on uvloop (libuv) rather than asyncio's.
+    """Run a control-plane process's loop on uvloop (libuv) rather than asyncio's, with
+    the open-file limit raised first (``raise_open_file_limit``).
 
     With thousands of open long polls the endpoint's cost is per answer, not per byte:
     the event loop and the HTTP parser (``ControlServer`` uses httptools, also C) were
     most of it on the pure-Python stack (bench/control_scale.py, docs/control-plane.md).
     """
+    raise_open_file_limit()
     return uvloop.run(main)
 
 
