@@ -46,6 +46,7 @@ from bulkhead.api.protocol import (
     RegisterResponse,
 )
 from bulkhead.operator import metrics
+from bulkhead.operator.connections import GuardedHttpProtocol, connection_cap
 from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
 
 log = logging.getLogger(__name__)
@@ -394,8 +395,17 @@ class ControlServer:
     """Serves an app on the running event loop (local mode, tests); port 0 = a free port."""
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout_s: float = 5.0,
+        headers_deadline_s: float = 10.0,
+        max_connections: int | None = None,
     ) -> None:
+        """``headers_deadline_s`` and ``max_connections`` (default: from the open-file
+        limit, ``connection_cap``) guard the endpoint against idle connections
+        (``bulkhead.operator.connections``)."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -406,7 +416,11 @@ class ControlServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http="httptools",  # C parser: with uvloop, about half the h11 + asyncio cost per answer
+            # httptools, a C parser: with uvloop, about half the h11 + asyncio cost per answer.
+            http=GuardedHttpProtocol.configured(
+                headers_deadline_s,
+                max_connections if max_connections is not None else connection_cap(),
+            ),
             timeout_graceful_shutdown=shutdown_timeout_s,
         )
         self._server = _QuietServer(config)
