@@ -24,6 +24,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -117,8 +118,9 @@ class _LanePool:
     """One lane: its own bound and its own connections (a request waiting for a slot in
     another lane's pool is exactly the queueing the lanes are there to avoid)."""
 
-    def __init__(self, name: Lane, concurrency: int, make_http: Any) -> None:
-        self.name = name
+    def __init__(
+        self, name: Lane, concurrency: int, make_http: Callable[[int], httpx.AsyncClient]
+    ) -> None:
         self.limit = asyncio.Semaphore(concurrency)
         self.http: httpx.AsyncClient = make_http(concurrency)
         self.wait = KUBE_QUEUE_WAIT.labels(lane=name)
