@@ -12,7 +12,11 @@ workers are played over the control protocol; then a node gets ``BulkheadAnomaly
 
 Baseline, same run: creating the same number of pods one at a time (what an operator that
 creates pods sequentially needs before any worker can even start): ``baseline_create_s``.
-Targets from the issue: new generation <= 1 s at 100 nodes; 1000 workers Running <= 60 s.
+Operator cost, same run: its CPU seconds and its API requests by lane (the operator's
+``/metrics``) from the job's creation to Running (``operator_start_*``) and from the
+anomaly to the replacement Running (``operator_recovery_*``).
+Targets (issue 42), at 1000 nodes: tainted <= 1 s, new generation <= 1 s, replacement
+Running <= 5 s, job Running <= 30 s.
 
     python bench/operator.py --quick --out bench-operator.json      # 10 nodes, < 60 s
     python bench/operator.py --sizes 10,100,1000 --kubeconfig ~/.cache/bulkhead/cluster/...
@@ -25,6 +29,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -93,10 +98,38 @@ async def _until(check: Any, what: str, timeout: float, every: float = 0.05) -> 
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (robust where wall time is noisy)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _kube_requests(metrics_text: str) -> dict[str, float]:
+    """The operator's API requests so far by lane (``bulkhead_operator_kube_requests_total``)
+    and each lane's summed queue wait (``..._queue_wait_seconds_sum``)."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for metric, prefix in (
+            ("bulkhead_operator_kube_requests_total{", "requests"),
+            ("bulkhead_operator_kube_queue_wait_seconds_sum{", "wait_s"),
+        ):
+            if line.startswith(metric):
+                lane = line.split('lane="', 1)[1].split('"', 1)[0]
+                key = f"{prefix}_{lane}"
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class Bench:
-    def __init__(self, kube: KubeClient, operator_url: str) -> None:
+    def __init__(self, kube: KubeClient, operator_url: str, operator_pid: int) -> None:
         self.kube = kube
         self.url = operator_url
+        self.pid = operator_pid
+
+    async def _operator_counters(self) -> dict[str, float]:
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
+            text = (await http.get("/metrics")).text
+        return {"cpu_s": _cpu_seconds(self.pid), **_kube_requests(text)}
 
     async def nodes(self, zone: str, names: list[str], offset: int) -> None:
         await asyncio.gather(
@@ -214,6 +247,7 @@ class Bench:
             },
         }
         every = max(0.1, n / 2000)
+        before_start = await self._operator_counters()
         started = time.perf_counter()
         await self.kube.create(tj_path(ns), manifest)
         await _until(lambda: self._all_running(ns, job, n), f"{n} pods Running", 600, every)
@@ -235,6 +269,7 @@ class Bench:
             registered = time.perf_counter() - started
             tj = await _until(lambda: self._phase(ns, job, "Running"), "phase Running", 600, every)
             job_running = time.perf_counter() - started
+            after_start = await self._operator_counters()
             generation = tj["status"]["membership"]["generation"]
 
             await self.nodes(zone, [f"{zone}-spare"], offset + n)
@@ -247,6 +282,7 @@ class Bench:
                 )
             )
             await asyncio.sleep(0.2)  # the long poll is parked at the endpoint
+            before_anomaly = await self._operator_counters()
             t0 = time.perf_counter()
             await self._set_anomaly(bad_node)
             taint_task = asyncio.create_task(self._tainted(bad_node, t0))
@@ -255,7 +291,7 @@ class Bench:
             to_generation = time.perf_counter() - t0
             if view["generation"] <= generation:
                 raise RuntimeError(f"no new generation: {view}")
-            return {
+            row = {
                 "to_taint_s": await taint_task,
                 "to_generation_s": to_generation,
                 "to_replacement_running_s": await replacement_task,
@@ -263,6 +299,16 @@ class Bench:
                 "pods_running_s": pods_running,
                 "registered_s": registered,
             }
+            after_recovery = await self._operator_counters()
+            # What the operator spent: CPU and API requests (by lane) from the job's
+            # creation to phase Running, and from the anomaly to the replacement Running.
+            for phase, (a, b) in {
+                "start": (before_start, after_start),
+                "recovery": (before_anomaly, after_recovery),
+            }.items():
+                for key in sorted(set(a) | set(b)):
+                    row[f"operator_{phase}_{key}"] = b.get(key, 0.0) - a.get(key, 0.0)
+            return row
         finally:
             await http.aclose()
 
@@ -278,7 +324,16 @@ class Bench:
             "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
         }
         async with limit:
-            (await http.post("/register", json=body)).raise_for_status()
+            for attempt in range(3):
+                try:
+                    (await http.post("/register", json=body)).raise_for_status()
+                    return
+                except httpx.TransportError:
+                    # A keep-alive connection the endpoint closed as it was reused (both
+                    # processes starved on a loaded machine): a repeated registration of
+                    # the same worker and address is accepted.
+                    if attempt == 2:
+                        raise
 
     async def _phase(self, ns: str, job: str, phase: str) -> dict[str, Any] | None:
         tj = await self.kube.get(tj_path(ns, job))
@@ -363,7 +418,7 @@ async def _run(kubeconfig: Path, sizes: list[int], log: Path) -> list[dict[str, 
         rows = []
         offset = 1000
         for n in sizes:
-            rows.append(await Bench(kube, url).size(n, offset))
+            rows.append(await Bench(kube, url, proc.pid).size(n, offset))
             offset += n + 1
         return rows
     finally:
@@ -392,8 +447,18 @@ def _print(rows: list[dict[str, float]]) -> None:
         )
     print(
         "ratio = baseline_create_s / job_running_s (>1: our whole start beats sequential "
-        "creation alone). Targets: to_gen_s <= 1 s at 100 nodes; job_running_s <= 60 s at 1000."
+        "creation alone). Targets at 1000 nodes: to_taint_s <= 1, to_gen_s <= 1, "
+        "to_repl_s <= 5, job_running_s <= 30."
     )
+    print(f"{'nodes':>6} {'phase':>9} {'op_cpu_s':>9}  API requests by lane (queue wait s)")
+    for r in rows:
+        for phase in ("start", "recovery"):
+            lanes = "  ".join(
+                f"{lane} {r.get(f'operator_{phase}_requests_{lane}', 0):.0f}"
+                f" ({r.get(f'operator_{phase}_wait_s_{lane}', 0):.2f})"
+                for lane in ("urgent", "routine", "background")
+            )
+            print(f"{r['nodes']:>6} {phase:>9} {r[f'operator_{phase}_cpu_s']:>9.2f}  {lanes}")
 
 
 def main() -> None:

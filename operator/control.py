@@ -21,6 +21,7 @@ import gc
 import hmac
 import logging
 import math
+import resource
 import socket
 import time
 from collections.abc import Coroutine, Generator
@@ -45,6 +46,7 @@ from bulkhead.api.protocol import (
     RegisterResponse,
 )
 from bulkhead.operator import metrics
+from bulkhead.operator.connections import GuardedHttpProtocol, connection_cap
 from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
 
 log = logging.getLogger(__name__)
@@ -349,13 +351,35 @@ def tune_gc_for_connections() -> None:
 T = TypeVar("T")
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft open-file limit to the hard one; returns (before, after), logged.
+
+    Every worker holds a connection to the control endpoint (a long poll), and the
+    operator's own API calls and Lease renewals need sockets too: at the usual soft limit
+    of 1,024 a job of about 1,000 pods made them fail with EMFILE (issue 36).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raised = soft
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        raised = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        except (ValueError, OSError) as exc:  # e.g. above the kernel's nr_open
+            log.warning("open files: cannot raise the limit from %d to %d: %s", soft, raised, exc)
+            raised = soft
+    log.info("open files: limit %d (was %d, hard limit %s)", raised, soft, hard)
+    return soft, raised
+
+
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run a control-plane process's loop on uvloop (libuv) rather than asyncio's.
+    """Run a control-plane process's loop on uvloop (libuv) rather than asyncio's, with
+    the open-file limit raised first (``raise_open_file_limit``).
 
     With thousands of open long polls the endpoint's cost is per answer, not per byte:
     the event loop and the HTTP parser (``ControlServer`` uses httptools, also C) were
     most of it on the pure-Python stack (bench/control_scale.py, docs/control-plane.md).
     """
+    raise_open_file_limit()
     return uvloop.run(main)
 
 
@@ -371,8 +395,17 @@ class ControlServer:
     """Serves an app on the running event loop (local mode, tests); port 0 = a free port."""
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 5.0
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout_s: float = 5.0,
+        headers_deadline_s: float = 10.0,
+        max_connections: int | None = None,
     ) -> None:
+        """``headers_deadline_s`` and ``max_connections`` (default: from the open-file
+        limit, ``connection_cap``) guard the endpoint against idle connections
+        (``bulkhead.operator.connections``)."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -383,7 +416,11 @@ class ControlServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http="httptools",  # C parser: with uvloop, about half the h11 + asyncio cost per answer
+            # httptools, a C parser: with uvloop, about half the h11 + asyncio cost per answer.
+            http=GuardedHttpProtocol.configured(
+                headers_deadline_s,
+                max_connections if max_connections is not None else connection_cap(),
+            ),
             timeout_graceful_shutdown=shutdown_timeout_s,
         )
         self._server = _QuietServer(config)

@@ -127,6 +127,18 @@ def node_problems(node: dict[str, Any]) -> list[NodeProblem]:
     return sorted(found, key=lambda p: -SEVERITY_RANK.get(p.severity, 0))
 
 
+def node_signature(node: dict[str, Any]) -> tuple[Any, ...]:
+    """Everything of a node that bulkhead reads: our taint and the Ready and
+    BulkheadAnomaly conditions (heartbeat times aside). Two events with the same signature
+    tell the operator nothing new."""
+    conditions = tuple(
+        (c.get("type"), c.get("status"), c.get("reason"), c.get("message"))
+        for c in (node.get("status") or {}).get("conditions") or ()
+        if c.get("type") in ("Ready", CONDITION_TYPE)
+    )
+    return has_our_taint(node), conditions
+
+
 def has_our_taint(node: dict[str, Any]) -> bool:
     taints = (node.get("spec") or {}).get("taints") or []
     return any(t.get("key") == names.TAINT_UNHEALTHY for t in taints)

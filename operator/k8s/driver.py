@@ -4,6 +4,11 @@ The lifecycle session calls these methods; they return quickly. Pod creations an
 deletions run as background tasks (bounded by the client's concurrency), so a session
 starting a thousand workers does not wait a thousand round trips, and a failed create is
 observed by the session as a worker that exited (a ``WorkerExited`` with the reason).
+
+A replacement (any incarnation after a slot's first) is recovery work: its incarnation
+record and its create go in the client's ``urgent`` lane, ahead of routine work such as
+another job's thousand first creates; the generation labels go in the ``background`` lane
+(``generation_labels``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import httpx
 
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
-from bulkhead.api.status import Membership, TrainingJobStatus
+from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, names
 from bulkhead.operator.k8s.builders import JobContext
-from bulkhead.operator.k8s.kube import KubeClient, KubeError, core_path, tj_path
+from bulkhead.operator.k8s.generation_labels import GenerationLabels
+from bulkhead.operator.k8s.kube import KubeClient, KubeError, Lane, core_path, tj_path
 from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.lifecycle.types import WorkerExited
@@ -81,7 +87,7 @@ class KubernetesDriver:
         self._unschedulable: dict[str, str] = {}
         self._incarnations = dict(incarnations or {})
         self._incarnations_lock = asyncio.Lock()
-        self._labeled_generation: dict[str, int] = {}  # member pod -> generation labelled
+        self._labels = GenerationLabels(client, ctx.namespace)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         task = asyncio.create_task(coro, name=what)
@@ -101,7 +107,8 @@ class KubernetesDriver:
             self._incarnations[slot] = incarnation
             value = json.dumps({str(k): v for k, v in sorted(self._incarnations.items())})
             patch = {"metadata": {"annotations": {names.ANNOTATION_INCARNATIONS: value}}}
-            await self._client.merge_patch(tj_path(self.ctx.namespace, self.ctx.name), patch)
+            path = tj_path(self.ctx.namespace, self.ctx.name)
+            await self._client.merge_patch(path, patch, lane="urgent")
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` until it succeeds or fails for good: an unreachable API server, a 5xx
@@ -133,6 +140,7 @@ class KubernetesDriver:
 
     async def _create_pod(self, worker_id: str, slot: int, incarnation: int) -> None:
         pod = builders.build_worker_pod(self.ctx, worker_id, slot, incarnation)
+        lane: Lane = "urgent" if incarnation > 0 else "routine"
         try:
             await self._retrying(
                 f"recording incarnation of {worker_id}",
@@ -140,7 +148,7 @@ class KubernetesDriver:
             )
             created = await self._retrying(
                 f"creating pod {worker_id}",
-                lambda: self._client.create(core_path("pods", self.ctx.namespace), pod),
+                lambda: self._client.create(core_path("pods", self.ctx.namespace), pod, lane),
             )
         except KubeError as exc:
             log.error("job %s: creating pod %s failed: %s", self.ctx.name, worker_id, exc)
@@ -198,31 +206,7 @@ class KubernetesDriver:
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self._last_status = status
         self._status.publish(decorate_status(status, self._valid_since, self._unschedulable))
-        self._label_generation(status.membership)
-
-    def _label_generation(self, membership: Membership) -> None:
-        """Label each member's pod with the generation it trains in, once per generation, so
-        ``kubectl get pods -l bulkhead.dev/generation=N`` lists generation N."""
-        generation = membership.generation
-        if not generation:
-            return
-        labeled = {}
-        for member in membership.members:
-            labeled[member.worker] = generation
-            if self._labeled_generation.get(member.worker) != generation:
-                self._spawn(
-                    self._label_pod(member.worker, generation), f"label pod {member.worker}"
-                )
-        self._labeled_generation = labeled
-
-    async def _label_pod(self, worker_id: str, generation: int) -> None:
-        path = core_path("pods", self.ctx.namespace, worker_id)
-        patch = {"metadata": {"labels": {names.LABEL_GENERATION: str(generation)}}}
-        try:
-            await self._client.merge_patch(path, patch)
-        except KubeError as exc:
-            if exc.status != 404:  # a pod already gone needs no label
-                raise
+        self._labels.follow(status.membership)
 
     def note_scheduling(self, pod: str, unschedulable: str | None) -> None:
         """Record whether the scheduler can place ``pod``; the status says so if not."""
@@ -254,6 +238,7 @@ class KubernetesDriver:
         if flush:
             await self._status.flush()
         await self._status.close()
+        await self._labels.close()
 
 
 async def live_pods(client: KubeClient, ctx: JobContext) -> list[dict[str, Any]]:

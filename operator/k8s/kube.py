@@ -1,9 +1,21 @@
 """A small async REST client for the Kubernetes API server (the only I/O edge to it).
 
 Credentials come from a kubeconfig or the in-cluster service account, loaded by the
-official ``kubernetes`` package; requests go through one pooled ``httpx.AsyncClient`` with
+official ``kubernetes`` package; requests go through pooled ``httpx.AsyncClient``s with
 bounded concurrency, so creating a thousand pods is a thousand parallel-but-bounded POSTs
 and no thread per call. Bodies are plain dicts (the builders' output).
+
+Each request names its lane, and each lane has its own connections and its own bound, so
+work of one kind never waits in the queue of another:
+
+- ``urgent``: what a recovery waits on: cordoning and tainting a bad node (and its Event),
+  recording and creating a replacement pod; and the leader's Lease, whose renewal must
+  not miss its deadline while a big job starts. A thousand routine requests in flight
+  must not delay these (a bad node stayed schedulable 17 s behind the pod labels of a
+  1,000-worker job, issue 42).
+- ``routine``: first pod creates, deletes, status writes, Events (the ``concurrency`` bound).
+- ``background``: bookkeeping nobody waits on (the generation label of every member pod):
+  a few requests at a time, so it cannot crowd the API server either.
 """
 
 from __future__ import annotations
@@ -11,20 +23,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from kubernetes import config as kube_config
 from kubernetes.client import Configuration
+from prometheus_client import Counter, Histogram
 
 from bulkhead.api.crd import PLURAL
 from bulkhead.api.spec import API_GROUP, API_VERSION
+from bulkhead.operator.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+
+Lane = Literal["urgent", "routine", "background"]
+URGENT_CONCURRENCY = 8  # a recovery's requests: a few nodes and pods at a time
+BACKGROUND_CONCURRENCY = 4
+
+KUBE_REQUESTS = Counter(
+    "bulkhead_operator_kube_requests_total",
+    "Requests to the Kubernetes API server (Kopf's watches aside), by lane and verb.",
+    ["lane", "verb"],
+    registry=REGISTRY,
+)
+KUBE_QUEUE_WAIT = Histogram(
+    "bulkhead_operator_kube_queue_wait_seconds",
+    "Time a request waited for a free slot of its lane before being sent.",
+    ["lane"],
+    buckets=(0.001, 0.01, 0.05, 0.2, 1, 5, 30),
+    registry=REGISTRY,
+)
 
 
 class KubeError(RuntimeError):
@@ -80,28 +114,59 @@ def core_path(kind: str, namespace: str | None = None, name: str = "") -> str:
     return f"{base}/{name}" if name else base
 
 
+class _LanePool:
+    """One lane: its own bound and its own connections (a request waiting for a slot in
+    another lane's pool is exactly the queueing the lanes are there to avoid)."""
+
+    def __init__(
+        self, name: Lane, concurrency: int, make_http: Callable[[int], httpx.AsyncClient]
+    ) -> None:
+        self.limit = asyncio.Semaphore(concurrency)
+        self.http: httpx.AsyncClient = make_http(concurrency)
+        self.wait = KUBE_QUEUE_WAIT.labels(lane=name)
+
+
 class KubeClient:
-    """Async JSON requests to the API server with bounded concurrency."""
+    """Async JSON requests to the API server, bounded per lane (see the module docstring)."""
 
     def __init__(
         self, credentials: Credentials, concurrency: int = 64, timeout_s: float = 30.0
     ) -> None:
         self._creds = credentials
-        self._limit = asyncio.Semaphore(concurrency)
         verify: ssl.SSLContext | bool = False
         if credentials.verify:
             verify = ssl.create_default_context(cafile=credentials.ca_file)
             if credentials.cert_file:
                 verify.load_cert_chain(credentials.cert_file, credentials.key_file)
-        self._http = httpx.AsyncClient(
-            base_url=credentials.server,
-            verify=verify,
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-        )
+
+        def make_http(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=credentials.server,
+                verify=verify,
+                timeout=timeout_s,
+                limits=httpx.Limits(
+                    max_connections=connections, max_keepalive_connections=connections
+                ),
+            )
+
+        self._make_http = make_http
+        self._sizes: dict[Lane, int] = {
+            "urgent": URGENT_CONCURRENCY,
+            "routine": concurrency,
+            "background": BACKGROUND_CONCURRENCY,
+        }
+        self._lanes: dict[Lane, _LanePool] = {}
+
+    def _lane(self, lane: Lane) -> _LanePool:
+        pool = self._lanes.get(lane)
+        if pool is None:  # made on first use: most clients only ever use "routine"
+            pool = self._lanes[lane] = _LanePool(lane, self._sizes[lane], self._make_http)
+        return pool
 
     async def close(self) -> None:
-        await self._http.aclose()
+        for pool in self._lanes.values():
+            await pool.http.aclose()
+        self._lanes.clear()
 
     async def request(
         self,
@@ -111,6 +176,7 @@ class KubeClient:
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
         accept: str = "application/json",
+        lane: Lane = "routine",
     ) -> dict[str, Any]:
         headers = {"Accept": accept}
         auth = self._creds.authorization()
@@ -118,8 +184,12 @@ class KubeClient:
             headers["Authorization"] = auth
         if body is not None:
             headers["Content-Type"] = content_type
-        async with self._limit:
-            response = await self._http.request(
+        pool = self._lane(lane)
+        KUBE_REQUESTS.labels(lane=lane, verb=method).inc()
+        queued = time.monotonic()
+        async with pool.limit:
+            pool.wait.observe(time.monotonic() - queued)
+            response = await pool.http.request(
                 method, path, json=body, params=params, headers=headers
             )
         if response.status_code >= 400:
@@ -130,21 +200,25 @@ class KubeClient:
             raise KubeError(response.status_code, method, path, message)
         return response.json() if response.content else {}
 
-    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
-        return await self.request("GET", path, params=params)
+    async def get(
+        self, path: str, params: dict[str, str] | None = None, lane: Lane = "routine"
+    ) -> dict[str, Any]:
+        return await self.request("GET", path, params=params, lane=lane)
 
-    async def create(self, path: str, body: dict[str, Any]) -> bool:
+    async def create(self, path: str, body: dict[str, Any], lane: Lane = "routine") -> bool:
         """POST; False (and no error) when the object already exists: create is idempotent."""
         try:
-            await self.request("POST", path, body)
+            await self.request("POST", path, body, lane=lane)
         except KubeError as exc:
             if exc.status == 409:
                 return False
             raise
         return True
 
-    async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH)
+    async def merge_patch(
+        self, path: str, patch: dict[str, Any], lane: Lane = "routine"
+    ) -> dict[str, Any]:
+        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH, lane=lane)
 
     async def delete(self, path: str, grace_period_s: int | None = None) -> bool:
         """DELETE; False (and no error) when the object is already gone."""

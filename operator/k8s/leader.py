@@ -171,11 +171,11 @@ class LeaderElector:
         current resourceVersion (a renewal cut short may have changed it).
         """
         try:
-            lease = await self.client.get(self.path)
+            lease = await self.client.get(self.path, lane="urgent")
             if LeaseRecord.of(lease).holder != self.settings.identity:
                 return False
             body = _with_spec(lease, holderIdentity="", leaseDurationSeconds=1)
-            await self.client.request("PUT", self.path, body)
+            await self.client.request("PUT", self.path, body, lane="urgent")
         except (KubeError, httpx.HTTPError, OSError) as exc:  # it expires on its own
             log.warning("leader election: could not release the lease: %s", exc)
             return False
@@ -187,7 +187,7 @@ class LeaderElector:
         s = self.settings
         now = time.monotonic()
         try:
-            lease: dict[str, Any] | None = await self.client.get(self.path)
+            lease: dict[str, Any] | None = await self.client.get(self.path, lane="urgent")
         except KubeError as exc:
             if exc.status != 404:
                 log.warning("leader election: reading the lease failed: %s", exc)
@@ -220,13 +220,15 @@ class LeaderElector:
                     "spec": spec,
                 }
                 written = await self.client.request(
-                    "POST", f"{LEASE_API}/namespaces/{s.namespace}/leases", body
+                    "POST", f"{LEASE_API}/namespaces/{s.namespace}/leases", body, lane="urgent"
                 )
             else:
                 assert lease is not None
                 # resourceVersion makes this a compare-and-swap: of two candidates taking an
                 # expired lease at once, one gets 409 Conflict.
-                written = await self.client.request("PUT", self.path, _with_spec(lease, **spec))
+                written = await self.client.request(
+                    "PUT", self.path, _with_spec(lease, **spec), lane="urgent"
+                )
         except KubeError as exc:
             if exc.status not in (409, 404):
                 log.warning("leader election: writing the lease failed: %s", exc)

@@ -57,7 +57,11 @@ def build_event(
 
 
 class NodeActions:
-    """Cordons, taints and untaints nodes; posts their Events."""
+    """Cordons, taints and untaints nodes; posts their Events.
+
+    Every request goes in the client's ``urgent`` lane: a bad node must stop taking pods
+    however much routine work (pod creates, status writes) the operator has in flight.
+    """
 
     def __init__(self, client: KubeClient, event_namespace: str = "default") -> None:
         self._client = client
@@ -67,12 +71,12 @@ class NodeActions:
         """Read-modify-write with the resourceVersion; True if a patch was applied."""
         path = core_path("nodes", name=node)
         for _ in range(_CONFLICT_RETRIES):
-            body = await self._client.get(path)
+            body = await self._client.get(path, lane="urgent")
             patch = make_patch(body)
             if patch is None:
                 return False
             try:
-                await self._client.merge_patch(path, patch)
+                await self._client.merge_patch(path, patch, lane="urgent")
                 return True
             except KubeError as exc:
                 if exc.status != 409:
@@ -121,6 +125,8 @@ class NodeActions:
             involved, self._event_namespace, reason, message, warning, datetime.now(UTC)
         )
         try:
-            await self._client.create(core_path("events", self._event_namespace), event)
+            await self._client.create(
+                core_path("events", self._event_namespace), event, lane="urgent"
+            )
         except KubeError as exc:  # an Event is informative: never fail the eviction for it
             log.warning("could not post event on node %s: %s", node, exc)

@@ -85,6 +85,7 @@ class OperatorRuntime:
         self._job_locks: dict[JobId, asyncio.Lock] = {}
         self._pod_node: dict[tuple[str, str], tuple[JobId, str]] = {}  # pod -> (job, node)
         self._node_reported: dict[str, tuple[str, str]] = {}  # node -> (reason, severity)
+        self._node_seen: dict[str, tuple[Any, ...]] = {}  # node -> classify.node_signature
         self._tainted: set[str] = set()  # nodes carrying our taint, for the untaint policy
 
     def _lock(self, job: JobId) -> asyncio.Lock:
@@ -291,6 +292,10 @@ class OperatorRuntime:
 
     async def on_node_event(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
+        signature = classify.node_signature(node)
+        if self._node_seen.get(name) == signature:
+            return  # a heartbeat, new images, labels...: nothing bulkhead reads changed
+        self._node_seen[name] = signature
         if classify.has_our_taint(node):
             self._tainted.add(name)
         else:
@@ -325,7 +330,13 @@ class OperatorRuntime:
         except Exception:
             RECONCILE_ERRORS.labels(handler="node").inc()
             self._node_reported.pop(name, None)  # retried on the next event
+            self._node_seen.pop(name, None)
             raise
+
+    def node_deleted(self, name: str) -> None:
+        """Forget a deleted node (a new node of that name starts afresh)."""
+        self._node_seen.pop(name, None)
+        self._node_reported.pop(name, None)
 
     async def untaint_loop(self) -> None:
         """The optional untaint policy (see ``nodes``): a healthy node sends no more events,

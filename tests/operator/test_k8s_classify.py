@@ -164,3 +164,21 @@ def test_status_write_policy():
     regenerated = {**base, "membership": {"generation": 2}}
     assert write_delay(base, regenerated, 0.1, 2.0) == 0.0
     assert write_delay(base, {**base, "phase": "Recovering"}, 0.1, 2.0) == 0.0
+
+
+def test_node_signature_changes_only_with_what_bulkhead_reads():
+    base = _node(anomaly=("False", "NoAnomaly", ""))
+    same = _node(anomaly=("False", "NoAnomaly", ""), when="2026-01-02T00:00:00Z")
+    same["metadata"]["labels"] = {"new": "label"}
+    same["metadata"]["resourceVersion"] = "8"
+    same["status"]["conditions"].append({"type": "MemoryPressure", "status": "True"})
+    same["status"]["images"] = [{"names": ["x"]}]
+    assert classify.node_signature(same) == classify.node_signature(base)
+    changed = [
+        _node("False", ("False", "NoAnomaly", "")),
+        _node(anomaly=("True", "XidError", "xid 79")),
+        _node(anomaly=("False", "NoAnomaly", "recovered")),
+        _node(anomaly=("False", "NoAnomaly", ""), taints=[{"key": names.TAINT_UNHEALTHY}]),
+    ]
+    for node in changed:
+        assert classify.node_signature(node) != classify.node_signature(base), node
