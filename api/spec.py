@@ -89,6 +89,13 @@ class MoEConfig(SpecModel):
 class ModelConfig(SpecModel):
     """A GPT-style decoder; a preset picks a size and explicit fields override it."""
 
+    family: str = Field(
+        "gpt",
+        description=(
+            "Model family: a built-in (gpt, llama, mixtral), a name a package registers "
+            "under the 'bulkhead.models' entry point, or 'module:attribute' of a ModelFamily."
+        ),
+    )
     preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
     vocab_size: int = Field(256, ge=2, le=1_000_000, description="Byte-level data uses 256.")
     d_model: int = Field(64, ge=8, le=65536, description="Hidden (embedding) width.")

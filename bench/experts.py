@@ -55,6 +55,7 @@ from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.engine import Engine, HeldState
 from bulkhead.trainer.engine.experts_plan import plan_experts
+from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.plan import make_plan
 from bulkhead.trainer.engine.world import CollectiveError, open_world
 
@@ -86,10 +87,11 @@ def config(mode: str, quick: bool) -> TrainConfig:
 
 def expert_bytes(engine: Engine) -> int:
     """Bytes of expert parameters and optimizer state this rank holds."""
+    groups = ParamGroups(engine.model)
     return sum(
         t.numel() * t.element_size()
         for spec, t in engine._entries
-        if ".ffn.experts." in spec.name and spec.name.startswith(("param/", "optim/"))
+        if spec.name.startswith(("param/", "optim/")) and groups.expert_of(spec.name)
     )
 
 

@@ -12,7 +12,7 @@ from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.engine import Engine
 from bulkhead.trainer.engine.plan import make_plan
 from bulkhead.trainer.engine.world import open_world
-from bulkhead.trainer.model import build_model
+from bulkhead.trainer.models.protocol import build_seeded
 
 
 def test_an_uninitialized_engine_starting_fresh_gets_the_seeded_weights() -> None:
@@ -26,7 +26,7 @@ def test_an_uninitialized_engine_starting_fresh_gets_the_seeded_weights() -> Non
         assert not engine.initialized
         adoption = engine.adopt(None)
         assert adoption.source == "fresh" and engine.initialized
-        seeded = dict(build_model(cfg.model, cfg.seed).named_parameters())
+        seeded = dict(build_seeded(cfg.family, cfg.model, cfg.seed).named_parameters())
         assert engine.model.head.weight is engine.model.tok_emb.weight  # still tied
         assert [n for n, _ in engine.model.named_parameters()] == list(seeded)
         for name, p in engine.model.named_parameters():

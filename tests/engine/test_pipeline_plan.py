@@ -17,8 +17,10 @@ from bulkhead.trainer.engine.pipeline_plan import (
     schedule,
     unit_group,
 )
+from bulkhead.trainer.models.protocol import model_shape
+from bulkhead.trainer.models.registry import family
 
-SMALL = resolve_model(ModelConfig(preset="small"))  # 4 blocks: 6 units
+SMALL = model_shape(family("gpt"), resolve_model(ModelConfig(preset="small")))  # 6 units
 
 
 def plan(ranks: int, f: int = 1, min_stages: int = 2, max_stages: int | None = None,

@@ -47,6 +47,11 @@ from bulkhead.trainer.engine.layout import (
 )
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.engine.plan import ParallelPlan, StateBytes, state_bytes_per_rank
+from bulkhead.trainer.engine.pretrained import (
+    PretrainedReader,
+    hf_reader,
+    initial_state_from_pretrained,
+)
 from bulkhead.trainer.engine.transfer import (
     TransferPlan,
     plan_transfer,
@@ -57,7 +62,7 @@ from bulkhead.trainer.engine.transfer import (
 )
 from bulkhead.trainer.engine.world import CollectiveError, World
 from bulkhead.trainer.engine.zero import after_optimizer_step, apply_zero, begin_microbatch
-from bulkhead.trainer.model import build_model
+from bulkhead.trainer.models.protocol import build_empty, build_seeded
 from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 log = logging.getLogger(__name__)
@@ -281,7 +286,11 @@ class Engine:
         if plan.world_size != world.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
         device = world.device.device
-        model = build_model(cfg.model, cfg.seed, initialize).to(device)
+        model = (
+            build_seeded(cfg.family, cfg.model, cfg.seed)
+            if initialize
+            else build_empty(cfg.family, cfg.model, "cpu")
+        ).to(device)
         root = replicated = None
         if plan.zero.sharded:
             with world.guard("sharding the model"):
@@ -391,7 +400,9 @@ class Engine:
         held = self._roll_forward(held)
         holdings = self._holdings(held)
         if all(h.empty for h in holdings):
-            if not self.initialized:
+            if self.cfg.pretrained is not None:
+                self._load_pretrained(self.cfg.pretrained)
+            elif not self.initialized:
                 self._initialize()
             self.completed_steps = 0
             self.adopted = True
@@ -458,7 +469,7 @@ class Engine:
     def _initialize(self) -> None:
         """The seeded initial parameters, each rank its own ranges (a fresh start of an
         engine built without them)."""
-        seeded = build_model(self.cfg.model, self.cfg.seed).named_parameters()
+        seeded = build_seeded(self.cfg.family, self.cfg.model, self.cfg.seed).named_parameters()
         whole = {f"param/{name}": p.detach().reshape(-1) for name, p in seeded}
         wanted = self._needs([NOTHING] * self.world.world_size)[self.world.rank]
         local = self.local_tensors()
@@ -466,6 +477,27 @@ class Engine:
             if key in whole and key in local:
                 local[key].copy_(whole[key][start:stop])
         self.initialized = True
+
+    # How a fresh start reads pretrained weights (None: the Hugging Face reader).
+    read_pretrained: PretrainedReader | None = None
+
+    @torch.no_grad()
+    def _load_pretrained(self, directory: str) -> None:
+        """A fresh start from ``directory``'s weights: each rank reads its own ranges."""
+        wanted = self._needs([NOTHING] * self.world.world_size)[self.world.rank]
+        local = self.local_tensors()
+        read = self.read_pretrained or hf_reader()
+        tensors = initial_state_from_pretrained(
+            directory,
+            self.model,
+            {k: r for k, r in wanted.items() if k in local},
+            {s.name: s for s in self.specs},
+            read,
+        )
+        for key, flat in tensors.items():
+            local[key].copy_(flat)
+        self.initialized = True
+        log.info("fresh start from the pretrained weights in %s", directory)
 
     # Adoption hooks: what every rank holds (collective), what each must hold, and this
     # rank's held state as a transfer source. Layouts other than DP/ZeRO override them.
@@ -517,7 +549,7 @@ class Engine:
         elif not passes:
             passes = [[]]  # DDP reduces in the last backward: a rank with no sample joins in
         forward = self.replicated or self.model
-        aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
+        aux_coef = cfg.aux_coef
         device = world.device.device
         forward.train()
         lm_sum = aux_sum = 0.0
