@@ -50,9 +50,11 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, World, open_world
+from bulkhead.trainer.parallel.plan import make_plan
 
 LOSS_RTOL = 1e-4
 # AdamW turns rounding differences of near-zero gradients into a fraction of one step
@@ -121,7 +123,7 @@ def _open(
 ) -> tuple[World, Engine]:  # fmt: skip
     workers = [f"w{s}" for s in members]
     world = open_world(generation, members.index(slot), workers, workers, store, device, 60)
-    engine = Engine.build(make_plan(generation, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(generation, workers, workers, cfg), world, cfg)
     return world, engine
 
 

@@ -2,7 +2,7 @@
 
 A dense GPT (full: d 256, 6 blocks, 64 tokens; ``--quick``: d 128, 4 blocks) trains on
 gloo worker processes the way the trainer runs it (``open_world`` -> ``make_plan`` ->
-``Engine.build`` -> ``adopt`` -> ``step``), one torch thread per process. The machine this
+``build_engine`` -> ``adopt`` -> ``step``), one torch thread per process. The machine this
 was written on has 2 CPU cores: more than 2 busy processes share them (said in the output).
 
 1. **Bubble.** One pipeline of p stages (p processes, one stage each; ``minStages`` =
@@ -82,11 +82,13 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import ByteDataset, open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, schedule
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, World, open_world
 from bulkhead.trainer.models.protocol import CausalLM, build_meta, build_seeded, count_params
+from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout, schedule
+from bulkhead.trainer.parallel.plan import make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, LayerCost
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
@@ -230,7 +232,7 @@ def _bubble_worker(rank: int, job: BubbleJob) -> None:
         lay is not None and lay.stages == layouts[job.ms[0]].stages  # type: ignore[union-attr]
         for lay in layouts.values()
     )
-    engine = Engine.build(plans[job.ms[0]], world, cfgs[job.ms[0]])
+    engine = build_engine(plans[job.ms[0]], world, cfgs[job.ms[0]])
     engine.adopt(None)
     clock = PipelineClock(engine)
 
@@ -357,7 +359,7 @@ def _scenario_worker(slot: int, job: ScenarioJob) -> None:
     dataset = _dataset(cfg)
     device = pick_device()
     world: World = open_world(1, slot, workers, workers, store, device, TIMEOUT_S)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg)
     engine.adopt(None)
     engine.step(dataset)  # warm-up
     step_s = [engine.step(dataset).seconds for _ in range(job.steps_before)]
@@ -381,7 +383,7 @@ def _scenario_worker(slot: int, job: ScenarioJob) -> None:
     rank = survivors.index(workers[slot])
     world = open_world(2, rank, survivors, survivors, store, device, TIMEOUT_S)
     plan = make_plan(2, survivors, survivors, cfg)
-    engine = Engine.build(plan, world, cfg, initialize=False)  # it holds state
+    engine = build_engine(plan, world, cfg, initialize=False)  # it holds state
     built_t = time.time()
     adoption = engine.adopt(held)
     record["adopted_t"] = time.time()
@@ -426,7 +428,7 @@ def _restart_worker(rank: int, job: RestartJob) -> None:
     store = _store(job.port)
     dataset = _dataset(cfg)
     world = open_world(1, rank, workers, workers, store, pick_device(), TIMEOUT_S)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg, initialize=False)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg, initialize=False)
     built_t = time.time()
     pieces = [
         HeldState.from_snapshot(torch.load(p)) for p in sorted(Path(job.pieces_dir).glob("piece*"))

@@ -39,12 +39,12 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.pipeline import PipelineEngine
-from bulkhead.trainer.engine.plan import make_plan
 from bulkhead.trainer.engine.world import open_world
 from bulkhead.trainer.models.gpt import GPT
 from bulkhead.trainer.models.protocol import build_seeded
+from bulkhead.trainer.parallel.plan import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     out: dict[str, object] = {"start": stage.start, "stop": stage.stop}
 
     # -- our engine -------------------------------------------------------------------
-    engine = Engine.build(plan, world, cfg)
+    engine = build_engine(plan, world, cfg)
     assert isinstance(engine, PipelineEngine)
     assert engine.adopt(None).source == "fresh"
     engine_losses = []

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from bulkhead.api.spec import ModelConfig
 from bulkhead.trainer.config import PipelineParallelism, resolve_model
-from bulkhead.trainer.engine.pipeline_plan import (
+from bulkhead.trainer.models.protocol import model_shape
+from bulkhead.trainer.models.registry import family
+from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     plan_pipelines,
     schedule,
     unit_group,
 )
-from bulkhead.trainer.models.protocol import model_shape
-from bulkhead.trainer.models.registry import family
 
 SMALL = model_shape(family("gpt"), resolve_model(ModelConfig(preset="small")))  # 6 units
 

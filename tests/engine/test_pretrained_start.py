@@ -23,11 +23,11 @@ from processes import preloaded_context
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine
-from bulkhead.trainer.engine.layout import KeySpec
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.pretrained import initial_state_from_pretrained
 from bulkhead.trainer.engine.world import open_world
+from bulkhead.trainer.parallel.layout import KeySpec
+from bulkhead.trainer.parallel.plan import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def _rank_main(rank: int, port: int, out_dir: str, parallelism: dict) -> None:
     cfg = config(**parallelism)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     world = open_world(1, rank, WORKERS, WORKERS, store, pick_device(False), 60)
-    engine = Engine.build(make_plan(1, WORKERS, WORKERS, cfg), world, cfg)
+    engine = build_engine(make_plan(1, WORKERS, WORKERS, cfg), world, cfg)
     reader = FakeReader({s.name.removeprefix("param/"): s.numel for s in engine.specs})
     engine.read_pretrained = reader
     adoption = engine.adopt(None)

@@ -37,29 +37,23 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.engine.dispatch import DispatchLayout
-from bulkhead.trainer.engine.engine import (
-    GroupedEngine,
-    HeldState,
-    _materialize_optimizer,
-    execute_transfer,
-)
-from bulkhead.trainer.engine.experts_plan import (
+from bulkhead.trainer.engine.engine import GroupedEngine, _materialize_optimizer
+from bulkhead.trainer.engine.grad_sync import sum_over_holders
+from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.state import HeldState, execute_transfer
+from bulkhead.trainer.engine.world import Team
+from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing
+from bulkhead.trainer.parallel.dispatch import DispatchLayout
+from bulkhead.trainer.parallel.experts_plan import (
     ExpertPlan,
     expert_group,
     held_matrix,
     plan_experts,
     settle,
 )
-from bulkhead.trainer.engine.grad_sync import sum_over_holders
-from bulkhead.trainer.engine.groups import ParamGroups
-from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
-from bulkhead.trainer.engine.optim import make_optimizer
-from bulkhead.trainer.engine.plan import ParallelPlan
-from bulkhead.trainer.engine.transfer import plan_transfer
-from bulkhead.trainer.engine.world import Team, World
-from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing, build_seeded
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.parallel.transfer import plan_transfer
 
 log = logging.getLogger(__name__)
 
@@ -157,25 +151,6 @@ class ExpertEngine(GroupedEngine):
 
     collective_forward = True  # every pass all-to-alls: all ranks run the same passes
 
-    @classmethod
-    def build(
-        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
-    ) -> ExpertEngine:
-        # Always initialized: ranks host different experts, so the seeded fallback of
-        # Engine._initialize does not apply; ``initialize`` is accepted for the interface.
-        if plan.world_size != world.world_size:
-            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
-        assert plan.experts is not None
-        device = world.device.device
-        model = build_seeded(cfg.family, cfg.model, cfg.seed).to(device)
-        dispatches = distribute_experts(model, plan.experts, world.team(), device)
-        world.seal()
-        optimizer = make_optimizer(model, cfg.optimizer)
-        _materialize_optimizer(model, optimizer)
-        engine = cls(plan, world, cfg, model, optimizer, None, None)
-        engine.dispatches = dispatches
-        return engine
-
     def _groups(self, rank: int) -> frozenset[str]:
         return self.expert_plan.groups(rank)
 
@@ -215,6 +190,7 @@ class ExpertEngine(GroupedEngine):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.dispatches = self.model_layout.dispatches  # block -> its layer's QuotaDispatch
         self.specs = self._all_specs
         self._settled = False
         self._interrupted: HeldState | None = None  # state kept when a migration failed

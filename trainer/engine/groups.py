@@ -9,9 +9,9 @@ parameter. Nothing here knows a family's module names.
 
 from __future__ import annotations
 
-from bulkhead.trainer.engine.experts_plan import expert_group
-from bulkhead.trainer.engine.pipeline_plan import TIED, unit_group
 from bulkhead.trainer.models.protocol import CausalLM, ModelFamily, build_meta, experts_prefix
+from bulkhead.trainer.parallel.experts_plan import expert_group
+from bulkhead.trainer.parallel.pipeline_plan import TIED, unit_group
 
 
 class ParamGroups:

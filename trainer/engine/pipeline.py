@@ -6,7 +6,7 @@ alone. Tied weights (``tied``: e.g. a head sharing the token embedding's) are he
 every stage with a unit using them.
 A stage is a worker pod: each of its G processes runs the stage on 1/G of every
 micro-batch. Under ZeRO the stage's units are sharded over the pod's processes by FSDP2
-(``zero.apply_zero`` on the pod's group; the units of other stages stay on the meta
+(``zero.zero_shard`` on the pod's group; the units of other stages stay on the meta
 device), so each process holds 1/G of its stage; without ZeRO each holds all of it.
 
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
@@ -42,34 +42,26 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
-from bulkhead.trainer.engine.engine import (
-    GroupedEngine,
-    HeldState,
-    _local,
-    _materialize_optimizer,
-    _shardable,
-)
-from bulkhead.trainer.engine.experts import distribute_experts
-from bulkhead.trainer.engine.experts_plan import expert_group
+from bulkhead.trainer.engine.engine import GroupedEngine, _shardable
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
 from bulkhead.trainer.engine.groups import ParamGroups
-from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec
 from bulkhead.trainer.engine.optim import make_optimizer
-from bulkhead.trainer.engine.pipeline_plan import (
+from bulkhead.trainer.engine.state import HeldState, _local
+from bulkhead.trainer.engine.zero import begin_microbatch
+from bulkhead.trainer.models.protocol import build_meta
+from bulkhead.trainer.parallel.experts_plan import expert_group
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec
+from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     PipelineLayout,
     StagePlan,
     schedule,
     unit_group,
 )
-from bulkhead.trainer.engine.plan import ParallelPlan
-from bulkhead.trainer.engine.world import Team, World
-from bulkhead.trainer.engine.zero import apply_zero, begin_microbatch
-from bulkhead.trainer.models.protocol import build_meta, materialize
+from bulkhead.trainer.parallel.plan import ParallelPlan
 
 
 def _slot_shapes(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
@@ -125,44 +117,6 @@ class _Inbox:
 
 class PipelineEngine(GroupedEngine):
     """The engine of a plan with pipelines (see the module docstring)."""
-
-    @classmethod
-    def build(
-        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
-    ) -> PipelineEngine:
-        """The stage's units only; their initialization (seeded, like every layout) is left
-        to ``adopt`` for a fresh start, since any other start overwrites them."""
-        if plan.world_size != world.world_size:
-            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
-        layout = plan.pipelines
-        assert layout is not None
-        model = build_meta(cfg.family, cfg.model)
-        device = world.device.device
-        units = layout.units(world.rank)
-        materialize(model, [m for unit in units for m in model.unit_modules(unit)], device)
-        keys = ParamGroups(model, experts=plan.experts is not None)
-        root = None
-        if plan.zero.sharded or plan.experts is not None:
-            with world.guard("forming the stage's groups"):
-                team = _pod_team(world, plan.processes_per_worker)
-            if plan.experts is not None and units:
-                # The stage's MoE blocks host the experts of this process, dispatching
-                # over the pod's processes.
-                blocks = range(max(units.start - 1, 0), units.stop - 1)
-                distribute_experts(model, plan.experts, team, device, blocks)
-            if plan.zero.sharded and units:
-                mesh = DeviceMesh.from_group(team.group, device.type)
-                # Experts stay out of FSDP2: each is whole on the processes hosting it.
-                experts = {p for n, p in model.named_parameters() if keys.expert_of(n)}
-                with world.guard("sharding the stage"):
-                    root = apply_zero(model, plan.zero, device.type, mesh, experts)
-        world.seal()
-        held = [p for p in model.parameters() if not p.is_meta]
-        optimizer = make_optimizer(model, cfg.optimizer, held)
-        _materialize_optimizer(model, optimizer)
-        engine = cls(plan, world, cfg, model, optimizer, root, None)
-        engine.initialized = False
-        return engine
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -394,17 +348,3 @@ def state_bytes(plan: ParallelPlan, per_group: dict[str, int], rank: int, slots:
         sharded = plan.zero.sharded and not group.startswith("expert/")
         held += -(-n // plan.zero.shard_size) if sharded else n
     return held * 4 * (2 + slots)
-
-
-def _pod_team(world: World, processes_per_worker: int) -> Team:
-    """This rank's worker pod as a team (every rank creates every pod's group: gloo's
-    group creation is collective over the world)."""
-    g = processes_per_worker
-    mine = None
-    for first in range(0, world.world_size, g):
-        ranks = tuple(range(first, first + g))
-        group = dist.new_group(list(ranks))
-        if world.rank in ranks:
-            mine = Team(world, ranks, group)
-    assert mine is not None
-    return mine

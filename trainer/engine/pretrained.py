@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bulkhead.trainer.engine.layout import KeySpec, Range
+from bulkhead.trainer.parallel.layout import KeySpec, Range
 
 PretrainedReader = Callable[[str, Any, dict[str, Range | None]], dict[str, torch.Tensor]]
 

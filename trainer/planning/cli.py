@@ -17,8 +17,8 @@ from rich.table import Table
 
 from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.trainer.config import TrainConfig, train_config
-from bulkhead.trainer.engine.pipeline_plan import unit_fetches
-from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
+from bulkhead.trainer.parallel.pipeline_plan import unit_fetches
+from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from bulkhead.api.spec import zero_shard_group_size
 from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.engine.experts_plan import ExpertPlan, expert_group, plan_experts
-from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, plan_pipelines
+from bulkhead.trainer.parallel.experts_plan import ExpertPlan, expert_group, plan_experts
+from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout, plan_pipelines
 
 
 @dataclass(frozen=True)
