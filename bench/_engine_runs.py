@@ -3,7 +3,7 @@
 Shared by ``bench/gpu_smoke.py`` (one GPU per rank, NCCL) and ``bench/gpu_check.py``
 (several ranks sharing ``cuda:0`` over gloo, or the CPU). ``run(scenario, root)`` starts one
 process per slot; each forms generation 1 with every slot, builds the engine from the
-plan (``Engine.build``, exactly as a worker does) and trains. With ``kill_at`` the last
+plan (``build_engine``, exactly as a worker does) and trains. With ``kill_at`` the last
 slot SIGKILLs itself inside step ``kill_at`` (in its last block's forward, with its
 kernels queued); the survivors' ``AbortMonitor`` ends the generation once the victim's
 kill record appears (standing in for the control plane), the failed step raises
@@ -38,9 +38,11 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import ByteDataset, open_dataset
 from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, World, open_world
+from bulkhead.trainer.parallel.plan import make_plan
 
 LOSS_RTOL = 1e-4
 # AdamW turns rounding differences of near-zero gradients into a fraction of one step
@@ -54,7 +56,7 @@ PRELOAD = [
     "bulkhead.trainer.config",
     "bulkhead.trainer.data",
     "bulkhead.trainer.engine.engine",
-    "bulkhead.trainer.engine.plan",
+    "bulkhead.trainer.parallel.plan",
     "bulkhead.trainer.engine.world",
 ]
 # Where the ranks of a scenario compute: "cpu" (gloo), "gpu-per-rank" (cuda:<slot>, NCCL,
@@ -169,7 +171,7 @@ def _open(
 ) -> tuple[World, Engine]:  # fmt: skip
     workers = [f"w{s}" for s in members]
     world = open_world(generation, members.index(slot), workers, workers, store, device, 60)
-    engine = Engine.build(make_plan(generation, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(generation, workers, workers, cfg), world, cfg)
     return world, engine
 
 
@@ -331,7 +333,7 @@ def solo_world(cfg: TrainConfig, device: DeviceChoice, **world: Any) -> tuple[Wo
     """A world of one rank on its own store and the engine a worker builds in it."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
     w = open_world(1, 0, ["w0"], ["w0"], store, device, 60, **world)
-    engine = Engine.build(make_plan(1, ["w0"], ["w0"], cfg), w, cfg)
+    engine = build_engine(make_plan(1, ["w0"], ["w0"], cfg), w, cfg)
     engine.adopt(None)
     return w, engine
 

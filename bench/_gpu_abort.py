@@ -28,9 +28,9 @@ from _engine_runs import dataset_for, engine_config, peak_memory, process_contex
 from _gpu_options import Options
 
 from bulkhead.trainer.engine.device import NCCL_RECOVERY_ENV, AbortMonitor, activate, pick_device
-from bulkhead.trainer.engine.engine import Engine
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.world import CollectiveError, open_world
+from bulkhead.trainer.parallel.plan import make_plan
 
 ABORT_LIMIT_S = 1.0
 
@@ -55,7 +55,7 @@ def _abort_child(cpu: bool, model: dict[str, Any], out_path: str) -> None:
     started = time.monotonic()
     world = open_world(1, 0, ["w0"], ["w0"], store, device, 60,
                        should_abandon=abort_now.is_set, abandon_after_s=0.5)  # fmt: skip
-    engine = Engine.build(make_plan(1, ["w0"], ["w0"], cfg), world, cfg)
+    engine = build_engine(make_plan(1, ["w0"], ["w0"], cfg), world, cfg)
     engine.adopt(None)
     first = engine.step(dataset)  # the communicator exists once a collective ran
     save("formed", formed_s=time.monotonic() - started, first_loss=first.loss,
@@ -117,7 +117,7 @@ def _abort_child(cpu: bool, model: dict[str, Any], out_path: str) -> None:
     world.close()
     reformed = time.monotonic()
     world = open_world(2, 0, ["w0"], ["w0"], store, device, 60)
-    engine = Engine.build(make_plan(2, ["w0"], ["w0"], cfg), world, cfg)
+    engine = build_engine(make_plan(2, ["w0"], ["w0"], cfg), world, cfg)
     adoption = engine.adopt(held)
     result = engine.step(dataset)
     world.close()

@@ -7,7 +7,7 @@ Run by torchrun, one process per worker::
         --job bench/goodput-job.yaml --out-dir DIR
 
 It is what a user would write without bulkhead, with the job's settings: the model is
-``build_model`` of the job's ``TrainConfig`` (same seed), each rank trains on its share of
+``build_seeded`` of the job's ``TrainConfig`` (same seed), each rank trains on its share of
 the same global batch in micro-batches (``rank_share``/``micro_batches``, as the bulkhead
 engine), DDP reduces gradients in buckets during the last micro-batch's backward, the
 gradient norm is clipped and AdamW steps at the job's learning-rate schedule. Every
@@ -43,7 +43,7 @@ from bulkhead.api.manifest import load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
-from bulkhead.trainer.model import build_model
+from bulkhead.trainer.models.protocol import build_seeded
 from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 CHECKPOINT_PREFIX = "step-"
@@ -66,7 +66,7 @@ class Trainer:
         self.restart = restart
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dataset = open_dataset(cfg)
-        model = build_model(cfg.model, cfg.seed)
+        model = build_seeded(cfg.family, cfg.model, cfg.seed)
         self.ddp = DistributedDataParallel(model)
         self.optimizer = make_optimizer(model, cfg.optimizer)
         self.checkpoint_group = dist.new_group(backend="gloo")
@@ -95,7 +95,7 @@ class Trainer:
         gb = cfg.global_batch_size
         passes = micro_batches(rank_share(step, gb, self.rank, self.world), cfg.micro_batch_size)
         passes = passes or [[]]  # a rank without samples still joins the reduction
-        aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
+        aux_coef = cfg.aux_coef
         self.ddp.train()
         self.optimizer.zero_grad(set_to_none=True)
         lm_sum = 0.0

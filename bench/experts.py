@@ -2,7 +2,7 @@
 
 A small MoE GPT (``small-moe``: 8 experts in each of 2 MoE blocks; ``--quick``:
 ``tiny-moe``, 4 experts in 1 block) trains on 4 gloo worker processes the way the trainer
-runs it (``open_world`` -> ``make_plan`` -> ``Engine.build`` -> ``adopt`` -> ``step``),
+runs it (``open_world`` -> ``make_plan`` -> ``build_engine`` -> ``adopt`` -> ``step``),
 in three placements, same model, same data, same run:
 
 - ``lazarus``: every expert replicated on maxFailures + 1 = 2 workers (MRO placement,
@@ -53,10 +53,13 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.experts_plan import plan_experts
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, open_world
+from bulkhead.trainer.parallel.experts_plan import plan_experts
+from bulkhead.trainer.parallel.plan import make_plan
 
 WORKERS = 4
 MODES = ("lazarus", "everywhere", "one-copy")
@@ -86,10 +89,11 @@ def config(mode: str, quick: bool) -> TrainConfig:
 
 def expert_bytes(engine: Engine) -> int:
     """Bytes of expert parameters and optimizer state this rank holds."""
+    groups = ParamGroups(engine.model)
     return sum(
         t.numel() * t.element_size()
         for spec, t in engine._entries
-        if ".ffn.experts." in spec.name and spec.name.startswith(("param/", "optim/"))
+        if spec.name.startswith(("param/", "optim/")) and groups.expert_of(spec.name)
     )
 
 
@@ -120,7 +124,7 @@ def _worker(
     dataset = open_dataset(cfg)
     workers = [f"w{r}" for r in range(WORKERS)]
     world = open_world(1, rank, workers, workers, store, pick_device(), 30)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg)
     engine.adopt(None)
     engine.step(dataset)  # warm-up
     times = []
@@ -154,7 +158,7 @@ def _worker(
     world.close()
     survivors = workers[:-1]
     world = open_world(2, rank, survivors, survivors, store, pick_device(), 30)
-    engine = Engine.build(make_plan(2, survivors, survivors, cfg), world, cfg)
+    engine = build_engine(make_plan(2, survivors, survivors, cfg), world, cfg)
     adoption = engine.adopt(held)
     engine.step(dataset)
     done = time.time()
@@ -176,7 +180,7 @@ def _restart_worker(rank: int, port: int, results: Any, quick: bool, out_dir: st
     dataset = open_dataset(cfg)
     workers = [f"w{r}" for r in range(WORKERS - 1)]
     world = open_world(1, rank, workers, workers, store, pick_device(), 30)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg)
     pieces = [
         HeldState.from_snapshot(torch.load(p)) for p in sorted(Path(out_dir).glob("piece*.pt"))
     ]

@@ -1,7 +1,7 @@
 """What fault tolerance costs and buys: bulkhead vs torchrun + DDP + DCP, same job, one run.
 
 Both sides train the job of ``bench/goodput-job.yaml`` on this machine: the same model
-(``build_model`` of the job's ``TrainConfig``), data, global and micro batch, worker count
+(``build_seeded`` of the job's ``TrainConfig``), data, global and micro batch, worker count
 and checkpoint interval.
 
 - bulkhead: ``bulkhead run bench/goodput-job.yaml`` (local mode, checkpoint sidecars on,

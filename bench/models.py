@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from bulkhead.trainer.engine.layout import KeySpec, shard_range
 from bulkhead.trainer.models.hf import ReadStats, read_params
 from bulkhead.trainer.models.hf_export import export_hf
 from bulkhead.trainer.models.llama import Llama
 from bulkhead.trainer.models.sizes import LlamaSizes
+from bulkhead.trainer.parallel.layout import KeySpec, shard_range
 
 
 def sizes_for(quick: bool) -> LlamaSizes:

@@ -2,7 +2,7 @@
 
 A dense GPT (full: d 256, 6 blocks, 64 tokens; ``--quick``: d 128, 4 blocks) trains on
 gloo worker processes the way the trainer runs it (``open_world`` -> ``make_plan`` ->
-``Engine.build`` -> ``adopt`` -> ``step``), one torch thread per process. The machine this
+``build_engine`` -> ``adopt`` -> ``step``), one torch thread per process. The machine this
 was written on has 2 CPU cores: more than 2 busy processes share them (said in the output).
 
 1. **Bubble.** One pipeline of p stages (p processes, one stage each; ``minStages`` =
@@ -76,18 +76,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import ByteDataset, open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, schedule
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, World, open_world
-from bulkhead.trainer.model import GPT, build_model
+from bulkhead.trainer.models.protocol import CausalLM, build_meta, build_seeded, count_params
+from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout, schedule
+from bulkhead.trainer.parallel.plan import make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, LayerCost
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
@@ -231,7 +232,7 @@ def _bubble_worker(rank: int, job: BubbleJob) -> None:
         lay is not None and lay.stages == layouts[job.ms[0]].stages  # type: ignore[union-attr]
         for lay in layouts.values()
     )
-    engine = Engine.build(plans[job.ms[0]], world, cfgs[job.ms[0]])
+    engine = build_engine(plans[job.ms[0]], world, cfgs[job.ms[0]])
     engine.adopt(None)
     clock = PipelineClock(engine)
 
@@ -358,7 +359,7 @@ def _scenario_worker(slot: int, job: ScenarioJob) -> None:
     dataset = _dataset(cfg)
     device = pick_device()
     world: World = open_world(1, slot, workers, workers, store, device, TIMEOUT_S)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg)
     engine.adopt(None)
     engine.step(dataset)  # warm-up
     step_s = [engine.step(dataset).seconds for _ in range(job.steps_before)]
@@ -382,7 +383,7 @@ def _scenario_worker(slot: int, job: ScenarioJob) -> None:
     rank = survivors.index(workers[slot])
     world = open_world(2, rank, survivors, survivors, store, device, TIMEOUT_S)
     plan = make_plan(2, survivors, survivors, cfg)
-    engine = Engine.build(plan, world, cfg, initialize=False)  # it holds state
+    engine = build_engine(plan, world, cfg, initialize=False)  # it holds state
     built_t = time.time()
     adoption = engine.adopt(held)
     record["adopted_t"] = time.time()
@@ -427,7 +428,7 @@ def _restart_worker(rank: int, job: RestartJob) -> None:
     store = _store(job.port)
     dataset = _dataset(cfg)
     world = open_world(1, rank, workers, workers, store, pick_device(), TIMEOUT_S)
-    engine = Engine.build(make_plan(1, workers, workers, cfg), world, cfg, initialize=False)
+    engine = build_engine(make_plan(1, workers, workers, cfg), world, cfg, initialize=False)
     built_t = time.time()
     pieces = [
         HeldState.from_snapshot(torch.load(p)) for p in sorted(Path(job.pieces_dir).glob("piece*"))
@@ -526,37 +527,19 @@ def run_scenario(s: Scenario, model: dict[str, int], steps_after: int, tmp: Path
 # -- 3. prediction -----------------------------------------------------------------------
 
 
-class _Embedding(nn.Module):
-    def __init__(self, model: GPT) -> None:
+class _Unit(nn.Module):
+    """Unit ``unit`` of the model as one module (through the model-family protocol): its
+    parameters are the unit's modules; the last unit ends in the loss."""
+
+    def __init__(self, model: CausalLM, unit: int, targets: torch.Tensor | None) -> None:
         super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        pos = torch.arange(tokens.shape[1])
-        return m.drop(m.tok_emb(tokens) + m.pos_emb(pos))
-
-
-class _Block(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
+        self.parts = nn.ModuleList(model.unit_modules(unit))
+        self._run = (model, unit, targets)  # not a submodule: only the unit's parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)[0]
-
-
-class _Head(nn.Module):
-    """The last stage's end: final norm, output projection and the loss."""
-
-    def __init__(self, model: GPT, targets: torch.Tensor) -> None:
-        super().__init__()
-        self.model = model
-        self.targets = targets
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model.head(self.model.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1))
+        model, unit, targets = self._run
+        out = model(x, targets, units=(unit, unit + 1))
+        return out.lm_loss if out.lm_loss is not None else out.logits
 
 
 def profile_units(cfg: TrainConfig, repeats: int) -> list[LayerCost]:
@@ -564,13 +547,14 @@ def profile_units(cfg: TrainConfig, repeats: int) -> list[LayerCost]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(cfg.model, cfg.seed)
+        model = build_seeded(cfg.family, cfg.model, cfg.seed)
         model.train()
         batch = _dataset(cfg).batch(list(range(cfg.micro_batch_size)))
-        units: list[nn.Module] = [_Embedding(model)]
-        units += [_Block(b) for b in model.blocks]
-        units.append(_Head(model, batch.targets))
-        labels = ["embedding", *(f"block{i}" for i in range(len(model.blocks))), "head"]
+        n = len(model.blocks)
+        units: list[nn.Module] = [
+            _Unit(model, u, batch.targets if u == n + 1 else None) for u in range(n + 2)
+        ]
+        labels = ["embedding", *(f"block{i}" for i in range(n)), "head"]
         return profile_layers(units, batch.inputs, labels, warmup=2, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
@@ -743,7 +727,7 @@ def main() -> None:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
     started = time.monotonic()
     cfg0 = scenario_config(SCENARIOS[chosen[0]], model)
-    params = sum(p.numel() for p in GPT(cfg0.model).parameters())
+    params = count_params(build_meta(cfg0.family, cfg0.model))
     results = Results(model, params)
     results.costs = profile_units(cfg0, 5 if quick else 9)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:

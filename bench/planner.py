@@ -105,7 +105,11 @@ def bench_templates(layers_n: int, nodes: int) -> dict[str, Any]:
     model = ModelConfig(d_model=4096, n_layers=layers_n - 2, n_heads=32, seq_len=4096,
                         vocab_size=50304)  # fmt: skip
     gpu = GpuSpec(memory_bytes=40 * 2**30)
-    layers = estimate_layer_costs(model, gpu, 1)
+    from bulkhead.trainer.config import resolve_model
+    from bulkhead.trainer.models.protocol import model_shape  # imports torch (meta device)
+    from bulkhead.trainer.models.registry import family
+
+    layers = estimate_layer_costs(model_shape(family("gpt"), resolve_model(model)), gpu, 1)
     generate_templates(layers, gpu, nodes)  # warm numpy
     found, wall, cpu = best_of(3, generate_templates, layers, gpu, nodes)
     return {

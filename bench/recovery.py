@@ -54,8 +54,9 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
+from bulkhead.trainer.parallel.plan import make_plan
 from bulkhead.trainer.engine.world import open_world
 
 torch.set_num_threads(1)
@@ -73,7 +74,7 @@ world = open_world(
     restart, rank, workers, workers, store, pick_device(), cfg.timeouts.collective_s
 )
 dataset = open_dataset(cfg)
-engine = Engine.build(make_plan(restart, workers, workers, cfg), world, cfg)
+engine = build_engine(make_plan(restart, workers, workers, cfg), world, cfg)
 # Every rank loads the whole saved state (data parallel: each holds all of it).
 held = HeldState.from_snapshot(torch.load(ckpt)) if os.path.exists(ckpt) else None
 engine.adopt(held)

@@ -6,7 +6,7 @@ groups (HSDP 2 x 2). For each mode (stage0, stage1, stage2, stage3; and stage3+h
 where maxFailures 0 leaves one group of 4 shards so hpZ blocks of 2 exist: h must be
 smaller than S, and with S = 2 there is no hpZ to measure) one
 fresh set of processes runs the engine the way the trainer does (``open_world`` ->
-``make_plan`` -> ``Engine.build`` -> ``adopt`` -> ``step``) and measures:
+``make_plan`` -> ``build_engine`` -> ``adopt`` -> ``step``) and measures:
 
 - **bytes per rank** of parameters, gradients and optimizer state (fp32 AdamW) against the
   ZeRO formula for the plan (``plan.state_bytes_per_rank``: stage 0 = 16 Psi bytes, stage
@@ -67,8 +67,9 @@ from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.engine import Engine
-from bulkhead.trainer.engine.plan import StateBytes, make_plan, zero_plan
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.world import CollectiveError, open_world
+from bulkhead.trainer.parallel.plan import StateBytes, make_plan, zero_plan
 
 WORKERS = 4
 MAX_FAILURES = 1
@@ -240,7 +241,7 @@ def _worker(slot: int, job: Job) -> None:
 
     world = open_world(1, slot, workers, workers, store, device, job.timeout_s)
     plan = make_plan(1, workers, workers, cfg)
-    engine = Engine.build(plan, world, cfg)
+    engine = build_engine(plan, world, cfg)
     engine.adopt(None)
     record["plan"] = plan.describe()
 
@@ -284,7 +285,7 @@ def _worker(slot: int, job: Job) -> None:
     rank = survivors.index(f"w{slot}")
     world = open_world(2, rank, survivors, survivors, store, device, job.timeout_s)
     plan = make_plan(2, survivors, survivors, cfg)
-    engine = Engine.build(plan, world, cfg, initialize=False)  # as the runtime: it holds state
+    engine = build_engine(plan, world, cfg, initialize=False)  # as the runtime: it holds state
     adoption = engine.adopt(kept)
     record["adopted_t"] = time.time()
     first = engine.step(dataset)

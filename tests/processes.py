@@ -22,8 +22,9 @@ PRELOAD = [
     "torch._dynamo",  # what a first DDP or FSDP2 wrap imports (import_lazy_dependencies)
     "bulkhead.trainer.config",
     "bulkhead.trainer.data",
-    "bulkhead.trainer.engine.engine",
-    "bulkhead.trainer.engine.plan",
+    "bulkhead.trainer.engine.parallelize",  # the engine and every layout
+    "bulkhead.trainer.models.gpt",
+    "bulkhead.trainer.parallel.plan",
     "bulkhead.trainer.engine.world",
     "bulkhead.trainer.runtime.loop",
 ]

@@ -1,8 +1,9 @@
 """bulkhead.trainer: the PyTorch engine that survives the loss of workers in process.
 
-config (one TrainConfig from the job spec) -> model / moe (GPT decoder, MoE feed-forward)
-and data/ (byte-level text or memory-mapped token shards, sample order a pure function of
-seed and position; `bulkhead data prepare`) -> engine/
+config (one TrainConfig from the job spec) -> models/ (the model-family protocol, the
+registry, the built-in families such as ``gpt``; the engine knows models only through the
+protocol) and data/ (byte-level text or memory-mapped token shards, sample order a pure
+function of seed and position; `bulkhead data prepare`) -> engine/
 (one registered world per membership generation, the generation's parallel plan, the
 layouts that train it: data parallel, ZeRO on FSDP2, Oobleck pipelines, Lazarus experts;
 state moved between holders by one transfer plan) -> runtime/ (the elastic loop) ->

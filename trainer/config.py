@@ -9,9 +9,13 @@ a field to exactly its default value does not override a preset.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bulkhead.api.spec import DataConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainingJobSpec
+
+if TYPE_CHECKING:  # the families import torch; planning imports this module without it
+    from bulkhead.trainer.models.protocol import ModelFamily
+    from bulkhead.trainer.planning.costs import ModelShape
 
 # Each preset is a complete set of ModelConfig fields (wire names are not used here).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -173,11 +177,21 @@ class Parallelism:
     pipeline: PipelineParallelism | None = None
 
 
+def _default_family() -> ModelFamily:
+    from bulkhead.trainer.models.registry import family
+
+    return family("gpt")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything the trainer needs, concrete and immutable."""
+    """Everything the trainer needs, concrete and immutable.
 
-    model: ModelSizes
+    ``model`` is the family's size object (``family.sizes(spec.trainer.model)``; the
+    engine reads only what ``protocol.SizesLike`` lists), ``family`` builds the model.
+    """
+
+    model: Any  # the family's sizes (ModelSizes for ``gpt``)
     optimizer: OptimizerConfig
     global_batch_size: int
     micro_batch_size: int
@@ -189,26 +203,42 @@ class TrainConfig:
     checkpoint_interval_steps: int = 50
     timeouts: Timeouts = field(default_factory=Timeouts)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    family: ModelFamily = field(default_factory=_default_family)
+    # A directory of pretrained weights a fresh start reads instead of the seeded
+    # initialization (``spec.trainer.model.pretrained.path``).
+    pretrained: str | None = None
+
+    @property
+    def shape(self) -> ModelShape:
+        """The planners' view of the model (its units' sizes; built on the meta device)."""
+        from bulkhead.trainer.models.protocol import model_shape
+
+        return model_shape(self.family, self.model)
+
+    @property
+    def aux_coef(self) -> float:
+        """Weight of the MoE auxiliary loss (0 for a dense model)."""
+        moe = getattr(self.model, "moe", None)
+        return moe.load_balance_coef if moe is not None else 0.0
 
 
 def train_config(spec: TrainingJobSpec) -> TrainConfig:
     """Resolve a validated spec into the trainer's config (raises ValueError on bad sizes)."""
     trainer = spec.trainer
-    if trainer.model.family != "gpt":
-        # Until the engine builds models through trainer.models' registry (issue 34).
-        raise ValueError(
-            f"spec.trainer.model.family: this engine trains the gpt family only, got "
-            f"{trainer.model.family!r}"
-        )
     if trainer.data.format == "text" and trainer.model.vocab_size < 256:
         raise ValueError(
             "spec.trainer.model.vocabSize: byte-level text data needs >= 256, "
             f"got {trainer.model.vocab_size}"
         )
     ft = spec.fault_tolerance
-    model = resolve_model(trainer.model)
+    from bulkhead.trainer.models.registry import family as find_family  # imports torch
+
+    family = find_family(trainer.model.family)
+    model = family.sizes(trainer.model)
     return TrainConfig(
         model=model,
+        family=family,
+        pretrained=_pretrained_path(trainer.model),
         optimizer=trainer.optimizer,
         global_batch_size=trainer.batch.global_batch_size,
         micro_batch_size=trainer.batch.micro_batch_size,
@@ -234,7 +264,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
     )
 
 
-def _pipeline_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> PipelineParallelism | None:
+def _pipeline_parallelism(spec: TrainingJobSpec, model: Any) -> PipelineParallelism | None:
     pipeline = spec.trainer.parallelism.pipeline
     if pipeline is None:
         return None
@@ -251,7 +281,7 @@ def _pipeline_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> PipelineP
     )
 
 
-def _expert_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> ExpertParallelism | None:
+def _expert_parallelism(spec: TrainingJobSpec, model: Any) -> ExpertParallelism | None:
     """The experts block with its defaults resolved against the model and the workers."""
     experts = spec.trainer.parallelism.experts
     if experts is None:
@@ -282,3 +312,9 @@ def _expert_parallelism(spec: TrainingJobSpec, model: ModelSizes) -> ExpertParal
             spec.trainer.parallelism.pipeline is not None
         ),
     )
+
+
+def _pretrained_path(model: ModelConfig) -> str | None:
+    """``spec.trainer.model.pretrained.path`` (None when unset)."""
+    pretrained = getattr(model, "pretrained", None)
+    return getattr(pretrained, "path", None) if pretrained is not None else None

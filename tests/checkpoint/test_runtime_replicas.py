@@ -17,10 +17,10 @@ import torch
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
-from bulkhead.trainer.engine.engine import HeldState
-from bulkhead.trainer.engine.layout import Holding
-from bulkhead.trainer.engine.plan import ParallelPlan, zero_plan
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import member_rank, rank_members, world_order
+from bulkhead.trainer.parallel.layout import Holding
+from bulkhead.trainer.parallel.plan import ParallelPlan, zero_plan
 from bulkhead.trainer.runtime.checkpointing import (
     EngineCheckpointer,
     ring_successor,

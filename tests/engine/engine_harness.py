@@ -25,9 +25,11 @@ from processes import preloaded_context
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine, HeldState
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import CollectiveError, open_world
+from bulkhead.trainer.parallel.plan import make_plan
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _slot_main(
         rank = phase.slots.index(slot)
         world = open_world(generation, rank, workers, workers, store, device, 60)
         plan = make_plan(generation, workers, workers, cfg)
-        engine = Engine.build(plan, world, cfg)
+        engine = build_engine(plan, world, cfg)
         adoption = engine.adopt(held)
         outcome.adoptions.append((generation, adoption.source, adoption.step))
         if not adoption.complete:

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.world import open_world
-from bulkhead.trainer.model import build_model
+from bulkhead.trainer.models.protocol import build_seeded
+from bulkhead.trainer.parallel.plan import make_plan
 
 
 def test_an_uninitialized_engine_starting_fresh_gets_the_seeded_weights() -> None:
@@ -22,11 +22,11 @@ def test_an_uninitialized_engine_starting_fresh_gets_the_seeded_weights() -> Non
     cfg = train_config(spec)
     world = open_world(1, 0, ["w0"], ["n0"], dist.HashStore(), pick_device(False), 10)
     try:
-        engine = Engine.build(make_plan(1, ["w0"], ["n0"], cfg), world, cfg, initialize=False)
+        engine = build_engine(make_plan(1, ["w0"], ["n0"], cfg), world, cfg, initialize=False)
         assert not engine.initialized
         adoption = engine.adopt(None)
         assert adoption.source == "fresh" and engine.initialized
-        seeded = dict(build_model(cfg.model, cfg.seed).named_parameters())
+        seeded = dict(build_seeded(cfg.family, cfg.model, cfg.seed).named_parameters())
         assert engine.model.head.weight is engine.model.tok_emb.weight  # still tied
         assert [n for n, _ in engine.model.named_parameters()] == list(seeded)
         for name, p in engine.model.named_parameters():

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bulkhead.trainer.engine.dispatch import DispatchLayout
-from bulkhead.trainer.engine.experts_plan import plan_experts
+from bulkhead.trainer.parallel.dispatch import DispatchLayout
+from bulkhead.trainer.parallel.experts_plan import plan_experts
 
 
 def _simulate(experts_of: list[np.ndarray], replicas: np.ndarray) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
-from bulkhead.trainer.engine.experts_plan import (
+from bulkhead.trainer.parallel.experts_plan import (
     copies_needed,
     expert_group,
     held_matrix,
@@ -20,7 +20,7 @@ from bulkhead.trainer.engine.experts_plan import (
     settle,
     slots_per_rank,
 )
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.parallel.plan import make_plan
 
 
 def _cfg(workers: int = 4, f: int = 1, **experts: object):

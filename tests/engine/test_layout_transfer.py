@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bulkhead.trainer.engine.engine import HeldState, assemble_whole
-from bulkhead.trainer.engine.layout import (
+from bulkhead.trainer.engine.state import HeldState, assemble_whole
+from bulkhead.trainer.parallel.layout import (
     NOTHING,
     Holding,
     KeySpec,
@@ -20,7 +20,7 @@ from bulkhead.trainer.engine.layout import (
     ranges_of,
     shard_range,
 )
-from bulkhead.trainer.engine.transfer import (
+from bulkhead.trainer.parallel.transfer import (
     Move,
     choose_step,
     plan_transfer,

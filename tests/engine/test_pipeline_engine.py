@@ -16,7 +16,7 @@ from engine_harness import Outcome, Phase, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.parallel.plan import make_plan
 
 pytestmark = pytest.mark.slow
 

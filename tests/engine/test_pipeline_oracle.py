@@ -39,11 +39,12 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.pipeline import PipelineEngine
-from bulkhead.trainer.engine.plan import make_plan
 from bulkhead.trainer.engine.world import open_world
-from bulkhead.trainer.model import GPT, build_model
+from bulkhead.trainer.models.gpt import GPT
+from bulkhead.trainer.models.protocol import build_seeded
+from bulkhead.trainer.parallel.plan import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ LR = 0.1
 MOMENTUM = 0.9  # make_optimizer's SGD
 WORKERS = ["w0", "w1"]
 # Real text, but few files: globbing the standard library (the default) takes seconds.
-DATA_SOURCE = str(Path(inspect.getfile(GPT)).parent / "*.py")  # bulkhead.trainer's
+DATA_SOURCE = str(Path(inspect.getfile(GPT)).parent.parent / "*.py")  # bulkhead.trainer's
 # float32 through the same operations in the same order: the two executors should agree
 # to rounding; the absolute floor covers entries that are (nearly) zero.
 RTOL = 1e-5
@@ -137,7 +138,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     out: dict[str, object] = {"start": stage.start, "stop": stage.stop}
 
     # -- our engine -------------------------------------------------------------------
-    engine = Engine.build(plan, world, cfg)
+    engine = build_engine(plan, world, cfg)
     assert isinstance(engine, PipelineEngine)
     assert engine.adopt(None).source == "fresh"
     engine_losses = []
@@ -153,7 +154,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     out["engine_state"] = engine.full_state()  # collective
 
     # -- the oracle: torch.distributed.pipelining on the same ranks --------------------
-    model = build_model(cfg.model, cfg.seed).to(device.device)
+    model = build_seeded(cfg.family, cfg.model, cfg.seed).to(device.device)
     module = OracleStage(model, stage.start, stage.stop)
     pipe_stage = PipelineStage(module, stage.index, stage.stages, device.device)
     gb, mbs = cfg.global_batch_size, cfg.micro_batch_size

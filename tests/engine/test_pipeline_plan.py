@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 
 from bulkhead.api.spec import ModelConfig
 from bulkhead.trainer.config import PipelineParallelism, resolve_model
-from bulkhead.trainer.engine.pipeline_plan import (
+from bulkhead.trainer.models.protocol import model_shape
+from bulkhead.trainer.models.registry import family
+from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     plan_pipelines,
     schedule,
     unit_group,
 )
 
-SMALL = resolve_model(ModelConfig(preset="small"))  # 4 blocks: 6 units
+SMALL = model_shape(family("gpt"), resolve_model(ModelConfig(preset="small")))  # 6 units
 
 
 def plan(ranks: int, f: int = 1, min_stages: int = 2, max_stages: int | None = None,

@@ -25,7 +25,7 @@ from test_pipeline_engine import (
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
-from bulkhead.trainer.engine.plan import make_plan
+from bulkhead.trainer.parallel.plan import make_plan
 
 pytestmark = pytest.mark.slow
 

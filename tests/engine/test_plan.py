@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from bulkhead.api.spec import TrainingJobSpec, zero_shard_group_size
 from bulkhead.trainer.config import train_config
-from bulkhead.trainer.engine.plan import make_plan, shard_id, state_bytes_per_rank, zero_plan
+from bulkhead.trainer.parallel.plan import make_plan, shard_id, state_bytes_per_rank, zero_plan
 
 
 def _cfg(stage: int, hpz: int = 1, workers: int = 4, f: int = 1, gb: int = 8, processes=None):

@@ -18,9 +18,9 @@ from bulkhead.cli.main import cli
 from bulkhead.trainer.checkpoint.layout import copy_into, plan_layout
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.storage import FileStorage
-from bulkhead.trainer.engine.layout import KeySpec, shard_range
 from bulkhead.trainer.models import from_pretrained
 from bulkhead.trainer.models.registry import family
+from bulkhead.trainer.parallel.layout import KeySpec, shard_range
 
 JOB = "tiny"
 STEP = 12

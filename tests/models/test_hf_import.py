@@ -14,11 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bulkhead.api.spec import ModelConfig
-from bulkhead.trainer.engine.layout import KeySpec, shard_range
 from bulkhead.trainer.models import from_pretrained
 from bulkhead.trainer.models.hf import ReadStats, WeightsError, read_params
 from bulkhead.trainer.models.hf_config import ConfigError
 from bulkhead.trainer.models.registry import family
+from bulkhead.trainer.parallel.layout import KeySpec, shard_range
 
 RANKS = 4
 

@@ -214,10 +214,10 @@ def worker_main(
 
         from torch.nn.modules.module import register_module_forward_hook
 
-        from bulkhead.trainer.model import GPT
+        from bulkhead.trainer.models.protocol import CausalLM
 
         def slow(module: object, *_: object) -> None:
-            if isinstance(module, GPT):  # once per model forward, whichever engine built it
+            if isinstance(module, CausalLM):  # once per model forward, whichever engine built it
                 time.sleep(slow_forward_s)
 
         register_module_forward_hook(slow)

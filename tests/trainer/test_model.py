@@ -1,4 +1,4 @@
-"""Config resolution, the GPT decoder and its Mixture-of-Experts blocks."""
+"""Config resolution, the ``gpt`` family's decoder and its Mixture-of-Experts blocks."""
 
 from __future__ import annotations
 
@@ -6,11 +6,17 @@ import pytest
 import torch
 
 from bulkhead.api.spec import ModelConfig, TrainingJobSpec
-from bulkhead.trainer.config import PRESETS, resolve_model, train_config
-from bulkhead.trainer.model import build_model
-from bulkhead.trainer.moe import MoEFeedForward
+from bulkhead.trainer.config import PRESETS, ModelSizes, resolve_model, train_config
+from bulkhead.trainer.models.gpt import FAMILY, GPT, GPTMoE
+from bulkhead.trainer.models.protocol import MoELayer, Routing, build_seeded
 
 torch.set_num_threads(1)
+
+
+def build_model(sizes: ModelSizes, seed: int) -> GPT:
+    model = build_seeded(FAMILY, sizes, seed)
+    assert isinstance(model, GPT)
+    return model
 
 
 def _wire_round_trip(model: dict) -> ModelConfig:
@@ -58,8 +64,26 @@ def test_bad_sizes_are_user_errors_naming_the_field() -> None:
 def test_moe_blocks_follow_every() -> None:
     sizes = resolve_model(_wire_round_trip({"nLayers": 4, "moe": {"every": 2}}))
     model = build_model(sizes, seed=0)
-    kinds = [isinstance(b.ffn, MoEFeedForward) for b in model.blocks]
+    kinds = [isinstance(b.ffn, MoELayer) for b in model.blocks]
     assert kinds == [False, True, False, True]
+    assert sorted(model.moe_layers()) == [1, 3]
+    assert model.moe_path(1) == "blocks.1.ffn"
+    # Experts are keyed by their index, so the parameter names are those of a ModuleList.
+    assert "blocks.1.ffn.experts.3.up.weight" in dict(model.named_parameters())
+
+
+def test_units_ties_and_decay_groups() -> None:
+    sizes = resolve_model(_wire_round_trip({"preset": "tiny"}))
+    model = build_model(sizes, seed=0)
+    n = len(model.blocks)
+    names = dict(model.named_parameters())
+    assert model.head.weight is model.tok_emb.weight
+    assert {model.unit_of(name) for name in names} == set(range(n + 2))
+    assert model.unit_of("pos_emb.weight") == 0 and model.unit_of("ln_f.weight") == n + 1
+    decayed = {name for name, p in names.items() if model.decays(name, p)}
+    assert "blocks.0.attn.qkv.weight" in decayed
+    assert not decayed & {"tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight",
+                          "blocks.0.attn.qkv.bias"}  # fmt: skip
 
 
 def test_same_seed_same_weights_and_causal_logits() -> None:
@@ -76,17 +100,19 @@ def test_same_seed_same_weights_and_causal_logits() -> None:
 
 
 def test_balance_loss_is_one_for_uniform_routing_and_larger_when_skewed() -> None:
-    moe = MoEFeedForward(d_model=8, ffn_dim=16, num_experts=4, top_k=1, dropout=0.0)
+    moe = GPTMoE(d_model=8, ffn_dim=16, num_experts=4, top_k=1, dropout=0.0)
     uniform_probs = torch.full((8, 4), 0.25)
     chosen = torch.arange(8).remainder(4).unsqueeze(1)
-    assert moe.balance_loss(uniform_probs, chosen).item() == pytest.approx(1.0)
+    ones = torch.ones(8, 1)
+    assert moe.aux_loss(Routing(uniform_probs, ones, chosen)).item() == pytest.approx(1.0)
     skewed_probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).repeat(8, 1)
-    assert moe.balance_loss(skewed_probs, torch.zeros(8, 1, dtype=torch.long)).item() > 2.5
+    skewed = Routing(skewed_probs, ones, torch.zeros(8, 1, dtype=torch.long))
+    assert moe.aux_loss(skewed).item() > 2.5
 
 
 def test_moe_output_mixes_only_the_chosen_experts() -> None:
     torch.manual_seed(0)
-    moe = MoEFeedForward(d_model=8, ffn_dim=16, num_experts=4, top_k=2, dropout=0.0)
+    moe = GPTMoE(d_model=8, ffn_dim=16, num_experts=4, top_k=2, dropout=0.0)
     x = torch.randn(3, 5, 8)
     out, aux = moe(x)
     tokens = x.reshape(-1, 8)
@@ -95,7 +121,7 @@ def test_moe_output_mixes_only_the_chosen_experts() -> None:
     weights = weights / weights.sum(-1, keepdim=True)
     expected = torch.stack(
         [
-            sum(weights[t, k] * moe.experts[int(chosen[t, k])](tokens[t]) for k in range(2))
+            sum(weights[t, k] * moe.experts[str(int(chosen[t, k]))](tokens[t]) for k in range(2))
             for t in range(tokens.shape[0])
         ]
     )

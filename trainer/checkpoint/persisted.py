@@ -5,7 +5,7 @@ shard, each the ``HeldState`` snapshot of one holder: ``{"holding": [step, shard
 index], "keys": {"param/<name>": flat tensor, ...}}``. A key is either whole (data
 parallel, an expert a rank hosts, a pipeline stage's replicated parameter) or the rows a
 sharded layout gave that holder (ZeRO, a stage sharded over its pod's processes), cut as
-``bulkhead.trainer.engine.layout.shard_range`` cuts them. Every shard's bytes are checked
+``bulkhead.trainer.parallel.layout.shard_range`` cuts them. Every shard's bytes are checked
 against their CRC-32C before any is used.
 """
 
@@ -23,7 +23,7 @@ import torch
 from bulkhead.trainer.checkpoint.layout import assemble
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.storage import ChecksumMismatch, FileStorage
-from bulkhead.trainer.engine.layout import KeySpec, shard_range
+from bulkhead.trainer.parallel.layout import KeySpec, shard_range
 
 PARAM = "param/"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -4,8 +4,9 @@ Each rank hosts only the experts the generation's ``ExpertPlan`` gives it (each 
 slots set its share of the expert's tokens). Dense parameters (embeddings, attention,
 norms, routers) are replicated on every rank.
 
-Forward of an MoE block (``ReplicatedMoE``), per micro-batch, on every rank in lockstep:
-route -> all-gather the per-expert counts -> the planner's quotas (the same on every rank,
+Forward of an MoE layer, per micro-batch, on every rank in lockstep: the layer's own
+router (the family's ``MoELayer.route``), then its ``dispatch``, a ``QuotaDispatch``:
+all-gather the per-expert counts -> the planner's quotas (the same on every rank,
 a rank's own replica first) -> uneven all-to-all of the assignments -> each hosted expert
 on its rows -> the reverse all-to-all -> combine with the router weights. Nothing is
 dropped or padded. The all-to-alls are autograd functions, so each token's gradient goes
@@ -33,36 +34,28 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.engine.dispatch import DispatchLayout
-from bulkhead.trainer.engine.engine import (
-    GroupedEngine,
-    HeldState,
-    _materialize_optimizer,
-    execute_transfer,
-)
-from bulkhead.trainer.engine.experts_plan import (
+from bulkhead.trainer.engine.engine import GroupedEngine, _materialize_optimizer
+from bulkhead.trainer.engine.grad_sync import sum_over_holders
+from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.state import HeldState, execute_transfer
+from bulkhead.trainer.engine.world import Team
+from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing
+from bulkhead.trainer.parallel.dispatch import DispatchLayout
+from bulkhead.trainer.parallel.experts_plan import (
     ExpertPlan,
     expert_group,
     held_matrix,
     plan_experts,
     settle,
 )
-from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
-from bulkhead.trainer.engine.optim import make_optimizer
-from bulkhead.trainer.engine.plan import ParallelPlan
-from bulkhead.trainer.engine.transfer import plan_transfer
-from bulkhead.trainer.engine.world import Team, World
-from bulkhead.trainer.model import build_model
-from bulkhead.trainer.moe import Expert, MoEFeedForward
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.parallel.transfer import plan_transfer
 
 log = logging.getLogger(__name__)
-
-_EXPERTS = ".ffn.experts."
 
 
 @dataclass(frozen=True)
@@ -85,54 +78,29 @@ class Rebalance:
         )
 
 
-class ReplicatedMoE(MoEFeedForward):
-    """An MoE feed-forward hosting some experts and dispatching tokens to every replica.
+class QuotaDispatch:
+    """An MoE layer's ``dispatch`` under expert parallelism: each routed assignment goes
+    to a replica of its expert on some rank of ``team`` by the quotas, and comes back.
 
-    Same router, same routing and same balance loss as ``MoEFeedForward``; the expert
-    outputs come from whichever rank the quotas pick.
+    The layer's own router, routing and auxiliary loss run unchanged (``MoELayer.forward``);
+    only the path of the routed tokens to the experts differs from ``local_dispatch``.
     """
 
-    def __init__(self, moe: MoEFeedForward, team: Team, hosted: tuple[int, ...]) -> None:
-        nn.Module.__init__(self)
-        self.num_experts = moe.num_experts
-        self.top_k = moe.top_k
-        self.router = moe.router
-        first = moe.experts[0]
-        assert isinstance(first, Expert)
-        self._shape = (first.up.in_features, first.up.out_features, first.dropout.p)
-        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in hosted})
+    def __init__(self, team: Team, num_experts: int, replicas: np.ndarray) -> None:
         self.team = team  # the ranks the experts are spread over (ranks below: team ranks)
-        self.replicas = np.zeros((moe.num_experts, team.size), dtype=np.int64)
+        self.replicas = replicas  # (experts, team ranks): slots of each expert on each rank
         # Global assignments per expert since the last rebalance (the same on every rank).
-        self.load = np.zeros(moe.num_experts, dtype=np.int64)
+        self.load = np.zeros(num_experts, dtype=np.int64)
 
-    def host(self, hosted: tuple[int, ...], replicas: np.ndarray) -> None:
-        """Keep the hosted experts that stay, add fresh ones (their state is transferred)."""
-        d_model, ffn_dim, dropout = self._shape
-        device = self.router.weight.device
-        self.experts = nn.ModuleDict(
-            {
-                str(e): self.experts[str(e)]
-                if str(e) in self.experts
-                else Expert(d_model, ffn_dim, dropout).to(device)
-                for e in hosted
-            }
-        )
-        self.replicas = replicas
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.router(tokens), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        experts_of = chosen.reshape(-1)
-        local = torch.bincount(experts_of, minlength=self.num_experts)
+    def __call__(self, layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        top_k = routing.chosen.shape[-1]
+        experts_of = routing.chosen.reshape(-1)
+        local = torch.bincount(experts_of, minlength=layer.num_experts)
         counts = self.team.all_gather(local).cpu().numpy()  # (ranks, experts)
         self.load += counts.sum(axis=0)
         layout = DispatchLayout.of(self.team.rank, counts, self.replicas)
-        order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(x.device)
-        token_of = order // self.top_k  # assignment a is slot a % k of token a // k
+        order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(tokens.device)
+        token_of = order // top_k  # assignment a is slot a % k of token a // k
         group = self.team.group
         received = all_to_all_single_autograd(
             tokens[token_of], layout.output_splits, layout.input_splits, group
@@ -141,59 +109,47 @@ class ReplicatedMoE(MoEFeedForward):
         # rank's backward runs both reverse all-to-alls (they are collective).
         outputs = received * 0.0
         for e, rows in layout.received_rows().items():
-            index = torch.from_numpy(rows).to(x.device)
-            outputs = outputs.index_copy(0, index, self.experts[str(e)](received[index]))
+            index = torch.from_numpy(rows).to(tokens.device)
+            outputs = outputs.index_copy(0, index, layer.experts[str(e)](received[index]))
         returned = all_to_all_single_autograd(
             outputs, layout.input_splits, layout.output_splits, group
         )
-        mixed = returned * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros_like(tokens).index_add(0, token_of, mixed)
-        return out.reshape(shape), self.balance_loss(probs, chosen)
+        mixed = returned * routing.weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, token_of, mixed.to(tokens.dtype))
 
 
-def expert_of(key: str) -> tuple[int, int] | None:
-    """(block, expert) of a parameter or optimizer key of an expert, else None."""
-    name = key.split("/", 1)[1]
-    if _EXPERTS not in name or not name.startswith("blocks."):
-        return None
-    block = int(name.split(".")[1])
-    expert = int(name.split(_EXPERTS, 1)[1].split(".")[0])
-    return block, expert
+def host_experts(layer: MoELayer, hosted: tuple[int, ...], device: torch.device) -> None:
+    """Keep the hosted experts that stay, add fresh ones (their state is transferred); the
+    experts this rank does not host are freed."""
+    kept = layer.experts
+    layer.experts = nn.ModuleDict(
+        {str(e): kept[str(e)] if str(e) in kept else layer.new_expert().to(device) for e in hosted}
+    )
 
 
-def _renumber(key: str, block: int, expert: int) -> str:
-    """``key`` of some expert rewritten to expert ``expert`` of block ``block``."""
-    kind, name = key.split("/", 1)
-    rest = name.split(_EXPERTS, 1)[1].split(".", 1)[1]
-    return f"{kind}/blocks.{block}{_EXPERTS}{expert}.{rest}"
+def distribute_experts(
+    model: CausalLM, plan: ExpertPlan, team: Team, device: torch.device, blocks: range | None = None
+) -> dict[int, QuotaDispatch]:
+    """Every MoE layer of the plan (in ``blocks``, if given) hosts this rank's experts and
+    dispatches over ``team``; returns the dispatchers by block."""
+    layers = model.moe_layers()
+    hosted = plan.hosted(team.rank)
+    out = {}
+    for placement in plan.layers:
+        if blocks is not None and placement.layer not in blocks:
+            continue
+        layer = layers[placement.layer]
+        host_experts(layer, hosted[placement.layer], device)
+        dispatch = QuotaDispatch(team, layer.num_experts, placement.replica_matrix())
+        layer.dispatch = dispatch
+        out[placement.layer] = dispatch
+    return out
 
 
 class ExpertEngine(GroupedEngine):
     """The engine of a plan with expert placement (see the module docstring)."""
 
     collective_forward = True  # every pass all-to-alls: all ranks run the same passes
-
-    @classmethod
-    def build(
-        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
-    ) -> ExpertEngine:
-        # Always initialized: ranks host different experts, so the seeded fallback of
-        # Engine._initialize does not apply; ``initialize`` is accepted for the interface.
-        if plan.world_size != world.world_size:
-            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
-        assert plan.experts is not None
-        model = build_model(cfg.model, cfg.seed).to(world.device.device)
-        hosted = plan.experts.hosted(world.rank)
-        for placement in plan.experts.layers:
-            block = model.blocks[placement.layer]
-            assert isinstance(block.ffn, MoEFeedForward)
-            moe = ReplicatedMoE(block.ffn, world.team(), hosted[placement.layer])
-            moe.replicas = placement.replica_matrix()
-            block.ffn = moe  # the experts it does not host are freed here
-        world.seal()
-        optimizer = make_optimizer(model, cfg.optimizer)
-        _materialize_optimizer(model, optimizer)
-        return cls(plan, world, cfg, model, optimizer, None, None)
 
     def _groups(self, rank: int) -> frozenset[str]:
         return self.expert_plan.groups(rank)
@@ -203,36 +159,38 @@ class ExpertEngine(GroupedEngine):
         assert self.plan.experts is not None
         return self.plan.experts
 
-    def moe_blocks(self) -> dict[int, ReplicatedMoE]:
-        return {
-            p.layer: self.model.blocks[p.layer].ffn  # type: ignore[index]
-            for p in self.expert_plan.layers
-        }
+    @property
+    def keygroups(self) -> ParamGroups:
+        if "_keygroups" not in self.__dict__:  # needed from Engine.__init__ on
+            self._keygroups = ParamGroups(self.model, experts=True)
+        return self._keygroups
 
     # -- state as keys -----------------------------------------------------------------
 
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
         """Whole keys (nothing is sharded), each expert's keys in its group; ``specs``
         lists every expert's keys, hosted here or not (all experts have one shape)."""
+        keys = self.keygroups
         entries = []
         for spec, t in super()._state_entries():
-            where = expert_of(spec.name)
+            where = keys.expert_of(spec.name)
             group = expert_group(*where) if where else ""
             entries.append((replace(spec, shardable=False, group=group), t))
         template = [s for s, _ in entries if s.group]
-        first = expert_of(template[0].name) if template else None
-        one_expert = [s for s in template if expert_of(s.name) == first]
+        first = keys.expert_of(template[0].name) if template else None
+        one_expert = [s for s in template if keys.expert_of(s.name) == first]
         everything = {s.name: s for s, _ in entries if not s.group}
         for p in self.expert_plan.layers:
             for e in range(self.expert_plan.num_experts):
                 for s in one_expert:
-                    name = _renumber(s.name, p.layer, e)
+                    name = keys.renumber(s.name, p.layer, e)
                     everything[name] = replace(s, name=name, group=expert_group(p.layer, e))
         self._all_specs = [everything[name] for name in sorted(everything)]
         return entries
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.dispatches = self.model_layout.dispatches  # block -> its layer's QuotaDispatch
         self.specs = self._all_specs
         self._settled = False
         self._interrupted: HeldState | None = None  # state kept when a migration failed
@@ -272,8 +230,10 @@ class ExpertEngine(GroupedEngine):
         if plan == self.plan.experts:
             return
         hosted = plan.hosted(self.world.rank)
+        layers = self.model.moe_layers()
         for p in plan.layers:
-            self.moe_blocks()[p.layer].host(hosted[p.layer], p.replica_matrix())
+            host_experts(layers[p.layer], hosted[p.layer], self.world.device.device)
+            self.dispatches[p.layer].replicas = p.replica_matrix()
         self.plan = replace(self.plan, experts=plan)
         self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
         _materialize_optimizer(self.model, self.optimizer)
@@ -287,7 +247,8 @@ class ExpertEngine(GroupedEngine):
         world, plan = self.world, self.expert_plan
         names = {id(p): name for name, p in self.model.named_parameters()}
         grads = {names[id(p)]: p.grad for p in params}
-        dense = [g for name, g in grads.items() if expert_of(f"param/{name}") is None]
+        keys = self.keygroups
+        dense = [g for name, g in grads.items() if keys.expert_of(name) is None]
         flat = torch.cat([g.reshape(-1) for g in dense])
         world.all_reduce(flat)
         offset = 0
@@ -298,36 +259,17 @@ class ExpertEngine(GroupedEngine):
         # Each hosted expert's gradient as one flat tensor, in (block, expert) order.
         mine: dict[tuple[int, int], list[torch.Tensor]] = {}
         for name, g in grads.items():
-            where = expert_of(f"param/{name}")
+            where = keys.expert_of(name)
             if where is not None:
                 mine.setdefault(where, []).append(g)
         hosts = {(p.layer, e): p.hosts(e) for p in plan.layers for e in range(plan.num_experts)}
-        flats = {k: torch.cat([g.reshape(-1) for g in v]) for k, v in sorted(mine.items())}
-        sends: dict[int, list[torch.Tensor]] = {}
-        sizes: dict[int, int] = {}
-        for key, tensor in flats.items():
-            for peer in hosts[key]:
-                if peer != world.rank:
-                    sends.setdefault(peer, []).append(tensor)
-                    sizes[peer] = sizes.get(peer, 0) + tensor.numel()
-        received = world.exchange(
-            {peer: torch.cat(parts) for peer, parts in sends.items()}, sizes, flat.dtype
-        )
-        cursor = dict.fromkeys(received, 0)
-        for key, tensor in flats.items():
-            total = torch.zeros_like(tensor)
-            for peer in hosts[key]:  # in rank order: every host sums alike
-                if peer == world.rank:
-                    total += tensor
-                else:
-                    total += received[peer][cursor[peer] : cursor[peer] + tensor.numel()]
-                    cursor[peer] += tensor.numel()
+        flats = {k: torch.cat([g.reshape(-1) for g in v]) for k, v in mine.items()}
+        norm_sq += sum_over_holders(world, flats, {k: hosts[k] for k in flats})
+        for key, total in flats.items():
             offset = 0
             for g in mine[key]:
                 g.copy_(total[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-            if hosts[key][0] == world.rank:
-                norm_sq += float(total.double().pow(2).sum())
         return norm_sq
 
     # -- rebalancing -----------------------------------------------------------------------
@@ -342,10 +284,10 @@ class ExpertEngine(GroupedEngine):
         at a step boundary); returns what moved, None when the placement stays."""
         started = time.perf_counter()
         plan = self.expert_plan
-        blocks = self.moe_blocks()
+        blocks = self.dispatches
         loads = {layer: blocks[layer].load.tolist() for layer in blocks}
-        for moe in blocks.values():
-            moe.load[:] = 0
+        for dispatch in blocks.values():
+            dispatch.load[:] = 0
         if not any(sum(v) for v in loads.values()):
             return None
         ep = self.cfg.parallelism.experts

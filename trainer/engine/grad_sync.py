@@ -8,11 +8,15 @@ and the others go on to the next generation), each rank's share of the squared g
 norm (for clipping sharded gradients: only one replica group contributes, since the
 replicas hold identical shards), and each rank's compute time in its own slot (straggler
 detection without another collective).
+
+Layouts where ranks hold different keys (pipeline stages, expert replicas) reduce their
+gradients before it with ``sum_over_holders``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,3 +61,43 @@ def reduce_step(
         grad_norm_sq=norm_sq,
         compute_s=flat[_HEADER:].tolist(),
     )
+
+
+def sum_over_holders(
+    world: World, grads: dict[Any, torch.Tensor], holders: dict[Any, tuple[int, ...]]
+) -> float:
+    """Each gradient summed in place over the ranks holding it (layouts where ranks hold
+    different keys: pipeline stages, expert replicas); returns this rank's share of the
+    squared global norm (each gradient counted by its first holder).
+
+    ``holders[key]``: ascending ranks, this one among them. One uneven all-to-all carries,
+    to each peer, every gradient both hold, in key order; the sum runs in rank order, so
+    every holder computes the same bits and takes the same step.
+    """
+    keys = sorted(grads)
+    sends: dict[int, list[torch.Tensor]] = {}
+    for key in keys:
+        for peer in holders[key]:
+            if peer != world.rank:
+                sends.setdefault(peer, []).append(grads[key].reshape(-1))
+    dtype = grads[keys[0]].dtype if keys else torch.float32
+    received = world.exchange(
+        {peer: torch.cat(parts) for peer, parts in sends.items()},
+        {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
+        dtype,
+    )
+    cursor = dict.fromkeys(received, 0)
+    norm_sq = 0.0
+    for key in keys:
+        g = grads[key]
+        total = torch.zeros_like(g)
+        for peer in holders[key]:  # in rank order: every holder sums alike
+            if peer == world.rank:
+                total += g
+            else:
+                total += received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g)
+                cursor[peer] += g.numel()
+        g.copy_(total)
+        if holders[key][0] == world.rank:
+            norm_sq += float(total.double().pow(2).sum())
+    return norm_sq

@@ -12,15 +12,26 @@ from bulkhead.api.spec import OptimizerConfig
 
 
 def make_optimizer(
-    model: nn.Module | Iterable[nn.Parameter], cfg: OptimizerConfig
+    model: nn.Module, cfg: OptimizerConfig, params: Iterable[nn.Parameter] | None = None
 ) -> torch.optim.Optimizer:
-    """The spec's optimizer over a module's parameters (or the given ones)."""
-    params: list = list(model.parameters() if isinstance(model, nn.Module) else model)
-    if not params:  # a rank holding nothing (an idle pipeline rank) still steps, emptily
-        params = [{"params": []}]
+    """The spec's optimizer over ``params`` (default: every parameter of ``model``), in two
+    groups: weight decay where ``model.decays(name, tensor)`` says (a model without
+    ``decays``: everywhere), none elsewhere (norms, biases, embeddings)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    chosen = list(model.parameters() if params is None else params)
+    decays = getattr(model, "decays", None)
+
+    def decayed(p: nn.Parameter) -> bool:
+        return decays is None or bool(decays(names[id(p)], p))
+
+    # An empty group is fine: a rank holding nothing (an idle pipeline rank) still steps.
+    groups = [
+        {"params": [p for p in chosen if decayed(p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in chosen if not decayed(p)], "weight_decay": 0.0},
+    ]
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

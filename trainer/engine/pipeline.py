@@ -1,11 +1,12 @@
 """Oobleck pipelines: every rank runs one stage of one pipeline, pipelines side by side.
 
-Model. The GPT is built on the meta device and a rank gives storage only to the units of
-its stage (``pipeline_plan``: embedding, blocks, head), so it holds its stage alone. The
-head's weight is the token embedding's, so the first and the last stage both hold it.
+Model. The model is built on the meta device and a rank gives storage only to the modules
+of its stage's units (``unit_modules``: embedding, blocks, head), so it holds its stage
+alone. Tied weights (``tied``: e.g. a head sharing the token embedding's) are held by
+every stage with a unit using them.
 A stage is a worker pod: each of its G processes runs the stage on 1/G of every
 micro-batch. Under ZeRO the stage's units are sharded over the pod's processes by FSDP2
-(``zero.apply_zero`` on the pod's group; the units of other stages stay on the meta
+(``zero.zero_shard`` on the pod's group; the units of other stages stay on the meta
 device), so each process holds 1/G of its stage; without ZeRO each holds all of it.
 
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
@@ -41,63 +42,32 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from bulkhead.trainer.config import ModelSizes, TrainConfig
+from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
-from bulkhead.trainer.engine.engine import (
-    GroupedEngine,
-    HeldState,
-    _local,
-    _materialize_optimizer,
-    _shardable,
-)
-from bulkhead.trainer.engine.experts import ReplicatedMoE, expert_of
-from bulkhead.trainer.engine.experts_plan import ExpertPlan, expert_group
-from bulkhead.trainer.engine.layout import NOTHING, Holding, KeySpec
+from bulkhead.trainer.engine.engine import GroupedEngine, _shardable
+from bulkhead.trainer.engine.grad_sync import sum_over_holders
+from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.optim import make_optimizer
-from bulkhead.trainer.engine.pipeline_plan import (
+from bulkhead.trainer.engine.state import HeldState, _local
+from bulkhead.trainer.engine.zero import begin_microbatch
+from bulkhead.trainer.models.protocol import build_meta
+from bulkhead.trainer.parallel.experts_plan import expert_group
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec
+from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     PipelineLayout,
     StagePlan,
     schedule,
     unit_group,
 )
-from bulkhead.trainer.engine.plan import ParallelPlan
-from bulkhead.trainer.engine.world import Team, World
-from bulkhead.trainer.engine.zero import apply_zero, begin_microbatch
-from bulkhead.trainer.model import GPT
-from bulkhead.trainer.moe import MoEFeedForward
-
-
-def group_of(param: str, n_layers: int, experts: bool = False) -> str:
-    """The key group of a parameter name of ``GPT`` (``experts``: each expert of an MoE
-    block in a group of its own, as expert parallelism places them)."""
-    where = expert_of(f"param/{param}") if experts else None
-    if where is not None:
-        return expert_group(*where)
-    if param.startswith("tok_emb."):
-        return TIED
-    if param.startswith("pos_emb."):
-        return unit_group(0)
-    if param.startswith("blocks."):
-        return unit_group(int(param.split(".")[1]) + 1)
-    return unit_group(n_layers + 1)  # ln_f, head
-
-
-def _unit_modules(model: GPT, unit: int) -> list[nn.Module]:
-    n = len(model.blocks)
-    if unit == 0:
-        return [model.tok_emb, model.pos_emb]
-    if unit <= n:
-        return [model.blocks[unit - 1]]
-    return [model.ln_f, model.tok_emb]  # the head's weight is the embedding's
+from bulkhead.trainer.parallel.plan import ParallelPlan
 
 
 def _slot_shapes(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
     """(slot, shaped like its parameter, dtype) of every optimizer slot, from a dummy."""
     dummy = nn.Parameter(torch.zeros(2))
-    optimizer = make_optimizer([dummy], cfg.optimizer)
+    optimizer = make_optimizer(nn.ParameterList([dummy]), cfg.optimizer)
     dummy.grad = torch.zeros(2)
     optimizer.step()
     slots = optimizer.state[dummy]
@@ -148,49 +118,16 @@ class _Inbox:
 class PipelineEngine(GroupedEngine):
     """The engine of a plan with pipelines (see the module docstring)."""
 
-    @classmethod
-    def build(
-        cls, plan: ParallelPlan, world: World, cfg: TrainConfig, initialize: bool = True
-    ) -> PipelineEngine:
-        """The stage's units only; their initialization (seeded, like every layout) is left
-        to ``adopt`` for a fresh start, since any other start overwrites them."""
-        if plan.world_size != world.world_size:
-            raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
-        layout = plan.pipelines
-        assert layout is not None
-        with torch.device("meta"):
-            model = GPT(cfg.model)
-        device = world.device.device
-        units = layout.units(world.rank)
-        for unit in units:
-            for module in _unit_modules(model, unit):
-                if next(module.parameters()).is_meta:
-                    module.to_empty(device=device)
-        model.head.weight = model.tok_emb.weight  # to_empty unties shared parameters
-        root = None
-        if plan.zero.sharded or plan.experts is not None:
-            with world.guard("forming the stage's groups"):
-                team = _pod_team(world, plan.processes_per_worker)
-            if plan.experts is not None:
-                _host_experts(model, plan.experts, team, units)
-            if plan.zero.sharded and units:
-                mesh = DeviceMesh.from_group(team.group, device.type)
-                # Experts stay out of FSDP2: each is whole on the processes hosting it.
-                experts = {p for n, p in model.named_parameters() if expert_of(f"param/{n}")}
-                with world.guard("sharding the stage"):
-                    root = apply_zero(model, plan.zero, device.type, mesh, experts)
-        world.seal()
-        held = [p for p in model.parameters() if not p.is_meta]
-        optimizer = make_optimizer(held, cfg.optimizer)
-        _materialize_optimizer(model, optimizer)
-        engine = cls(plan, world, cfg, model, optimizer, root, None)
-        engine.initialized = False
-        return engine
-
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.specs = self._all_specs
         self._names = {id(p): name for name, p in self.model.named_parameters()}
+
+    @property
+    def keygroups(self) -> ParamGroups:
+        if "_keygroups" not in self.__dict__:  # needed from Engine.__init__ on
+            self._keygroups = ParamGroups(self.model, experts=self.plan.experts is not None)
+        return self._keygroups
 
     @property
     def layout(self) -> PipelineLayout:
@@ -214,13 +151,13 @@ class PipelineEngine(GroupedEngine):
     def _owners(self) -> dict[str, tuple[int, ...]]:
         """Parameter name -> the ranks its gradient is summed over, ascending: the holders
         of its group (of the same shard, for a sharded key)."""
-        n, ep, z = self.cfg.model.n_layers, self.plan.experts is not None, self.plan.zero
+        z = self.plan.zero
         mine = z.shard_index(self.world.rank)
         specs = {s.name: s for s in self.specs}
         return {
             name: tuple(
                 r
-                for r in self._holders[group_of(name, n, ep)]
+                for r in self._holders[self.keygroups.group(name)]
                 if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
             )
             for name in self._names.values()
@@ -231,7 +168,7 @@ class PipelineEngine(GroupedEngine):
         return self.plan.zero.sharded and _shardable(key, t) and not self._is_expert(key)
 
     def _is_expert(self, key: str) -> bool:
-        return self.plan.experts is not None and expert_of(key) is not None
+        return self.plan.experts is not None and self.keygroups.expert_of(key) is not None
 
     def _holding_of(self, rank: int) -> Holding:
         """Whole keys of the stage's units, or under ZeRO its process's shard of them."""
@@ -251,18 +188,18 @@ class PipelineEngine(GroupedEngine):
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
         """The stage's keys (whole, in their unit's group); ``specs`` lists every key of
         the model, held here or not."""
-        n, ep = self.cfg.model.n_layers, self.plan.experts is not None
+        keys = self.keygroups
         entries = [
-            (replace(spec, group=group_of(spec.name.split("/")[1], n, ep)), t)
+            (replace(spec, group=keys.group(spec.name)), t)
             for spec, t in super()._state_entries()
             if not t.is_meta
         ]
         everything = {}
         slots = _slot_shapes(self.cfg)
-        with torch.device("meta"):  # every key, also of the experts hosted elsewhere
-            whole = GPT(self.cfg.model)
+        # Every key, also of the units and experts held elsewhere.
+        whole = build_meta(self.cfg.family, self.cfg.model)
         for name, p in whole.named_parameters():
-            group = group_of(name, n, ep)
+            group = keys.group(name)
             rows = p.shape[0] if p.dim() else 1
             dtype = str(p.dtype).removeprefix("torch.")
             split = self._key_shardable(f"param/{name}", p)
@@ -323,7 +260,7 @@ class PipelineEngine(GroupedEngine):
         gb = cfg.global_batch_size
         positions = step_positions(step, gb)
         batches = self.layout.rows(stage.pipeline, world.rank)
-        aux_coef = cfg.model.moe.load_balance_coef if cfg.model.moe else 0.0
+        aux_coef = cfg.aux_coef
         device = world.device.device
         dtype = next(p for p in self.model.parameters() if not p.is_meta).dtype
         self.model.train()
@@ -398,81 +335,16 @@ class PipelineEngine(GroupedEngine):
         # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
-        grads = dict(sorted(grads.items()))
-        # To each peer, in key order, the gradients of every key both hold.
-        sends: dict[int, list[torch.Tensor]] = {}
-        for name, g in grads.items():
-            for peer in owners[name]:
-                if peer != world.rank:
-                    sends.setdefault(peer, []).append(g.reshape(-1))
-        received = world.exchange(
-            {peer: torch.cat(parts) for peer, parts in sends.items()},
-            {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
-            torch.float32 if not grads else next(iter(grads.values())).dtype,
-        )
-        cursor = dict.fromkeys(received, 0)
-        norm_sq = 0.0
-        for name, g in grads.items():
-            total = torch.zeros_like(g)
-            for peer in owners[name]:  # in rank order: every holder sums alike
-                if peer == world.rank:
-                    total += g
-                else:
-                    piece = received[peer][cursor[peer] : cursor[peer] + g.numel()]
-                    total += piece.view_as(g)
-                    cursor[peer] += g.numel()
-            g.copy_(total)
-            if owners[name][0] == world.rank:
-                norm_sq += float(total.double().pow(2).sum())
-        return norm_sq
-
-
-def group_sizes(sizes: ModelSizes, experts: bool) -> dict[str, int]:
-    """Parameters per key group of the model (``experts``: one group per expert)."""
-    with torch.device("meta"):
-        model = GPT(sizes)
-    out: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        group = group_of(name, sizes.n_layers, experts)
-        out[group] = out.get(group, 0) + p.numel()
-    return out
+        return sum_over_holders(world, grads, {name: owners[name] for name in grads})
 
 
 def state_bytes(plan: ParallelPlan, per_group: dict[str, int], rank: int, slots: int = 2) -> int:
     """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
     and ``slots`` optimizer values per parameter (fp32), its stage's share of them
-    (``per_group``: ``group_sizes`` of the plan's model)."""
+    (``per_group``: ``groups.group_sizes`` of the plan's model)."""
     held = 0
     for group in plan.stage_groups(rank):
         n = per_group.get(group, 0)
         sharded = plan.zero.sharded and not group.startswith("expert/")
         held += -(-n // plan.zero.shard_size) if sharded else n
     return held * 4 * (2 + slots)
-
-
-def _pod_team(world: World, processes_per_worker: int) -> Team:
-    """This rank's worker pod as a team (every rank creates every pod's group: gloo's
-    group creation is collective over the world)."""
-    g = processes_per_worker
-    mine = None
-    for first in range(0, world.world_size, g):
-        ranks = tuple(range(first, first + g))
-        group = dist.new_group(list(ranks))
-        if world.rank in ranks:
-            mine = Team(world, ranks, group)
-    assert mine is not None
-    return mine
-
-
-def _host_experts(model: GPT, plan: ExpertPlan, team: Team, units: range) -> None:
-    """Each MoE block of the stage keeps the experts its process hosts and dispatches
-    tokens over the pod's processes."""
-    hosted = plan.hosted(team.rank)
-    for placement in plan.layers:
-        if placement.layer + 1 not in units:
-            continue
-        block = model.blocks[placement.layer]
-        assert isinstance(block.ffn, MoEFeedForward)
-        moe = ReplicatedMoE(block.ffn, team, hosted[placement.layer])
-        moe.replicas = placement.replica_matrix()
-        block.ffn = moe

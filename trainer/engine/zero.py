@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from bulkhead.trainer.engine.plan import ZeroPlan
+from bulkhead.trainer.parallel.plan import ZeroPlan
 
 
 def zero_mesh(plan: ZeroPlan, device_type: str) -> DeviceMesh:
@@ -60,7 +60,7 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     return [b for b in blocks if not any(p.is_meta for p in b.parameters())]
 
 
-def apply_zero(
+def zero_shard(
     model: nn.Module,
     plan: ZeroPlan,
     device_type: str,
@@ -71,7 +71,7 @@ def apply_zero(
     mesh); parameters on the meta device and ``ignored`` ones are left out. Returns the
     root FSDP module."""
     if not plan.sharded:
-        raise ValueError("apply_zero needs a sharded plan (stage > 0, shard groups of >= 2)")
+        raise ValueError("zero_shard needs a sharded plan (stage > 0, shard groups of >= 2)")
     mesh = mesh if mesh is not None else zero_mesh(plan, device_type)
     after_forward = reshard_after_forward(plan)
     absent = {p for p in model.parameters() if p.is_meta} | (ignored or set())

@@ -20,6 +20,7 @@ reach the experts and come back) and the set of experts a rank hosts.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
+
+from bulkhead.trainer.planning.costs import ModelShape, UnitShape
 
 
 @dataclass
@@ -180,6 +183,26 @@ class CausalLM(nn.Module, ABC):
         raise NotImplementedError
 
 
+class MoESizesLike(Protocol):
+    """What the engine reads of a family's MoE sizes."""
+
+    num_experts: int
+    top_k: int
+    load_balance_coef: float
+
+
+class SizesLike(Protocol):
+    """What the engine and the planners read of a family's size object (``sizes(...)``):
+    the planners' cost estimate and the pipeline's activation shape come from these."""
+
+    vocab_size: int
+    d_model: int  # the hidden width between units (a pipeline's activations)
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    moe: MoESizesLike | None
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One registered family.
@@ -207,3 +230,89 @@ def count_params(model: nn.Module, names: Sequence[str] | None = None) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def build_seeded(family: ModelFamily, sizes: Any, seed: int) -> CausalLM:
+    """``family``'s model with weights a pure function of ``seed`` (every rank builds the
+    same one); the global RNG is left as it was."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = family.build(sizes)
+        model.init_weights()
+        return model
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def build_meta(family: ModelFamily, sizes: Any) -> CausalLM:
+    """``family``'s model without storage (names, shapes and units only)."""
+    with torch.device("meta"):
+        return family.build(sizes)
+
+
+def materialize(model: CausalLM, modules: Sequence[nn.Module], device: torch.device | str) -> None:
+    """Give uninitialized storage on ``device`` to those of ``modules`` still on the meta
+    device, sharing tied tensors (a tied tensor materialized once serves every user)."""
+    for module in modules:
+        model.retie()
+        if any(p.is_meta for p in module.parameters()):
+            module.to_empty(device=device)
+    model.retie()
+
+
+def build_empty(family: ModelFamily, sizes: Any, device: torch.device | str) -> CausalLM:
+    """``family``'s whole model with uninitialized storage on ``device`` (for a caller that
+    overwrites every parameter: random initialization of a large model is wasted time)."""
+    model = build_meta(family, sizes)
+    materialize(model, [model], device)
+    return model
+
+
+def num_units(model: CausalLM) -> int:
+    """Units of ``model``: the embedding, every block, the head."""
+    return len(model.blocks) + 2
+
+
+def experts_prefix(model: CausalLM, block: int) -> str:
+    """The name prefix of block ``block``'s experts' parameters."""
+    return f"{model.moe_path(block)}.experts."
+
+
+def model_shape(family: ModelFamily, sizes: SizesLike) -> ModelShape:
+    """The planners' view of ``family``'s model of ``sizes`` (measured on the meta
+    device through the protocol; cached, since every plan of a job asks for it)."""
+    try:
+        return _model_shape(family.name, family, sizes)
+    except TypeError:  # unhashable sizes: measure every time
+        return _model_shape.__wrapped__(family.name, family, sizes)
+
+
+@functools.lru_cache(maxsize=32)
+def _model_shape(_name: str, family: ModelFamily, sizes: SizesLike) -> ModelShape:
+    model = build_meta(family, sizes)
+    n = len(model.blocks)
+    moe = model.moe_layers()
+    units = []
+    for unit in range(n + 2):
+        modules = model.unit_modules(unit)
+        params = count_params(nn.ModuleList(modules))
+        active = params
+        kind = "embedding" if unit == 0 else "head" if unit == n + 1 else "block"
+        name = {"embedding": "embedding", "head": "head"}.get(kind, f"block{unit - 1}")
+        layer = moe.get(unit - 1) if kind == "block" else None
+        if layer is not None:
+            per_expert = count_params(next(iter(layer.experts.values())))
+            active -= (layer.num_experts - layer.top_k) * per_expert
+            name += ".moe"
+        units.append(UnitShape(name, params, active, kind))
+    first = next(iter(moe.values()), None)
+    return ModelShape(
+        units=tuple(units),
+        d_model=sizes.d_model,
+        seq_len=sizes.seq_len,
+        n_heads=sizes.n_heads,
+        vocab_size=sizes.vocab_size,
+        moe_blocks=tuple(sorted(moe)),
+        num_experts=first.num_experts if first is not None else 0,
+    )

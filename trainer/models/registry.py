@@ -56,9 +56,8 @@ def family(name: str) -> ModelFamily:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return register(_load(ep.value, f"entry point {ep.name!r}"))
-    known = sorted(
-        {*_BUILTINS, *_FAMILIES, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
-    )
+    declared = (ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    known = sorted({*_BUILTINS, *_FAMILIES, *declared})
     raise ValueError(
         f"spec.trainer.model.family: unknown model family {name!r}; known: {', '.join(known)} "
         f"(or 'module:attribute' of a ModelFamily)"

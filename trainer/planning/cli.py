@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bulkhead.api.manifest import ManifestError, load_job
-from bulkhead.trainer.config import ModelSizes, resolve_model, train_config
-from bulkhead.trainer.engine.pipeline_plan import unit_fetches
-from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
+from bulkhead.trainer.config import TrainConfig, train_config
+from bulkhead.trainer.parallel.pipeline_plan import unit_fetches
+from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
@@ -97,10 +97,10 @@ def transfers_table(transfers: Any) -> Table:
     return table
 
 
-def engine_plan_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
+def engine_plan_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
     """Every rank's batch share and place in the ZeRO mesh, or its pipeline stage."""
     if plan.pipelines is not None:
-        return _stages_table(plan, title, sizes)
+        return _stages_table(plan, title, cfg)
     table = Table(title=f"{title}: " + "; ".join(plan.describe()[1:]))
     for col in ("rank", "worker", "samples", "shard", "replica group", "checkpoint shard",
                 "persists"):  # fmt: skip
@@ -119,10 +119,11 @@ def engine_plan_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Tabl
     return table
 
 
-def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
+def _stages_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
     """Every rank's stage, its share of the batch, the state it holds (parameters,
     gradients and AdamW's two slots, fp32) and its experts."""
-    from bulkhead.trainer.engine.pipeline import group_sizes, state_bytes  # imports torch
+    from bulkhead.trainer.engine.groups import group_sizes  # imports torch
+    from bulkhead.trainer.engine.pipeline import state_bytes
 
     layout = plan.pipelines
     assert layout is not None
@@ -134,7 +135,7 @@ def _stages_table(plan: ParallelPlan, title: str, sizes: ModelSizes) -> Table:
     columns = ["rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples",
                "state MiB"]  # fmt: skip
     ep = plan.experts
-    per_group = group_sizes(sizes, ep is not None)
+    per_group = group_sizes(cfg.family, cfg.model, ep is not None)
     if ep is not None:
         columns.append("experts hosted")
     for col in columns:
@@ -251,7 +252,7 @@ def plan(
     """Show the pipeline templates, pipelines, expert placement and failure plan of a job."""
     try:
         job = load_job(job_file)
-        model = resolve_model(job.spec.trainer.model)
+        cfg = train_config(job.spec)
     except (ManifestError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     spec = job.spec
@@ -266,20 +267,19 @@ def plan(
     )
     console = Console()
     out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
-    cfg = train_config(spec)
     pods = [f"w{i}" for i in range(spec.workers)]
 
     def ranks_of(workers: list[str]) -> list[str]:  # each pod's G processes, by rank
         return [w for w in workers for _ in range(cfg.parallelism.processes_per_worker)]
 
     trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
-    console.print(engine_plan_table(trained, "What this version's engine trains", cfg.model))
+    console.print(engine_plan_table(trained, "What this version's engine trains", cfg))
     out["engine"] = engine_plan_dict(trained)
     if fail:
         survivors = ranks_of(pods[fail:] or pods[:1])
         after = make_plan(2, survivors, survivors, cfg)
         title = f"The engine after losing {fail} worker(s)"
-        console.print(engine_plan_table(after, title, cfg.model))
+        console.print(engine_plan_table(after, title, cfg))
         out["engineAfterFailure"] = engine_plan_dict(after)
         if trained.pipelines is not None and after.pipelines is not None:
             table, fetches = fetches_table(trained, after)
@@ -295,7 +295,7 @@ def plan(
     console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
                   "(the engine above runs one trainer process per GPU).[/dim]")  # fmt: skip
     try:
-        layers = estimate_layer_costs(model, gpu, batch.micro_batch_size)
+        layers = estimate_layer_costs(cfg.shape, gpu, batch.micro_batch_size)
         templates = generate_templates(layers, gpu, n)
         console.print(templates_table(templates))
         chosen = instantiate(templates, _node_names(n), f, microbatches)
@@ -314,8 +314,8 @@ def plan(
                 f"layers lost with every replica: {list(result.missing_layers) or 'none'}"
             )
             out["reconfiguration"] = result.to_dict()
-        if model.moe is not None:
-            out["experts"] = _experts(console, model.moe.num_experts, n, gpus_per_node,
+        if cfg.shape.moe_blocks:
+            out["experts"] = _experts(console, cfg.shape.num_experts, n, gpus_per_node,
                                       slots_per_gpu, spec, expert_skew, fail, lost)  # fmt: skip
     except PlanError as exc:
         raise click.ClickException(str(exc)) from None

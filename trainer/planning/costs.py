@@ -1,8 +1,9 @@
 """Layer cost model: per-layer time and memory that the planners optimise over.
 
 A plan layer is one unit a pipeline stage can hold: the embedding, each decoder block, and
-the output head. ``estimate_layer_costs`` derives the costs analytically from the job's model
-config and a ``GpuSpec``; ``bulkhead.trainer.planning.profile`` measures them on real modules
+the output head. ``estimate_layer_costs`` derives the costs analytically from the model's shape
+(its units' parameter counts, measured through the model-family protocol) and a
+``GpuSpec``; ``bulkhead.trainer.planning.profile`` measures them on real modules
 instead. Both produce the same ``LayerCost`` records, so the planners do not care which.
 
 Memory follows mixed-precision Adam (the ZeRO paper's K = 12): 2 bytes of bf16 parameters,
@@ -16,9 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from bulkhead.api.spec import ModelConfig
-from bulkhead.trainer.config import ModelSizes
 
 PARAM_BYTES = 2  # bf16 weights
 GRAD_BYTES = 2  # bf16 gradients
@@ -100,57 +98,59 @@ def _layer(name: str, params: float, flops_fwd: float, act: float, gpu: GpuSpec)
     )
 
 
+@dataclass(frozen=True)
+class UnitShape:
+    """One unit of a model as the planners see it (``trainer.models.protocol.model_shape``
+    measures it through the model-family protocol)."""
+
+    name: str
+    params: int  # parameters the unit holds (a tied tensor counted in every unit using it)
+    active_params: int  # parameters one token's forward multiplies through (top-k experts)
+    kind: str  # "embedding" | "block" | "head"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planners know of a model: its units in order and the dimensions that set
+    attention and activation costs. Pure data, so planning stays free of torch."""
+
+    units: tuple[UnitShape, ...]
+    d_model: int
+    seq_len: int
+    n_heads: int
+    vocab_size: int
+    moe_blocks: tuple[int, ...] = ()  # 0-based blocks with an MoE layer
+    num_experts: int = 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.units) - 2
+
+
 def estimate_layer_costs(
-    model: ModelConfig | ModelSizes, gpu: GpuSpec, micro_batch_size: int = 1
+    model: ModelShape, gpu: GpuSpec, micro_batch_size: int = 1
 ) -> list[LayerCost]:
-    """Analytic per-layer costs: embedding, ``model.n_layers`` decoder blocks, head.
+    """Analytic per-unit costs: embedding, every decoder block, head.
 
-    Pass resolved sizes (``bulkhead.trainer.config.resolve_model``) when a preset is used.
-
-    Forward FLOPs are 2 per multiply-accumulate of every weight a token touches, plus the
-    attention score and value products; an MoE block counts only its ``top_k`` active experts
-    for time but all experts for memory.
+    Forward FLOPs are 2 per multiply-accumulate of every weight a token touches (an MoE
+    block's ``top_k`` active experts; every expert counts for memory), plus a block's
+    attention score and value products; the embedding is a gather (one pass over the
+    hidden state).
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     d, s, heads = model.d_model, model.seq_len, model.n_heads
-    ffn = model.ffn_dim or 4 * d
     tokens = micro_batch_size * s
-    attn_params = 4 * d * d + 4 * d  # qkv + output projection, two norms
-    mlp_params = 2 * d * ffn
-    attn_flops = 2 * tokens * 4 * d * d + 2 * 2 * tokens * s * d  # projections + QK^T, AV
     block_act = s * micro_batch_size * d * (34 + 5 * heads * s / d)
-
-    layers = [
-        _layer(
-            "embedding",
-            params=model.vocab_size * d + s * d,
-            flops_fwd=2 * tokens * d,  # a gather; counted as one pass over the hidden state
-            act=tokens * d * PARAM_BYTES,
-            gpu=gpu,
-        )
-    ]
-    moe = model.moe
-    for i in range(model.n_layers):
-        is_moe = moe is not None and (i + 1) % moe.every == 0
-        if is_moe:
-            assert moe is not None
-            params = attn_params + moe.num_experts * mlp_params + d * moe.num_experts
-            flops = attn_flops + 2 * tokens * (moe.top_k * mlp_params + d * moe.num_experts)
-            act = block_act + tokens * moe.top_k * ffn * PARAM_BYTES
-            layers.append(_layer(f"block{i}.moe", params, flops, act, gpu))
-        else:
-            flops = attn_flops + 2 * tokens * mlp_params
-            layers.append(_layer(f"block{i}", attn_params + mlp_params, flops, block_act, gpu))
-    layers.append(
-        _layer(
-            "head",
-            params=model.vocab_size * d + 2 * d,
-            flops_fwd=2 * tokens * d * model.vocab_size,
-            act=tokens * model.vocab_size * 4,  # fp32 logits for the loss
-            gpu=gpu,
-        )
-    )
+    layers = []
+    for unit in model.units:
+        if unit.kind == "embedding":
+            flops, act = 2 * tokens * d, tokens * d * PARAM_BYTES
+        elif unit.kind == "head":
+            flops, act = 2 * tokens * unit.active_params, tokens * model.vocab_size * 4
+        else:  # projections and MLP or experts, plus QK^T and AV
+            flops, act = 2 * tokens * unit.active_params + 2 * 2 * tokens * s * d, block_act
+        layers.append(_layer(unit.name, unit.params, flops, act, gpu))
     return layers
 
 

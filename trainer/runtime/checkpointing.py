@@ -29,9 +29,9 @@ from bulkhead.trainer.checkpoint.client import SidecarUnavailable
 from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointError
 from bulkhead.trainer.checkpoint.records import Topology
 from bulkhead.trainer.checkpoint.restore import ANY_SHARD, Restored
-from bulkhead.trainer.engine.engine import HeldState
-from bulkhead.trainer.engine.plan import ParallelPlan, shard_id
+from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import world_order
+from bulkhead.trainer.parallel.plan import ParallelPlan, shard_id
 
 log = logging.getLogger(__name__)
 

@@ -30,16 +30,15 @@ from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import TokenDataset
 from bulkhead.trainer.engine.device import AbortMonitor, DeviceChoice, activate, pick_device
 from bulkhead.trainer.engine.engine import (
-    Adoption,
     Engine,
-    HeldState,
     NonFiniteLoss,
     StepResult,
-    describe_adoption,
     import_lazy_dependencies,
 )
-from bulkhead.trainer.engine.plan import ParallelPlan, make_plan
+from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.state import Adoption, HeldState, describe_adoption
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
+from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.runtime.checkpointing import RestoredState, StorageProgress
 from bulkhead.trainer.runtime.control import (
     ControlClient,
@@ -274,7 +273,7 @@ class ElasticTrainer:
             plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
             # A rank holding state adopts it: no seeded initialization on recovery's path.
             holds = self.held is not None and not self.held.holding.empty
-            engine = Engine.build(plan, world, self.cfg, initialize=not holds)
+            engine = build_engine(plan, world, self.cfg, initialize=not holds)
             self._prepare(view, engine)
             return self._train(view, engine)
         except CollectiveError as exc:

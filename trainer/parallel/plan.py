@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from bulkhead.api.spec import zero_shard_group_size
 from bulkhead.trainer.config import TrainConfig
-from bulkhead.trainer.engine.experts_plan import ExpertPlan, expert_group, plan_experts
-from bulkhead.trainer.engine.pipeline_plan import PipelineLayout, plan_pipelines
+from bulkhead.trainer.parallel.experts_plan import ExpertPlan, expert_group, plan_experts
+from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout, plan_pipelines
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
         return None
     return plan_pipelines(
         ranks,
-        cfg.model,
+        cfg.shape,
         pp,
         cfg.parallelism.max_failures,
         cfg.global_batch_size,
@@ -300,15 +300,15 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
 def _expert_plan(ranks: int, cfg: TrainConfig) -> ExpertPlan | None:
     """Uniform-load Lazarus placement; the engine settles it onto what ranks hold. Under
     pipelines: over the processes of one pod (every stage's pod places them alike)."""
-    ep, moe = cfg.parallelism.experts, cfg.model.moe
-    if ep is None or moe is None:
+    ep, shape = cfg.parallelism.experts, cfg.shape
+    if ep is None or not shape.moe_blocks:
         return None
     if cfg.parallelism.pipeline is not None:
         ranks = cfg.parallelism.processes_per_worker
     return plan_experts(
         ranks,
-        moe.num_experts,
-        [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_block(i)],
+        shape.num_experts,
+        list(shape.moe_blocks),
         ep.min_replicas,
         ep.slots_per_worker,
         ep.rebalance_interval_steps,

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bulkhead.trainer.config import ModelSizes, PipelineParallelism
-from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
+from bulkhead.trainer.config import PipelineParallelism
+from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, ModelShape, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.instantiate import Instantiation, instantiate
 from bulkhead.trainer.planning.templates import TemplateSet, generate_templates
@@ -181,16 +181,16 @@ class PipelineLayout:
         return lines
 
 
-def unit_costs(model: ModelSizes, micro_batch_size: int) -> list[LayerCost]:
+def unit_costs(model: ModelShape, micro_batch_size: int) -> list[LayerCost]:
     """The planner's costs of the units, one (per-process) micro-batch each."""
     return estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
 
 
 def template_set(
-    model: ModelSizes, pp: PipelineParallelism, ranks: int, micro_batch_size: int
+    model: ModelShape, pp: PipelineParallelism, ranks: int, micro_batch_size: int
 ) -> TemplateSet:
     """Templates for every pipeline length the spec allows on ``ranks`` workers."""
-    units = model.n_layers + 2
+    units = len(model.units)
     lo = min(pp.min_stages, ranks, units)
     hi = min(pp.max_stages or units, ranks, units)
     hi = max(hi, lo)
@@ -204,7 +204,7 @@ def template_set(
 
 def plan_pipelines(
     ranks: int,
-    model: ModelSizes,
+    model: ModelShape,
     pp: PipelineParallelism,
     max_failures: int,
     global_batch_size: int,

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bulkhead.trainer.engine.layout import Holding, KeySpec, Range, ranges_of
+from bulkhead.trainer.parallel.layout import Holding, KeySpec, Range, ranges_of
 
 
 @dataclass(frozen=True)
