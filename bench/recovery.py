@@ -24,6 +24,12 @@ time from the kill to training resuming; lost steps = steps redone. ``--out`` th
 ``{modes: {mode: {in_process_s, restart_s, ratio, in_process_lost_steps,
 restart_lost_steps}}}``.
 
+``--scaling``: a row per size, each one run: one worker of 2, 4 and 8 killed (data
+parallel and ZeRO-3), and one trainer process of a pod of 2 killed (2 pods). Each row:
+seconds from the kill to the next completed step (events.jsonl and metrics.jsonl), steps
+redone (``--quick``: 2 and 4 workers, ZeRO-3 needing 4 or more). ``--out`` writes
+``{scaling: {row: {kill_to_step_s, lost_steps, restarts}}}``.
+
 Goodput with and without failures, against torchrun too, is ``bench/goodput.py``.
 """
 
@@ -135,6 +141,12 @@ def bulkhead_recoveries(workers: int, steps: int, kills: list[int], run_dir: Pat
     result = run_local(job, RunOptions(chaos=chaos, run_dir=run_dir, live=False, timeout_s=900))
     if result.phase != "Succeeded":
         raise RuntimeError(f"bulkhead run ended {result.phase}; see {run_dir}")
+    return kill_to_next_step(run_dir)
+
+
+def kill_to_next_step(run_dir: Path) -> list[float]:
+    """Per injected kill of a run: seconds from the kill to the first step completed in a
+    later generation (one clock: the run's events.jsonl and metrics.jsonl)."""
     injected = [e["t"] for e in _read(run_dir / "events.jsonl") if e["reason"] == "FaultInjected"]
     rows = _read(run_dir / "metrics.jsonl")
     out = []
@@ -280,6 +292,74 @@ def modes(args: argparse.Namespace) -> None:
                                        indent=2) + "\n")  # fmt: skip
 
 
+def _scaling_spec(workers: int, zero: bool, pods: bool, steps: int) -> dict[str, Any]:
+    trainer: dict[str, Any] = {
+        "model": MODEL,
+        "batch": {"globalBatchSize": 16, "microBatchSize": 2},
+        "steps": steps,
+        "logIntervalSteps": 1,
+    }
+    if zero:
+        trainer["parallelism"] = {"zero": {"stage": 3}}
+    return {
+        "workers": workers,
+        "minWorkers": 1,
+        **({"processesPerWorker": 2} if pods else {}),
+        "trainer": trainer,
+        "faultTolerance": {
+            "maxFailures": 1,
+            "maxRestarts": 3,
+            "hangTimeoutSeconds": 60,
+            "collectiveTimeoutSeconds": 30,
+        },
+        "checkpoint": {"intervalSteps": 10, "keep": 3},
+    }
+
+
+def scaling_row(workers: int, zero: bool, pods: bool, steps: int, kill_step: int,
+                run_dir: Path) -> dict[str, Any]:  # fmt: skip
+    """One run with one worker killed (with ``pods``: one process of pod 1): the seconds
+    from the kill to the next completed step and the steps redone."""
+    import logging
+
+    from bulkhead.operator.local.runner import RunOptions, run_local
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(filename=run_dir.parent / "supervisor.log", level=logging.INFO)
+    job = _job(f"bench-scale-{run_dir.name}", _scaling_spec(workers, zero, pods, steps))
+    chaos = f"kill:worker=1{'.1' if pods else ''}@step={kill_step}"
+    result = run_local(job, RunOptions(chaos=chaos, run_dir=run_dir, live=False, timeout_s=900))
+    seconds = kill_to_next_step(run_dir)
+    if result.phase != "Succeeded" or not seconds:
+        raise RuntimeError(f"{run_dir.name} run ended {result.phase}; see {run_dir}")
+    lost = [r["lost_steps"] for r in result.summary["recoveries"]]
+    return {"kill_to_step_s": round(seconds[0], 3), "lost_steps": sum(lost),
+            "restarts": result.summary["restarts"]}  # fmt: skip
+
+
+def scaling(args: argparse.Namespace) -> None:
+    """A row per size: one worker of 2, 4, 8 killed (data parallel and ZeRO-3), and one
+    process of a pod of 2 (2 pods)."""
+    steps, kill_step = (20, 10) if args.quick else (40, 20)
+    sizes = (2, 4) if args.quick else (2, 4, 8)
+    # ZeRO keeps maxFailures + 1 = 2 replicas of shard groups of >= 2: 4 workers or more.
+    cases = [(f"dp-{n}", n, False, False) for n in sizes]
+    cases += [(f"zero3-{n}", n, True, False) for n in sizes if n >= 4]
+    cases.append(("pod-2x2", 2, False, True))
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
+        for name, workers, zero, pods in cases:
+            rows[name] = row = scaling_row(workers, zero, pods, steps, kill_step,
+                                           Path(tmp, name))  # fmt: skip
+            print(f"{name:9} kill -> next step {row['kill_to_step_s']:6.2f} s  "
+                  f"steps redone {row['lost_steps']}  restarts {row['restarts']}",
+                  flush=True)  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"scaling": rows, "steps": steps, "kill_step": kill_step},
+                                       indent=2) + "\n")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
@@ -291,7 +371,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--mode", action="append", choices=list(MODE_SPECS),
                         help="With --modes: only this mode (repeatable).")  # fmt: skip
+    parser.add_argument(
+        "--scaling", action="store_true",
+        help="A row per size: one worker of 2/4/8 killed (DP, ZeRO-3), one process of a pod.",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.scaling:
+        scaling(args)
+        return
     if args.modes:
         modes(args)
         return
