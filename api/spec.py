@@ -933,7 +933,10 @@ class TrainingJobSpec(SpecModel):
 
     def _check_experts(self, experts: ExpertParallelConfig, max_failures: int) -> None:
         model = self.trainer.model
-        if model.moe is None and not (model.preset or "").endswith("-moe"):
+        # Other families' sizes (a preset, config.json) are resolved by the trainer, which
+        # refuses experts for a dense model with the same field in the message.
+        gpt_dense = model.family == "gpt" and not (model.preset or "").endswith("-moe")
+        if model.moe is None and gpt_dense:
             raise _rule(
                 "trainer.parallelism.experts",
                 "expert parallelism needs a Mixture-of-Experts model: set trainer.model.moe "

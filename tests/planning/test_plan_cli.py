@@ -61,7 +61,7 @@ def test_plan_of_the_composed_job_shows_each_process_stage_experts_and_state() -
     # The two processes of the single-stage pipeline's pod host different experts.
     rows = [line for line in result.output.splitlines() if line.startswith(("│ 4 ", "│ 5 "))]
     assert len(rows) == 2 and all("│ w2 " in row for row in rows), rows
-    assert "b1:0,1" in rows[0] and "b1:2,3" in rows[1], rows
+    assert "b0:0,1" in rows[0] and "b0:2,3" in rows[1], rows
 
 
 def test_plan_resolves_presets() -> None:
