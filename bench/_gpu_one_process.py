@@ -137,7 +137,7 @@ def plain_loop(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCon
         if opt.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, opt)
+            group["lr"] = lr_at(step, opt, cfg.steps)
         optimizer.step()
 
 
