@@ -17,9 +17,10 @@ def test_llama_only_fields_are_refused_for_gpt(field, value):
         resolve_model(ModelConfig.model_validate({"preset": "tiny", field: value}))
 
 
-def test_this_engine_trains_only_gpt_until_it_builds_from_the_registry():
+def test_a_llama_job_resolves_through_the_registry():
     spec = TrainingJobSpec.model_validate(
         {"workers": 1, "trainer": {"model": {"family": "llama", "preset": "tiny"}}}
     )
-    with pytest.raises(ValueError, match=r"spec\.trainer\.model\.family: this engine trains"):
-        train_config(spec)
+    cfg = train_config(spec)
+    assert cfg.family.name == "llama"
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.moe) == (64, 2, None)
