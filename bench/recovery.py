@@ -100,6 +100,18 @@ world.close()
 """
 
 
+# The fault tolerance and checkpoint cadence of every job this bench runs.
+_FAULTS_AND_CHECKPOINTS: dict = {
+    "faultTolerance": {
+        "maxFailures": 1,
+        "maxRestarts": 3,
+        "hangTimeoutSeconds": 60,
+        "collectiveTimeoutSeconds": 30,
+    },
+    "checkpoint": {"intervalSteps": 10, "keep": 3},
+}
+
+
 def _spec(workers: int, steps: int) -> dict[str, Any]:
     return {
         "workers": workers,
@@ -233,13 +245,7 @@ def _mode_spec(mode: str, steps: int, restart: bool) -> dict[str, Any]:
         **{k: v for k, v in base.items() if k != "trainer"},
         "minWorkers": workers if restart else 1,
         "trainer": trainer,
-        "faultTolerance": {
-            "maxFailures": 1,
-            "maxRestarts": 3,
-            "hangTimeoutSeconds": 60,
-            "collectiveTimeoutSeconds": 30,
-        },
-        "checkpoint": {"intervalSteps": 10, "keep": 3},
+        **_FAULTS_AND_CHECKPOINTS,
     }
 
 
@@ -306,13 +312,7 @@ def _scaling_spec(workers: int, zero: bool, pods: bool, steps: int) -> dict[str,
         "minWorkers": 1,
         **({"processesPerWorker": 2} if pods else {}),
         "trainer": trainer,
-        "faultTolerance": {
-            "maxFailures": 1,
-            "maxRestarts": 3,
-            "hangTimeoutSeconds": 60,
-            "collectiveTimeoutSeconds": 30,
-        },
-        "checkpoint": {"intervalSteps": 10, "keep": 3},
+        **_FAULTS_AND_CHECKPOINTS,
     }
 
 
