@@ -8,10 +8,11 @@ and no thread per call. Bodies are plain dicts (the builders' output).
 Each request names its lane, and each lane has its own connections and its own bound, so
 work of one kind never waits in the queue of another:
 
+- ``lease``: the leader's Lease alone, on its own connection, so a renewal never waits
+  behind anything and can be given its own deadline (``leader``).
 - ``urgent``: what a recovery waits on: cordoning and tainting a bad node (and its Event),
-  recording and creating a replacement pod; and the leader's Lease, whose renewal must
-  not miss its deadline while a big job starts. A thousand routine requests in flight
-  must not delay these (a bad node stayed schedulable 17 s behind the pod labels of a
+  recording and creating a replacement pod. A thousand routine requests in flight must
+  not delay these (a bad node stayed schedulable 17 s behind the pod labels of a
   1,000-worker job, issue 42).
 - ``routine``: first pod creates, deletes, status writes, Events (the ``concurrency`` bound).
 - ``background``: bookkeeping nobody waits on (the generation label of every member pod):
@@ -21,10 +22,11 @@ work of one kind never waits in the queue of another:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,13 +44,14 @@ log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 
-Lane = Literal["urgent", "routine", "background"]
+Lane = Literal["lease", "urgent", "routine", "background"]
 URGENT_CONCURRENCY = 8  # a recovery's requests: a few nodes and pods at a time
 BACKGROUND_CONCURRENCY = 4
 
 KUBE_REQUESTS = Counter(
     "bulkhead_operator_kube_requests_total",
-    "Requests to the Kubernetes API server (Kopf's watches aside), by lane and verb.",
+    "Requests to the Kubernetes API server (Kopf's TrainingJob watch aside), by lane and "
+    "verb; our pod and node watches count as lane watch, verb WATCH.",
     ["lane", "verb"],
     registry=REGISTRY,
 )
@@ -59,6 +62,14 @@ KUBE_QUEUE_WAIT = Histogram(
     buckets=(0.001, 0.01, 0.05, 0.2, 1, 5, 30),
     registry=REGISTRY,
 )
+
+
+class NotLeading(RuntimeError):
+    """A write refused before it was sent: this replica no longer holds the leader's Lease.
+
+    The fence (``KubeClient.fence``) makes a deposed leader's late writes fail in this
+    process, so they cannot reach the API server after another replica may have taken
+    over; retry loops treat it as final."""
 
 
 class KubeError(RuntimeError):
@@ -119,7 +130,7 @@ class _LanePool:
     another lane's pool is exactly the queueing the lanes are there to avoid)."""
 
     def __init__(
-        self, name: Lane, concurrency: int, make_http: Callable[[int], httpx.AsyncClient]
+        self, name: Lane, concurrency: int, make_http: Callable[[int | None], httpx.AsyncClient]
     ) -> None:
         self.limit = asyncio.Semaphore(concurrency)
         self.http: httpx.AsyncClient = make_http(concurrency)
@@ -139,7 +150,7 @@ class KubeClient:
             if credentials.cert_file:
                 verify.load_cert_chain(credentials.cert_file, credentials.key_file)
 
-        def make_http(connections: int) -> httpx.AsyncClient:
+        def make_http(connections: int | None) -> httpx.AsyncClient:
             return httpx.AsyncClient(
                 base_url=credentials.server,
                 verify=verify,
@@ -151,11 +162,16 @@ class KubeClient:
 
         self._make_http = make_http
         self._sizes: dict[Lane, int] = {
+            "lease": 1,
             "urgent": URGENT_CONCURRENCY,
             "routine": concurrency,
             "background": BACKGROUND_CONCURRENCY,
         }
         self._lanes: dict[Lane, _LanePool] = {}
+        # Watches hold their connection for minutes: their own pool, never a lane's slot.
+        self._watch_http: httpx.AsyncClient | None = None
+        # Set by an elected operator: False once it may no longer lead (see NotLeading).
+        self.fence: Callable[[], bool] | None = None
 
     def _lane(self, lane: Lane) -> _LanePool:
         pool = self._lanes.get(lane)
@@ -167,6 +183,37 @@ class KubeClient:
         for pool in self._lanes.values():
             await pool.http.aclose()
         self._lanes.clear()
+        if self._watch_http is not None:
+            await self._watch_http.aclose()
+            self._watch_http = None
+
+    def _headers(self, accept: str = "application/json") -> dict[str, str]:
+        headers = {"Accept": accept}
+        auth = self._creds.authorization()
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def watch(
+        self, path: str, params: dict[str, str], timeout_s: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events of one watch request (``params`` carry ``watch=1`` and friends), one
+        parsed JSON object each, until the server ends it after ``timeout_s``."""
+        if self._watch_http is None:
+            self._watch_http = self._make_http(None)  # a connection per open watch
+        KUBE_REQUESTS.labels(lane="watch", verb="WATCH").inc()
+        # The read deadline outlasts the server's own end of the watch: a connection that
+        # goes silent (bookmarks stop too) is given up and the watch resumed.
+        timeout = httpx.Timeout(10.0, read=timeout_s + 60.0)
+        async with self._watch_http.stream(
+            "GET", path, params=params, headers=self._headers(), timeout=timeout
+        ) as response:
+            if response.status_code >= 400:
+                body = (await response.aread()).decode(errors="replace")
+                raise KubeError(response.status_code, "WATCH", path, body[:500])
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
 
     async def request(
         self,
@@ -177,11 +224,10 @@ class KubeClient:
         content_type: str = "application/json",
         accept: str = "application/json",
         lane: Lane = "routine",
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        headers = {"Accept": accept}
-        auth = self._creds.authorization()
-        if auth:
-            headers["Authorization"] = auth
+        """One request; ``timeout_s`` overrides the client's deadline for this one."""
+        headers = self._headers(accept)
         if body is not None:
             headers["Content-Type"] = content_type
         pool = self._lane(lane)
@@ -189,8 +235,13 @@ class KubeClient:
         queued = time.monotonic()
         async with pool.limit:
             pool.wait.observe(time.monotonic() - queued)
+            # Checked after the wait for a slot, right before sending: leadership can end
+            # while a request queues.
+            if self.fence is not None and method != "GET" and lane != "lease" and not self.fence():
+                raise NotLeading(f"{method} {path}: refused, this replica no longer leads")
+            extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
             response = await pool.http.request(
-                method, path, json=body, params=params, headers=headers
+                method, path, json=body, params=params, headers=headers, **extra
             )
         if response.status_code >= 400:
             try:
@@ -201,9 +252,13 @@ class KubeClient:
         return response.json() if response.content else {}
 
     async def get(
-        self, path: str, params: dict[str, str] | None = None, lane: Lane = "routine"
+        self,
+        path: str,
+        params: dict[str, str] | None = None,
+        lane: Lane = "routine",
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        return await self.request("GET", path, params=params, lane=lane)
+        return await self.request("GET", path, params=params, lane=lane, timeout_s=timeout_s)
 
     async def create(self, path: str, body: dict[str, Any], lane: Lane = "routine") -> bool:
         """POST; False (and no error) when the object already exists: create is idempotent."""

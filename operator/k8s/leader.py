@@ -16,6 +16,12 @@ compare-and-swap on ``resourceVersion``; the leader renews every ``retry_period_
 gives up (the process exits) if it cannot renew for ``renew_deadline_s``, which is shorter
 than the lease so it stops before anyone else may start. A leader shutting down cleanly
 releases the lease so the next one starts at once.
+
+The deadline is enforced, not just noticed: the Lease has a connection of its own (the
+client's ``lease`` lane) and each request a timeout of what is left of the deadline, so a
+slow API server cannot hold a renewal past it; and ``is_leading`` is the client's fence,
+so from the moment the deadline passes no write of this replica leaves the process, even
+one already queued or retried (``NotLeading``).
 """
 
 from __future__ import annotations
@@ -111,6 +117,20 @@ class LeaderElector:
         self._observed: LeaseRecord | None = None
         self._observed_at = 0.0
         self._last_renewal = 0.0
+        self._leading = False
+
+    def is_leading(self) -> bool:
+        """Whether this replica may still act as the leader: it holds the lease and renewed
+        it less than the renew deadline ago (by its own monotonic clock)."""
+        elapsed = time.monotonic() - self._last_renewal
+        return self._leading and elapsed < self.settings.renew_deadline_s
+
+    def _deadline_left(self) -> float:
+        """How long the next Lease request may take: what is left of the renew deadline
+        while leading, the renew deadline while a candidate."""
+        if not self._leading:
+            return self.settings.renew_deadline_s
+        return max(0.05, self.settings.renew_deadline_s - (time.monotonic() - self._last_renewal))
 
     @property
     def path(self) -> str:
@@ -122,6 +142,7 @@ class LeaderElector:
         waiting_logged = False
         while not stop.is_set():
             if await self._try():
+                self._leading = True
                 log.info(
                     "leader election: %s leads (lease %s/%s)",
                     self.settings.identity,
@@ -155,9 +176,11 @@ class LeaderElector:
                 "",
                 self.settings.identity,
             ):
+                self._leading = False
                 log.error("leader election: lost the lease to %s", self._observed.holder)
                 return
             if time.monotonic() - self._last_renewal >= self.settings.renew_deadline_s:
+                self._leading = False
                 log.error(
                     "leader election: could not renew the lease for %.0f s; stepping down",
                     self.settings.renew_deadline_s,
@@ -171,11 +194,12 @@ class LeaderElector:
         current resourceVersion (a renewal cut short may have changed it).
         """
         try:
-            lease = await self.client.get(self.path, lane="urgent")
+            self._leading = False
+            lease = await self.client.get(self.path, lane="lease")
             if LeaseRecord.of(lease).holder != self.settings.identity:
                 return False
             body = _with_spec(lease, holderIdentity="", leaseDurationSeconds=1)
-            await self.client.request("PUT", self.path, body, lane="urgent")
+            await self.client.request("PUT", self.path, body, lane="lease")
         except (KubeError, httpx.HTTPError, OSError) as exc:  # it expires on its own
             log.warning("leader election: could not release the lease: %s", exc)
             return False
@@ -187,14 +211,16 @@ class LeaderElector:
         s = self.settings
         now = time.monotonic()
         try:
-            lease: dict[str, Any] | None = await self.client.get(self.path, lane="urgent")
+            lease: dict[str, Any] | None = await self.client.get(
+                self.path, lane="lease", timeout_s=self._deadline_left()
+            )
         except KubeError as exc:
             if exc.status != 404:
                 log.warning("leader election: reading the lease failed: %s", exc)
                 return False
             lease = None
         except (httpx.HTTPError, OSError) as exc:
-            log.warning("leader election: reading the lease failed: %s", exc)
+            log.warning("leader election: reading the lease failed: %s", _describe(exc))
             return False
         record = LeaseRecord.of(lease) if lease is not None else None
         if record != self._observed:
@@ -220,21 +246,29 @@ class LeaderElector:
                     "spec": spec,
                 }
                 written = await self.client.request(
-                    "POST", f"{LEASE_API}/namespaces/{s.namespace}/leases", body, lane="urgent"
+                    "POST",
+                    f"{LEASE_API}/namespaces/{s.namespace}/leases",
+                    body,
+                    lane="lease",
+                    timeout_s=self._deadline_left(),
                 )
             else:
                 assert lease is not None
                 # resourceVersion makes this a compare-and-swap: of two candidates taking an
                 # expired lease at once, one gets 409 Conflict.
                 written = await self.client.request(
-                    "PUT", self.path, _with_spec(lease, **spec), lane="urgent"
+                    "PUT",
+                    self.path,
+                    _with_spec(lease, **spec),
+                    lane="lease",
+                    timeout_s=self._deadline_left(),
                 )
         except KubeError as exc:
             if exc.status not in (409, 404):
                 log.warning("leader election: writing the lease failed: %s", exc)
             return False
         except (httpx.HTTPError, OSError) as exc:
-            log.warning("leader election: writing the lease failed: %s", exc)
+            log.warning("leader election: writing the lease failed: %s", _describe(exc))
             return False
         self._observed, self._observed_at = LeaseRecord.of(written), now
         self._last_renewal = now
@@ -243,6 +277,11 @@ class LeaderElector:
                 "leader election: took the lease from %s", record.holder if record else "nobody"
             )
         return True
+
+
+def _describe(exc: BaseException) -> str:
+    """The error's type and text (a timeout's text is empty)."""
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
 def _with_spec(lease: dict[str, Any], **spec: Any) -> dict[str, Any]:

@@ -3,12 +3,12 @@
 The Kubernetes entry point; local mode's is ``bulkhead.operator.local.runner``. Both serve
 the workers with the same ``ControlServer``.
 
-One asyncio loop runs the Kopf operator (TrainingJob, pod and node watches) and the
+One asyncio loop runs the Kopf operator (TrainingJobs), our pod and node watches and the
 control endpoint (uvicorn serving the FastAPI app the workers talk to, which also serves
 ``/metrics`` and ``/healthz``). SIGTERM stops both; sessions stop without touching pods, so
 the next operator instance adopts the running workers. With ``--leader-elect`` several
 replicas run and only the holder of the Lease does any of this (see ``leader``); a leader
-that loses the Lease exits with code 1 so its pod restarts as a standby.
+that loses the Lease exits at once with code 1 so its pod restarts as a standby.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ def configure_logging(settings: OperatorSettings) -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
-class LeadershipLost(RuntimeError):
-    """Another replica holds the Lease now, or it could not be renewed in time."""
+EXIT_LEADERSHIP_LOST = 1  # the process's exit code when it loses the Lease
 
 
 def elector_for(settings: OperatorSettings, client: KubeClient) -> LeaderElector:
@@ -113,7 +112,8 @@ async def serve_liveness(host: str, port: int) -> asyncio.Server:
 async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -> None:
     """Run the operator until ``stop`` is set (or SIGTERM/SIGINT in the main thread).
 
-    Raises ``LeadershipLost`` when, elected, it loses the Lease.
+    Elected, it exits the process (code ``EXIT_LEADERSHIP_LOST``) the moment it loses the
+    Lease.
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -128,10 +128,15 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
         else None
     )
     elector = elector_for(settings, client) if settings.leader_elect else None
+    # Built before the election (a standby is ready to serve the moment it leads): the
+    # app's construction takes seconds on a loaded node, and an elected leader must be
+    # free to renew its Lease from the first moment.
+    registry = SessionRegistry()
+    app = create_control_app(registry)
     try:
         if elector is not None and not await elector.acquire(stop):
             return  # stopped while a standby
-        await _lead(settings, client, credentials, elector, stop)
+        await _lead(settings, client, credentials, elector, stop, registry, app)
     finally:
         if liveness is not None:
             liveness.close()
@@ -144,25 +149,31 @@ async def _lead(
     credentials: Any,
     elector: LeaderElector | None,
     stop: asyncio.Event,
+    registry: SessionRegistry,
+    app: Any,
 ) -> None:
     """Everything the (elected) operator does, until ``stop`` or lost leadership."""
-    lost = False
 
     async def keep_lease() -> None:
-        nonlocal lost
         assert elector is not None
         await elector.keep(stop)
         if not stop.is_set():
-            lost = True
-            stop.set()
+            # Deposed: lost to another replica, or not renewed within the renew deadline,
+            # so another replica may lead now. Every write is fenced off already; exiting
+            # at once also stops serving the workers and ends every retry, where a graceful
+            # stop (sessions, pending pod creates) could outlast the lease. The workers are
+            # untouched; the pod restarts as a standby and the leader adopts the jobs.
+            log.error("leadership lost: exiting now so the pod restarts as a standby")
+            logging.shutdown()
+            os._exit(EXIT_LEADERSHIP_LOST)
 
-    registry = SessionRegistry()
+    keeper = None
+    if elector is not None:
+        client.fence = elector.is_leading  # no write leaves once the lease may be lost
+        keeper = asyncio.create_task(keep_lease(), name="lease")
     # The same control endpoint as local mode; binding raises at once if the port is taken.
-    server = ControlServer(
-        create_control_app(registry), host=settings.listen_host, port=settings.listen_port
-    )
+    server = ControlServer(app, host=settings.listen_host, port=settings.listen_port)
     await server.start()
-    keeper = asyncio.create_task(keep_lease(), name="lease") if elector else None
     if elector is not None and settings.pod_name:
         await route_to(client, settings.operator_namespace, settings.pod_name)
     port = server.port
@@ -171,6 +182,7 @@ async def _lead(
 
     runtime = OperatorRuntime(client, settings, registry, control_url)
     untaint = asyncio.create_task(runtime.untaint_loop(), name="untaint")
+    feeds = [asyncio.create_task(feed.run(), name=feed.name) for feed in runtime.feeds()]
     try:
         await kopf.operator(
             registry=build_registry(runtime, credentials),
@@ -181,19 +193,19 @@ async def _lead(
             stop_flag=stop,
         )
     finally:
-        log.info("operator stopping%s", " (leadership lost)" if lost else "")
+        log.info("operator stopping")
         untaint.cancel()
+        for feed in feeds:
+            feed.cancel()
         await runtime.shutdown()
         await server.stop()
         if keeper is not None:
             keeper.cancel()
-        if elector is not None and not lost:
+        if elector is not None:
             if settings.pod_name:
                 with contextlib.suppress(KubeError, httpx.HTTPError, OSError):
                     await route_to(client, settings.operator_namespace, None)
             await elector.release()
-    if lost:
-        raise LeadershipLost("the operator lost its Lease; exiting so the pod restarts")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -247,11 +259,7 @@ def main(namespaces: tuple[str, ...], **options: Any) -> None:
     settings = OperatorSettings(**overrides)
     configure_logging(settings)
     log.info("starting: %s", settings.model_dump(exclude={"kubeconfig", "agent_report_token"}))
-    try:
-        run_event_loop(serve(settings))
-    except LeadershipLost as exc:
-        log.error("%s", exc)
-        sys.exit(1)
+    run_event_loop(serve(settings))
 
 
 if __name__ == "__main__":

@@ -70,5 +70,10 @@ def job_selector(job: str) -> dict[str, str]:
     return {LABEL_JOB: job, LABEL_COMPONENT: WORKER_COMPONENT}
 
 
+def all_workers_selector() -> dict[str, str]:
+    """Labels that select the worker pods of every job this operator manages."""
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_COMPONENT: WORKER_COMPONENT}
+
+
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

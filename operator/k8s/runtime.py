@@ -47,6 +47,7 @@ from bulkhead.operator.k8s.metrics import RECONCILE_ERRORS
 from bulkhead.operator.k8s.nodes import NodeActions
 from bulkhead.operator.k8s.settings import OperatorSettings
 from bulkhead.operator.k8s.status_writer import StatusWriter
+from bulkhead.operator.k8s.watch import CollectionWatch
 from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
@@ -241,6 +242,23 @@ class OperatorRuntime:
             await handle.driver.close(flush=True)
         self.jobs.clear()
 
+    # ------------------------------------------------------------------ feeds
+
+    def feeds(self) -> list[CollectionWatch]:
+        """The watches that feed this runtime: worker pods (per watched namespace, or the
+        whole cluster) and nodes."""
+        workers = names.selector_string(names.all_workers_selector())
+        pod_paths = [core_path("pods", ns) for ns in self.settings.namespaces] or [
+            core_path("pods")
+        ]
+        pods = [
+            CollectionWatch(
+                self.client, path, self.on_pod_event, label_selector=workers, name=f"pods {path}"
+            )
+            for path in pod_paths
+        ]
+        return [*pods, CollectionWatch(self.client, core_path("nodes"), self.on_node_change)]
+
     # ------------------------------------------------------------------ pods
 
     def _remember_node(self, namespace: str, pod: dict[str, Any]) -> None:
@@ -289,6 +307,12 @@ class OperatorRuntime:
 
     def _jobs_on(self, node: str) -> set[JobId]:
         return {job for job, where in self._pod_node.values() if where == node and job in self.jobs}
+
+    async def on_node_change(self, event_type: str, node: dict[str, Any]) -> None:
+        if event_type == "DELETED":
+            self.node_deleted(node["metadata"]["name"])
+        else:
+            await self.on_node_event(node)
 
     async def on_node_event(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
