@@ -3,8 +3,9 @@
 Like node-problem-detector's one ``types`` package, this is the only place that says what
 the ``BulkheadAnomaly`` Node condition means: its type, its reasons, each reason's default
 severity, the order of severities, the format of the condition message and its parser, and
-the timestamp format of condition and Event times, and how a message names the metrics
-to blame (:func:`format_blame` / :func:`parse_blame`).
+the timestamp format of condition and Event times, how a message names the metrics to
+blame (:func:`format_blame` / :func:`parse_blame`), and which problems may take a node
+out of service (:func:`may_evict`, :func:`narrow_evictions`).
 
 Why the severity travels in the message: a Node condition has only ``type``, ``status``,
 ``reason`` and ``message`` (the API server drops any other field), and ``reason`` is taken by
@@ -16,10 +17,11 @@ below, so the format cannot drift between them.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from bulkhead.api.spec import Severity
+from bulkhead.api.spec import Severity, TrainingJobSpec
 
 CONDITION_TYPE = "BulkheadAnomaly"
 
@@ -79,6 +81,41 @@ DEFAULT_SEVERITY: dict[Reason, Severity] = {
 _SEVERITY_IN_MESSAGE = re.compile(
     r"^\s*(info|warning|critical):|\bseverity[=:]\s*(info|warning|critical)\b", re.IGNORECASE
 )
+
+
+# Problems the job causes itself: the agent sees them in the training metrics its workers
+# report (a NaN loss, a stall, a slow rank), so they say more about the job than about the
+# node. They never take a node out of service, whatever a job asks: a NaN bug would
+# otherwise taint every node the job lands on, more at each restart. The lifecycle manager
+# handles them as job events (it replaces a hung or silent worker itself).
+JOB_CAUSED: frozenset[Reason] = frozenset({Reason.NAN_LOSS, Reason.HANG, Reason.STRAGGLER})
+
+# What the cluster allows when the operator is not told otherwise.
+DEFAULT_EVICT_SEVERITIES: tuple[Severity, ...] = ("critical",)
+
+
+def job_caused(reason: str) -> bool:
+    return reason in {r.value for r in JOB_CAUSED}
+
+
+def may_evict(reason: str, severity: str, allowed: Collection[str]) -> bool:
+    """Whether a node problem takes the node out of service (cordon and taint)."""
+    return severity in allowed and not job_caused(reason)
+
+
+def narrow_evictions(
+    spec: TrainingJobSpec, cluster_allows: Collection[str]
+) -> tuple[TrainingJobSpec, list[str]]:
+    """The job's ``evictSeverities`` narrowed to what the cluster allows (an operator
+    setting: tainting a node takes it from every job, so it is the cluster's decision; a
+    job may only ask for less), and the severities it asked for and may not have."""
+    ft = spec.fault_tolerance
+    kept = [s for s in ft.evict_severities if s in cluster_allows]
+    refused = [s for s in ft.evict_severities if s not in cluster_allows]
+    if not refused:
+        return spec, []
+    narrowed = ft.model_copy(update={"evict_severities": kept})
+    return spec.model_copy(update={"fault_tolerance": narrowed}), refused
 
 
 def format_message(severity: str, subject: str, message: str) -> str:

@@ -698,7 +698,9 @@ class FaultToleranceConfig(SpecModel):
     )
     evict_severities: list[Severity] = Field(
         default_factory=lambda: ["critical"],
-        description="Node anomaly severities that evict the node.",
+        description="Node anomaly severities that evict the node, within what the "
+        "operator allows (its evictSeverities setting, default critical): a job may only "
+        "narrow it. Problems the job causes itself (NaN loss, hang, straggler) never evict.",
     )
     spares: int = Field(
         0,

@@ -108,6 +108,28 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "API server stalls the leader's requests (two operator replicas)",
+        "the leader's renewals time out at its renew deadline, every later write is refused "
+        "in-process, and it exits before the standby takes the Lease",
+        (
+            "tests/operator/test_k8s_fencing.py::"
+            "test_a_stalled_leader_is_fenced_and_gone_before_the_standby_leads",
+            "tests/operator/test_k8s_fencing.py::"
+            "test_writes_are_refused_before_sending_once_the_fence_closes",
+        ),
+    ),
+    Fault(
+        "NaN loss reported as a node problem, with warnings in a job's evictSeverities",
+        "no node is tainted: a job's own problems never evict, and a job may only narrow the "
+        "severities the cluster evicts for (an Event says what was refused)",
+        (
+            "tests/operator/test_k8s_operator.py::"
+            "test_a_job_cannot_make_its_own_problems_taint_nodes",
+            "tests/lifecycle/test_policy.py::"
+            "test_problems_the_job_causes_itself_never_evict_even_when_the_job_asks",
+        ),
+    ),
+    Fault(
         "checkpoint sidecar killed mid-persist",
         "nothing half-written becomes visible; the restarted sidecar persists again",
         (

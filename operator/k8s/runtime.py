@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bulkhead.api.manifest import ManifestError, parse_spec
+from bulkhead.api.node_problems import may_evict, narrow_evictions
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
@@ -111,13 +112,14 @@ class OperatorRuntime:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         try:
-            spec = parse_spec(body.get("spec"), source=f"{namespace}/{name}")
+            asked = parse_spec(body.get("spec"), source=f"{namespace}/{name}")
         except ManifestError as exc:
             errors = "; ".join(str(e) for e in exc.errors)
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
             status = invalid_status(errors, datetime.now(UTC))
             await StatusWriter(self.client, namespace, name).write_now(status)
             return
+        spec, refused = narrow_evictions(asked, self.settings.evict_severities)
         status = self._persisted_status(body.get("status"))
         if status is not None and status.phase in ("Succeeded", "Failed"):
             log.info("job %s/%s is %s; nothing to run", namespace, name, status.phase)
@@ -165,6 +167,14 @@ class OperatorRuntime:
         self.jobs[(namespace, name)] = handle
         self.registry.add(session)
         await session.start()
+        if refused:
+            await handle.driver.record_event(
+                "EvictSeveritiesNarrowed",
+                f"faultTolerance.evictSeverities asks for {', '.join(refused)}, which this "
+                "cluster does not let a job evict nodes for; evicting for "
+                f"{', '.join(spec.fault_tolerance.evict_severities) or 'nothing'} only",
+                warning=True,
+            )
         for pod in pods:
             self._remember_node(namespace, pod)
             await self._tell(handle, pod, deleted=False)
@@ -345,9 +355,10 @@ class OperatorRuntime:
             for job in jobs:
                 self.jobs[job].session.observe(NodeAnomaly(name, top.reason, top.severity))
             idle_eviction = not jobs and self.settings.evict_idle_nodes
+            allowed = self.settings.evict_severities
             if (
                 idle_eviction
-                and top.severity == "critical"
+                and may_evict(top.reason, top.severity, allowed)
                 and await self.nodes.evict(name, top.reason)
             ):
                 EVICTIONS.labels(reason=top.reason).inc()

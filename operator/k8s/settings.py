@@ -5,7 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from bulkhead.api.node_problems import DEFAULT_EVICT_SEVERITIES
 from bulkhead.api.protocol import AGENT_PORT
+from bulkhead.api.spec import Severity
 
 
 class OperatorSettings(BaseSettings):
@@ -50,8 +52,16 @@ class OperatorSettings(BaseSettings):
             "0 = never (taints stay until an admin removes them)."
         ),
     )
+    evict_severities: list[Severity] = Field(
+        default_factory=lambda: list(DEFAULT_EVICT_SEVERITIES),
+        description="Node problem severities that may take a node out of service (cordon "
+        "and taint), for every job: a job's faultTolerance.evictSeverities is narrowed to "
+        "these. Problems a job causes itself (NaN loss, hang, straggler) never do.",
+    )
     evict_idle_nodes: bool = Field(
-        False, description="Also taint nodes with a critical anomaly that run no worker."
+        False,
+        description="Also take nodes that run no worker out of service for a problem of "
+        "a severity in evict_severities.",
     )
     node_event_namespace: str = Field(
         "default",

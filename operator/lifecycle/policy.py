@@ -34,6 +34,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import replace
 
+from bulkhead.api.node_problems import job_caused, may_evict
 from bulkhead.api.protocol import CompletionReport, ProgressReport, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle.actions import PolicyActions
@@ -218,8 +219,9 @@ class _Policy(PolicyActions):
         self.lose([slot for slot, _ in cut], "partition", warning_detail=f"{names} (partition)")
 
     def on_node_anomaly(self, ev: NodeAnomaly) -> None:
-        if ev.severity not in self.cfg.evict_severities:
-            self.event("NodeAnomaly", f"{ev.node}: {ev.reason} ({ev.severity})", warning=True)
+        if not may_evict(ev.reason, ev.severity, self.cfg.evict_severities):
+            why = " (caused by the job's own training: never evicts)" * job_caused(ev.reason)
+            self.event("NodeAnomaly", f"{ev.node}: {ev.reason} ({ev.severity}){why}", warning=True)
             return
         if ev.node in self.state.evicted_nodes:
             return

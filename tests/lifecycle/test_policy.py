@@ -233,6 +233,19 @@ def test_critical_node_anomaly_evicts_and_replaces() -> None:
     assert _of(EvictNode, decisions) == [] and _of(StopWorker, decisions) == []
 
 
+def test_problems_the_job_causes_itself_never_evict_even_when_the_job_asks() -> None:
+    """A NaN bug must not taint every node the job lands on (issue 36, item 6)."""
+    sim = Sim(make_spec(evictSeverities=["warning", "critical"]))
+    sim.start_and_register_all()
+    for reason in ("NanLoss", "Hang", "Straggler"):
+        decisions = sim.feed(NodeAnomaly("node-1", reason, "warning"))
+        assert _of(EvictNode, decisions) == [] and _of(StopWorker, decisions) == []
+    assert sim.state.evicted_nodes == ()
+    # The same severity for a problem of the node itself does evict, as the job asked.
+    decisions = sim.feed(NodeAnomaly("node-2", "ThermalThrottle", "warning"))
+    assert _of(EvictNode, decisions)[0].node == "node-2"
+
+
 def test_crash_loop_before_registering_backs_off_then_fails() -> None:
     sim = Sim(make_spec(workers=2, maxRestarts=2, backoff={"initialSeconds": 1}))
     sim.feed(JobStarted())

@@ -71,7 +71,12 @@ def _form_generation(job: Job, operator: OperatorProcess, count: int) -> dict[st
     return workers
 
 
-def _set_anomaly(cluster, node: str, reason: str = "XidError") -> None:
+def _set_anomaly(
+    cluster,
+    node: str,
+    reason: str = "XidError",
+    message: str = "xid 79: GPU has fallen off the bus",
+) -> None:
     patch = {
         "status": {
             "conditions": [
@@ -79,7 +84,7 @@ def _set_anomaly(cluster, node: str, reason: str = "XidError") -> None:
                     "type": "BulkheadAnomaly",
                     "status": "True",
                     "reason": reason,
-                    "message": "xid 79: GPU has fallen off the bus",
+                    "message": message,
                     "lastHeartbeatTime": "2026-01-01T00:00:00Z",
                     "lastTransitionTime": "2026-01-01T00:00:00Z",
                 }
@@ -288,3 +293,41 @@ def test_a_spare_pod_takes_a_lost_workers_place_in_one_generation(
     wait_until(lambda: job.status().get("workers") == "2/2 +1/1 spare", "the new spare ready")
     assert job.status()["membership"]["generation"] == replaced["generation"]
     assert operator.alive()
+
+
+def _our_taint(cluster, node: str) -> str | None:
+    taints = cluster.get_json("node", node)["spec"].get("taints", [])
+    return next((t["value"] for t in taints if t["key"] == "bulkhead.dev/unhealthy"), None)
+
+
+def test_a_job_cannot_make_its_own_problems_taint_nodes(k8s_cluster, k8s_namespace, zone, operator):
+    """Issue 36, item 6: a job asks to evict for warnings (refused: the cluster allows
+    critical only) and its workers' NaN loss arrives as a critical node problem; only the
+    node's own fault (an XID) taints its node."""
+    zone_name, _ = zone
+    job = Job(k8s_cluster, k8s_namespace, "nan")
+    manifest = job_manifest(
+        "nan",
+        k8s_namespace,
+        zone_name,
+        workers=2,
+        faultTolerance={"maxFailures": 1, "evictSeverities": ["warning", "critical"]},
+    )
+    _apply(k8s_cluster, manifest)
+    workers = _form_generation(job, operator, 2)
+    wait_until(lambda: job.status().get("phase") == "Running", "phase Running")
+    narrowed = wait_until(
+        lambda: [e for e in job.events() if e["reason"] == "EvictSeveritiesNarrowed"],
+        "the narrowing Event",
+    )
+    assert "warning" in narrowed[0]["message"]
+    nan_node, xid_node = (workers[w].node for w in sorted(workers))
+    _set_anomaly(k8s_cluster, nan_node, "NanLoss", "critical: rank 0: loss is NaN at step 7")
+    wait_until(
+        lambda: any("never evicts" in e["message"] for e in job.events()),
+        "the NaN reported as the job's own problem",
+    )
+    _set_anomaly(k8s_cluster, xid_node)
+    wait_until(lambda: _our_taint(k8s_cluster, xid_node) == "XidError", "the XID node tainted")
+    assert _our_taint(k8s_cluster, nan_node) is None
+    assert not k8s_cluster.get_json("node", nan_node)["spec"].get("unschedulable")
