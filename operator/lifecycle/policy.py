@@ -287,12 +287,14 @@ class _Policy(PolicyActions):
             productive = productive | {slot.index for slot in s.slots if self.is_member(slot)}
             slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
         checkpoint = r.checkpoint_step if r.checkpoint_step is not None else s.last_checkpoint_step
+        evaluated = [f.val_loss for f in r.figures() if f.val_loss is not None]
         self.state = replace(
             s,
             step=r.step,
             has_progress=True,
             step_generation=r.generation,
             loss=r.loss if r.loss is not None else s.loss,
+            val_loss=evaluated[-1] if evaluated else s.val_loss,
             last_checkpoint_step=checkpoint,
             last_progress_at=self.now,
             losses_since_progress=0,
