@@ -176,3 +176,48 @@ def test_a_report_carrying_several_steps_dates_each_by_its_age() -> None:
         await session.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_validation_loss_reaches_the_status_and_its_series() -> None:
+    """An evaluation's loss, carried with the step it followed (also among ``earlier``
+    steps), is the status' valLoss and ``bulkhead_job_val_loss`` until the next one; an
+    evaluation the next generation redoes for the same step still counts."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        spec = TrainingJobSpec.model_validate(
+            {
+                "workers": 2,
+                "minWorkers": 1,
+                "trainer": {"steps": 100, "eval": {"intervalSteps": 2}},
+                "faultTolerance": {"maxFailures": 1, "hangTimeoutSeconds": 600},
+            }
+        )
+        session = _session(spec, clock)
+        await session.start()
+        w0, w1 = (session.state.ref(s).id for s in session.state.slots)
+        for i, w in enumerate((w0, w1)):
+            await session.register(RegisterRequest(worker=w, address=f"h:{i}"))
+        await session.progress(ProgressReport(worker=w0, generation=1, step=0, loss=3.0))
+        assert session.status.val_loss is None
+        assert ("bulkhead_job_val_loss", ()) not in _samples()
+        # Steps 1..2 in one request: step 1 evaluated (among ``earlier``), step 2 not.
+        clock.t += 1.0
+        earlier = [StepFigures(step=1, loss=2.9, val_loss=3.25)]
+        await session.progress(
+            ProgressReport(worker=w0, generation=1, step=2, loss=2.8, earlier=earlier)
+        )
+        assert session.status.val_loss == 3.25
+        assert session.status.wire()["valLoss"] == 3.25  # the printer column's path
+        assert _samples()[("bulkhead_job_val_loss", ())] == 3.25
+        # w1 dies during the evaluation after step 3: the next generation redoes it.
+        await session.progress(ProgressReport(worker=w0, generation=1, step=3, loss=2.7))
+        session.observe(WorkerExited(w1, reason="Error: exit code 1"))
+        assert session.state.generation == 2
+        await session.progress(ProgressReport(worker=w0, generation=2, step=3, val_loss=3.0))
+        assert session.status.val_loss == 3.0 and session.status.loss == 2.7
+        assert session.state.phase == "Running" and session.state.lost_steps == 0
+        assert _samples()[("bulkhead_job_val_loss", ())] == 3.0
+        await session.stop()
+
+    asyncio.run(scenario())

@@ -90,3 +90,33 @@ def test_each_generation_s_plan_is_named_shortly_on_the_plot() -> None:
         "data parallel: every worker holds the whole state (4 copies)"
     )
     assert plan_label(data_parallel) == "g1: 4w"
+
+
+def test_the_validation_loss_is_shown_live_and_drawn_on_the_plot(tmp_path: Path) -> None:
+    console = Console(record=True, force_terminal=False, width=200)
+    rows = [
+        MetricRow(t=float(s), step=s, loss=5.0 - s / 10, tokens_per_s=None, generation=1,
+                  workers=2, val_loss=4.75 - s / 20 if s % 5 == 4 else None)
+        for s in range(20)
+    ]  # fmt: skip
+    with LiveView("demo", 100, console=console) as view:
+        for row in rows[:12]:
+            view.on_metric(row)
+    text = console.export_text()
+    assert "step 11/100  loss 4.0000  val 4.3000" in text  # the newest evaluation, step 9
+    live = Console(record=True, force_terminal=True, width=100)
+    with LiveView("demo", 100, console=live) as view:
+        for row in rows:
+            view.on_metric(row)
+    assert "3.8000 (after step 20)" in live.export_text()
+
+    def orange_pixels(metrics: list[MetricRow], name: str) -> int:
+        import matplotlib.image
+
+        image = matplotlib.image.imread(plot_run(metrics, [], tmp_path / name, "demo"))
+        r, g, b = image[..., 0], image[..., 1], image[..., 2]  # tab:orange is (255, 127, 14)
+        return int(((r > 0.9) & (abs(g - 0.5) < 0.1) & (b < 0.2)).sum())
+
+    assert orange_pixels(rows, "with.png") > 100
+    no_eval = [MetricRow(**{**r.__dict__, "val_loss": None}) for r in rows]
+    assert orange_pixels(no_eval, "without.png") == 0
