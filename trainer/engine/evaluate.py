@@ -30,6 +30,7 @@ import torch.distributed as dist
 from bulkhead.trainer.data import TokenDataset, step_positions
 from bulkhead.trainer.engine.engine import Engine
 from bulkhead.trainer.engine.pipeline import PipelineEngine, _Inbox
+from bulkhead.trainer.engine.world import CollectiveError
 from bulkhead.trainer.engine.zero import fsdp_modules
 from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
@@ -58,7 +59,10 @@ def evaluate(engine: Engine, dataset: TokenDataset, batches: int) -> EvalResult:
                 lm_sum, count = _passes(engine, dataset, batches)
         total = torch.tensor([lm_sum, float(count)], dtype=torch.float64)
         total = total.to(world.device.device)
-        world.all_reduce(total)
+        try:
+            world.all_reduce(total)
+        except CollectiveError as exc:  # say what was interrupted
+            raise CollectiveError(f"evaluation: {exc}") from exc
     finally:
         for dispatch, load in zip(dispatches, loads, strict=True):
             dispatch.load = load
