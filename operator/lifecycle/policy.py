@@ -274,6 +274,9 @@ class _Policy(PolicyActions):
             return
         self.on_persist_report(r)
         self.on_plan_report(r)
+        evaluated = [f.val_loss for f in r.figures() if f.val_loss is not None]
+        if evaluated:  # also of a step already known: another rank's completion came first
+            self.state = replace(self.state, val_loss=evaluated[-1])
         s = self.state
         if s.restarting:
             return  # a kept worker's last steps before it restores: not a resumption
@@ -287,14 +290,12 @@ class _Policy(PolicyActions):
             productive = productive | {slot.index for slot in s.slots if self.is_member(slot)}
             slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
         checkpoint = r.checkpoint_step if r.checkpoint_step is not None else s.last_checkpoint_step
-        evaluated = [f.val_loss for f in r.figures() if f.val_loss is not None]
         self.state = replace(
             s,
             step=r.step,
             has_progress=True,
             step_generation=r.generation,
             loss=r.loss if r.loss is not None else s.loss,
-            val_loss=evaluated[-1] if evaluated else s.val_loss,
             last_checkpoint_step=checkpoint,
             last_progress_at=self.now,
             losses_since_progress=0,
