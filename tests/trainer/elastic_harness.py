@@ -175,10 +175,12 @@ def worker_main(
     agent_url: str | None = None,
     slow_forward_s: float = 0.0,
     die_mid_eval: bool = False,
+    die_at_train_read: int = 0,
 ) -> None:
     """A worker process: the real ElasticTrainer with the file-based control (and, given
     ``agent_url``, reporting to that node agent; ``slow_forward_s`` makes it a straggler;
-    ``die_mid_eval``: it kills itself on its second read of evaluation samples)."""
+    ``die_mid_eval``: it kills itself on its second read of evaluation samples,
+    ``die_at_train_read``: on that read of training samples)."""
     import logging
 
     import torch
@@ -207,12 +209,13 @@ def worker_main(
     evaluation = datasets.eval
     if die_mid_eval:
         assert evaluation is not None
-        evaluation = _DiesMidway(evaluation)
+        evaluation = _DiesMidway(evaluation, 2)
+    train = _DiesMidway(datasets.train, die_at_train_read) if die_at_train_read else None
     trainer = ElasticTrainer(
         cfg,
         lambda: FileControl(base),
         WorkerIdentity(worker, "local", 0, "127.0.0.1"),
-        datasets.train,
+        train or datasets.train,
         SamplesLog(base / "samples.jsonl", cfg.global_batch_size),
         node_agent=NodeAgentReporter(agent_url, "elastic", token="t") if agent_url else None,
         eval_dataset=evaluation,
@@ -239,10 +242,11 @@ def worker_main(
 
 
 class _DiesMidway:
-    """An evaluation dataset whose second read kills this process (SIGKILL)."""
+    """A dataset whose ``fatal``-th read kills this process (SIGKILL)."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, fatal: int) -> None:
         self.dataset = dataset
+        self.fatal = fatal
         self.reads = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -250,6 +254,6 @@ class _DiesMidway:
 
     def batch(self, positions: Any) -> Any:
         self.reads += 1
-        if self.reads == 2:
+        if self.reads == self.fatal:
             os.kill(os.getpid(), signal.SIGKILL)
         return self.dataset.batch(positions)

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import torch
+import torch.distributed as dist
+
 from bulkhead.api.protocol import (
     CompletionReport,
     FaultKind,
@@ -129,6 +132,7 @@ class ElasticTrainer:
     ) -> None:
         self.cfg = cfg
         self.eval_dataset = eval_dataset  # spec.trainer.eval's samples (None: no evaluation)
+        self._evaluated_step: int | None = None  # completed steps of the last evaluation
         self.client = connect()
         self.me = identity
         self.dataset = dataset
@@ -366,10 +370,10 @@ class ElasticTrainer:
         first = True
         self.stragglers.reset()
         self._own_straggler = None
-        if self._eval_due(engine.completed_steps, total):
-            # The previous generation ended after the step this evaluation follows, before
-            # the evaluation was done and reported (a switch right after that step, or a
-            # failure during the evaluation): every rank holds the same step, so all do it.
+        if self._eval_due(engine.completed_steps, total) and not self._evaluated_here(engine):
+            # The previous generation ended after the step this evaluation follows, and no
+            # survivor finished the evaluation (a switch right after that step, or a
+            # failure during the evaluation): every rank holds the same step, all redo it.
             self._report_evaluation(view, engine, self._evaluate(engine))
         while engine.completed_steps < total:
             # A rank told to stop (evicted, or the job is over) does not stop the others:
@@ -490,9 +494,19 @@ class ElasticTrainer:
             return False
         return completed % spec.interval_steps == 0 or completed == (total or self.cfg.steps)
 
+    def _evaluated_here(self, engine: Engine) -> bool:
+        """Whether some rank already finished the evaluation of the state it holds (the
+        failure came later, in the next step): a generation's start does not redo it.
+        Collective: every rank answers the same."""
+        done = self._evaluated_step == engine.completed_steps
+        flag = torch.tensor([1.0 if done else 0.0], device=engine.world.device.device)
+        engine.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _evaluate(self, engine: Engine) -> EvalResult:
         assert self.cfg.eval is not None and self.eval_dataset is not None
         result = evaluate(engine, self.eval_dataset, self.cfg.eval.batches)
+        self._evaluated_step = result.step
         log.info(
             "evaluation after step %d: val_loss %.4f (%d samples, %.2fs)",
             result.step - 1,
