@@ -7,6 +7,12 @@ collective error (report it, wait for the manager's next generation) -> keep thi
 state, tear the world down -> repeat. The state lives in this process, so survivors of a
 reconfiguration lose no step; checkpoints are read only when some piece of the state has
 no surviving holder, or when the manager says none survived (``restoreFromCheckpoint``).
+
+With ``spec.trainer.eval`` the state after every ``intervalSteps``-th step and after the
+last is evaluated (``engine.evaluate``) before that step is reported, and the report
+carries the validation loss. An evaluation a generation did not finish (a failure during
+it, or a switch right after its step) is done first thing in the next generation, unless
+some survivor finished it.
 """
 
 from __future__ import annotations
