@@ -46,6 +46,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {
+        "name": "ValLoss",
+        "type": "number",
+        "jsonPath": ".status.valLoss",
+        "description": "validation loss of the newest evaluation",
+        "priority": 1,
+    },
+    {
         "name": "Checkpoint",
         "type": "integer",
         "jsonPath": ".status.lastCheckpointStep",

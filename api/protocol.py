@@ -194,6 +194,9 @@ class StepFigures(Model):
     loss: float | None = None
     step_time_s: float | None = Field(None, ge=0)
     tokens_per_s: float | None = Field(None, ge=0)
+    val_loss: float | None = Field(
+        None, description="Validation loss of the evaluation that followed this step, if one did."
+    )
     age_s: float = Field(
         0.0,
         ge=0,
@@ -219,6 +222,7 @@ class ProgressReport(Model):
     loss: float | None = None
     step_time_s: float | None = Field(None, ge=0)
     tokens_per_s: float | None = Field(None, ge=0)
+    val_loss: float | None = Field(None, description="As in StepFigures, for ``step``.")
     age_s: float = Field(0.0, ge=0, description="As in StepFigures, for ``step``.")
     earlier: list[StepFigures] = Field(
         default_factory=list,
@@ -261,6 +265,7 @@ class ProgressReport(Model):
             loss=self.loss,
             step_time_s=self.step_time_s,
             tokens_per_s=self.tokens_per_s,
+            val_loss=self.val_loss,
             age_s=self.age_s,
         )
         return [*self.earlier, own]

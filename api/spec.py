@@ -608,6 +608,57 @@ class DataConfig(SpecModel):
         return self
 
 
+class EvalConfig(SpecModel):
+    """Validation: the mean loss on held-out samples, every ``intervalSteps`` and after the
+    last step; no gradients, no optimizer step."""
+
+    interval_steps: int = Field(
+        ..., ge=1, le=1_000_000, description="Evaluate after every n-th step (and the last)."
+    )
+    batches: int = Field(
+        4,
+        ge=1,
+        le=100_000,
+        description=(
+            "Batches of globalBatchSize samples per evaluation: the same samples every time, "
+            "each rank evaluating its share."
+        ),
+    )
+    held_out_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description=(
+            "Without path: the share of the training data's samples (its tail) held out for "
+            "evaluation and never trained on (default 0.05)."
+        ),
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "format tokens: a directory made by 'bulkhead data prepare' (same tokenizer) to "
+            "evaluate on instead of a held-out split; the training data is then not split."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if self.path is not None and self.held_out_fraction is not None:
+            raise _rule(
+                "heldOutFraction",
+                "splits the training data, path evaluates on another directory: set one",
+            )
+        return self
+
+    @property
+    def held_out(self) -> float:
+        """The held-out share of the training samples (0 when evaluating on ``path``)."""
+        if self.path is not None:
+            return 0.0
+        return self.held_out_fraction if self.held_out_fraction is not None else 0.05
+
+
 class TrainerConfig(SpecModel):
     """What each worker trains: model, parallelism, batch, optimizer, data, step count."""
 
@@ -617,6 +668,9 @@ class TrainerConfig(SpecModel):
     steps: int = Field(200, ge=1, le=1_000_000_000, description="Optimizer steps to train.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig | None = Field(
+        None, description="Validation loss on held-out data (omit: no evaluation)."
+    )
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed of the model initialisation.")
     log_interval_steps: int = Field(
         1, ge=1, le=1_000_000, description="Progress report every n steps."
@@ -630,6 +684,17 @@ class TrainerConfig(SpecModel):
             "reported step since the last (0: one request per report)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _eval_path_is_tokens(self) -> TrainerConfig:
+        if self.eval is not None and self.eval.path is not None and self.data.format != "tokens":
+            raise _rule(
+                "eval.path",
+                "is a prepared token directory, read with data format tokens only (text "
+                "data evaluates on a held-out split: omit path), got {p}",
+                p=self.eval.path,
+            )
+        return self
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> TrainerConfig:

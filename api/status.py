@@ -96,6 +96,9 @@ class TrainingJobStatus(Model):
     )
     step: int = Field(0, ge=0, description="Last optimizer step completed (0-based).")
     loss: float | None = Field(None, description="Training loss of the last reported step.")
+    val_loss: float | None = Field(
+        None, description="Validation loss of the newest evaluation (spec.trainer.eval)."
+    )
     last_checkpoint_step: int | None = Field(
         None, description="Newest step with a checkpoint snapshot, as workers report it."
     )

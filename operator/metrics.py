@@ -85,6 +85,12 @@ JOB_LOSS = Gauge(
     JOB_LABELS,
     registry=REGISTRY,
 )
+JOB_VAL_LOSS = Gauge(
+    "bulkhead_job_val_loss",
+    "Validation loss of the newest evaluation (spec.trainer.eval).",
+    JOB_LABELS,
+    registry=REGISTRY,
+)
 JOB_TOKENS_PER_SECOND = Gauge(
     "bulkhead_job_tokens_per_second",
     "Job throughput: tokens of newly completed steps per wall second over recent reports "
@@ -163,6 +169,7 @@ JOB_RESTARTS = Counter(
 _PER_JOB = (
     JOB_STEP,
     JOB_LOSS,
+    JOB_VAL_LOSS,
     JOB_TOKENS_PER_SECOND,
     JOB_STEP_SECONDS,
     JOB_WORKERS_LIVE,
@@ -216,6 +223,7 @@ class JobSeries:
         loss: float | None,
         persisted_step: int | None = None,
         persist_failing: bool = False,
+        val_loss: float | None = None,
     ) -> None:
         """What the policy state says about the job (called after every change)."""
         if self._closed:
@@ -224,6 +232,8 @@ class JobSeries:
             JOB_STEP.labels(**self.labels).set(step)
         if loss is not None:
             JOB_LOSS.labels(**self.labels).set(loss)
+        if val_loss is not None:
+            JOB_VAL_LOSS.labels(**self.labels).set(val_loss)
         JOB_GENERATION.labels(**self.labels).set(generation)
         JOB_WORKERS_LIVE.labels(**self.labels).set(live)
         JOB_WORKERS_DESIRED.labels(**self.labels).set(desired)

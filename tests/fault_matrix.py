@@ -49,6 +49,17 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "kill -9 of a worker during an evaluation",
+        "survivors keep the step it follows, re-form and evaluate that step again (not when "
+        "a survivor had finished it); no step redone",
+        (
+            "tests/trainer/test_elastic_eval.py::"
+            "test_an_evaluation_is_redone_only_when_no_survivor_finished_it",
+            "tests/engine/test_evaluate.py::"
+            "test_a_kill_mid_evaluation_is_survived_and_the_evaluation_redone",
+        ),
+    ),
+    Fault(
         "kill -9 of rank 0",
         "same as any worker: rank 0 holds no special state",
         ("tests/local/test_end_to_end.py::test_survives_killing_a_worker_and_the_coordinator",),

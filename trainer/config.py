@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bulkhead.api.spec import DataConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainingJobSpec
+from bulkhead.api.spec import (
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    TrainingJobSpec,
+)
 
 if TYPE_CHECKING:  # the families import torch; planning imports this module without it
     from bulkhead.trainer.models.protocol import ModelFamily
@@ -198,6 +205,7 @@ class TrainConfig:
     steps: int
     seed: int
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig | None = None  # spec.trainer.eval: validation loss, if set
     log_interval_steps: int = 1
     report_interval_s: float = 0.5  # the job's reportIntervalSeconds
     checkpoint_interval_steps: int = 50
@@ -245,6 +253,7 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         steps=trainer.steps,
         seed=trainer.seed,
         data=trainer.data,
+        eval=trainer.eval,
         log_interval_steps=trainer.log_interval_steps,
         report_interval_s=trainer.report_interval_seconds,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,

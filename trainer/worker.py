@@ -153,7 +153,7 @@ def run(env: Mapping[str, str]) -> int:
 
     import torch
 
-    from bulkhead.trainer.data import DataError, open_dataset
+    from bulkhead.trainer.data import DataError, open_datasets
     from bulkhead.trainer.runtime.loop import ElasticTrainer, NoGeneration, Stopped, WorkerIdentity
     from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
     from bulkhead.trainer.runtime.samples_log import SamplesLog
@@ -161,7 +161,7 @@ def run(env: Mapping[str, str]) -> int:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     trainer: ElasticTrainer | None = None
     try:
-        dataset = open_dataset(cfg)
+        datasets = open_datasets(cfg)
         samples = None
         if launch.run_dir is not None:
             samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)
@@ -176,10 +176,11 @@ def run(env: Mapping[str, str]) -> int:
             cfg,
             connect,
             identity,
-            dataset,
+            datasets.train,
             samples_log=samples,
             checkpointer=_checkpointer(env, spec, launch),
             node_agent=NodeAgentReporter.from_env(env),
+            eval_dataset=datasets.eval,
         )
         trainer.run()
         return WorkerExit.DONE

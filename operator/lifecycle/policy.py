@@ -276,6 +276,9 @@ class _Policy(PolicyActions):
             return
         self.on_persist_report(r)
         self.on_plan_report(r)
+        evaluated = [f.val_loss for f in r.figures() if f.val_loss is not None]
+        if evaluated:  # also of a step already known: another rank's completion came first
+            self.state = replace(self.state, val_loss=evaluated[-1])
         s = self.state
         if s.restarting:
             return  # a kept worker's last steps before it restores: not a resumption

@@ -107,6 +107,7 @@ def rebuild(
         has_progress=has_progress,
         step_generation=status.membership.generation,
         loss=status.loss,
+        val_loss=status.val_loss,
         last_checkpoint_step=status.last_checkpoint_step,
         last_persisted_step=status.last_persisted_step,
         last_progress_at=now,

@@ -282,6 +282,7 @@ class LifecycleState:
     has_progress: bool = False
     step_generation: int = 0
     loss: float | None = None
+    val_loss: float | None = None  # of the newest evaluation a member reported
     last_checkpoint_step: int | None = None
     last_persisted_step: int | None = None
     persist_error: str | None = None  # the last persist failure a worker reported, until fixed

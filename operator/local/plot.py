@@ -1,5 +1,6 @@
-"""The PNG of a local run: loss, throughput and workers over time; failures and recoveries
-marked, and each generation's plan named where it took effect."""
+"""The PNG of a local run: loss (and validation loss, when the job evaluates), throughput and
+workers over time; failures and recoveries marked, and each generation's plan named where
+it took effect."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def plot_run(metrics: list[MetricRow], events: list[EventRow], path: Path, title
     fig, (ax_loss, ax_tput) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     t = [m.t for m in metrics]
     ax_loss.plot(t, [m.loss for m in metrics], color="tab:blue", lw=1.2, label="loss")
+    evaluated = [m for m in metrics if m.val_loss is not None]
+    if evaluated:  # a point per evaluation, joined: few points, at the steps they followed
+        ax_loss.plot(
+            [m.t for m in evaluated],
+            [m.val_loss for m in evaluated],
+            color="tab:orange",
+            lw=1.2,
+            marker="o",
+            ms=3,
+            label="validation loss",
+        )
     ax_loss.set_ylabel("loss")
     ax_tput.plot(
         t,

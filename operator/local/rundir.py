@@ -3,7 +3,8 @@
 Layout::
 
     metrics.jsonl   one line per completed step: t, step, loss, tokens_per_s (job throughput),
-                    generation, workers, worker_tokens_per_s (per-worker compute)
+                    generation, workers, worker_tokens_per_s (per-worker compute), val_loss
+                    (the evaluation after the step, if spec.trainer.eval made one)
     events.jsonl    one line per lifecycle event: t, time, reason, message, warning
     summary.json    written at the end (atomically): steps, lost steps, faults, recoveries
     plot.png        loss and throughput over time with failure and recovery markers
@@ -36,6 +37,7 @@ class MetricRow:
     # Per-worker compute throughput: the mean of the members' own reports (global batch
     # tokens / that worker's step time); not the job's rate.
     worker_tokens_per_s: float | None = None
+    val_loss: float | None = None  # the evaluation after this step, if any
 
 
 @dataclass
@@ -73,6 +75,7 @@ class RunRecorder:
         *,
         t: float | None = None,
         worker_tokens_per_s: float | None = None,
+        val_loss: float | None = None,
     ) -> MetricRow:
         """One completed step; ``t`` (seconds since the run started, default now) is the
         time the throughput was measured at, so the file and the figure agree."""
@@ -84,6 +87,7 @@ class RunRecorder:
             generation,
             workers,
             worker_tokens_per_s,
+            val_loss,
         )
         self.metrics.append(row)
         self._metrics_file.write(json.dumps(row.__dict__) + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkhead.api.manifest import parse_spec
-from bulkhead.api.protocol import ProgressReport
+from bulkhead.api.protocol import ProgressReport, StepFigures
 from bulkhead.api.spec import TrainingJob, TrainingJobSpec
 from bulkhead.operator.control import ControlServer, create_control_app
 from bulkhead.operator.driver import Observe
@@ -24,7 +24,7 @@ from bulkhead.operator.lifecycle.types import LifecycleState
 from bulkhead.operator.local.chaos import ChaosSchedule, parse_chaos
 from bulkhead.operator.local.driver import LocalDriver
 from bulkhead.operator.local.plot import plot_run
-from bulkhead.operator.local.rundir import RunRecorder
+from bulkhead.operator.local.rundir import MetricRow, RunRecorder
 from bulkhead.operator.local.sidecars import CheckpointSidecars
 from bulkhead.operator.local.throughput import JobThroughput
 from bulkhead.operator.local.view import LiveView
@@ -230,14 +230,17 @@ class LocalRun:
                 self._worker_tokens_per_s[report.worker] = figures.tokens_per_s
             key = (report.generation, figures.step)
             last = self._last_row
+            t = max(0.0, now - figures.age_s)  # when the step completed
             if (
                 last is not None
                 and figures.step <= last[1]
                 and (key[0] <= last[0] or key[1] == last[1])
             ):
+                if figures.val_loss is not None and figures.step == last[1]:
+                    # The step's evaluation came after it (redone by the next generation).
+                    view.on_metric(self._evaluation_row(recorder, figures, report, t, len(members)))
                 continue
             self._last_row = key
-            t = max(0.0, now - figures.age_s)  # when the step completed
             self.throughput.committed(t, figures.step)
             per_worker = [
                 self._worker_tokens_per_s[w] for w in members if w in self._worker_tokens_per_s
@@ -250,12 +253,32 @@ class LocalRun:
                 len(members),
                 t=t,
                 worker_tokens_per_s=sum(per_worker) / len(per_worker) if per_worker else None,
+                val_loss=figures.val_loss,
             )
             view.on_metric(row)
         if not self._armed:
             self._armed = True
             self.schedule.arm(recorder.clock())
         self._inject_due(state.step, recorder, driver)
+
+    def _evaluation_row(
+        self,
+        recorder: RunRecorder,
+        figures: StepFigures,
+        report: ProgressReport,
+        t: float,
+        workers: int,
+    ) -> MetricRow:
+        """A second row of an already recorded step, for its late validation loss."""
+        return recorder.metric(
+            figures.step,
+            figures.loss,
+            self.throughput.current(),
+            report.generation,
+            workers,
+            t=t,
+            val_loss=figures.val_loss,
+        )
 
     def _inject_due(self, step: int | None, recorder: RunRecorder, driver: LocalDriver) -> None:
         members = {
@@ -313,6 +336,7 @@ class LocalRun:
             "generation": status.membership.generation,
             "first_loss": next((r.loss for r in rows if r.loss is not None), None),
             "final_loss": status.loss,
+            "final_val_loss": status.val_loss,
             # Job throughput (see throughput.py); not the workers' compute throughput.
             "mean_tokens_per_s": round(mean_tokens_per_s, 1) if mean_tokens_per_s else None,
             "tokens_per_step": self.throughput.tokens_per_step,

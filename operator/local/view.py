@@ -1,5 +1,5 @@
-"""Live progress of a local run (rich): step, loss, tokens/s, generation, workers, recoveries
-and the parallel plan of the generation (pipelines, experts per worker).
+"""Live progress of a local run (rich): step, loss, validation loss, tokens/s, generation,
+workers, recoveries and the parallel plan of the generation (pipelines, experts per worker).
 
 On a terminal a live panel is redrawn a few times a second and events scroll above it;
 elsewhere (CI logs, pipes) events and a progress line every few steps are printed plainly.
@@ -27,6 +27,7 @@ class LiveView:
         self.enabled = enabled
         self.status: TrainingJobStatus | None = None
         self.last: MetricRow | None = None
+        self.evaluated: MetricRow | None = None  # the newest row with a validation loss
         self._live: Live | None = None
         self._printed_step = -1
         self.plan: list[str] = []  # the newest PlanApplied Event's lines
@@ -49,6 +50,8 @@ class LiveView:
 
     def on_metric(self, row: MetricRow) -> None:
         self.last = row
+        if row.val_loss is not None:
+            self.evaluated = row
         if self._live is None and self.enabled and row.step // 10 != self._printed_step // 10:
             self._printed_step = row.step
             self.console.print(self._line(), highlight=False)
@@ -74,6 +77,8 @@ class LiveView:
         parts = [f"step {row.step + 1 if row else 0}/{self.total_steps}"]
         if row and row.loss is not None:
             parts.append(f"loss {row.loss:.4f}")
+        if self.evaluated is not None:
+            parts.append(f"val {self.evaluated.val_loss:.4f}")
         if row and row.tokens_per_s:
             parts.append(f"{row.tokens_per_s:,.0f} job tok/s")
         if status:
@@ -92,6 +97,10 @@ class LiveView:
         table.add_row("phase", f"[{_STYLE.get(phase, 'white')}]{phase}[/]")
         table.add_row("step", f"{done}/{self.total_steps}")
         table.add_row("loss", f"{row.loss:.4f}" if row and row.loss is not None else "-")
+        if self.evaluated is not None:
+            table.add_row(
+                "val loss", f"{self.evaluated.val_loss:.4f} (after step {self.evaluated.step + 1})"
+            )
         # The job's rate (committed steps per wall second), then each worker's compute rate.
         table.add_row(
             "job tokens/s", f"{row.tokens_per_s:,.0f}" if row and row.tokens_per_s else "-"

@@ -510,6 +510,7 @@ class JobSession(Generic[D]):
             persisted_step=s.last_persisted_step,
             persist_failing=s.persist_error is not None,
             loss=s.loss,
+            val_loss=s.val_loss,
         )
 
     async def _hang_timer(self) -> None:

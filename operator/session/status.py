@@ -49,6 +49,7 @@ class StatusView:
             workers=workers_column(s),
             step=s.step,
             loss=s.loss,
+            val_loss=s.val_loss,
             last_checkpoint_step=s.last_checkpoint_step,
             last_persisted_step=s.last_persisted_step,
             restarts=s.restarts,

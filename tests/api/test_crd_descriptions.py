@@ -28,5 +28,12 @@ def test_every_field_and_object_is_described() -> None:
 
 def test_wide_columns_are_priority_one_and_described() -> None:
     wide = [c for c in PRINTER_COLUMNS if c.get("priority") == 1]
-    assert [c["name"] for c in wide] == ["Generation", "Loss", "Checkpoint", "Persisted", "Message"]
+    assert [c["name"] for c in wide] == [
+        "Generation",
+        "Loss",
+        "ValLoss",
+        "Checkpoint",
+        "Persisted",
+        "Message",
+    ]
     assert all(c.get("description") for c in wide)

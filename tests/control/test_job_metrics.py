@@ -12,7 +12,7 @@ import asyncio
 from control_harness import RecordingDriver
 from prometheus_client.parser import text_string_to_metric_families
 
-from bulkhead.api.protocol import ProgressReport, RegisterRequest, StepFigures
+from bulkhead.api.protocol import CompletionReport, ProgressReport, RegisterRequest, StepFigures
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator import metrics
 from bulkhead.operator.lifecycle.types import WorkerExited
@@ -173,6 +173,84 @@ def test_a_report_carrying_several_steps_dates_each_by_its_age() -> None:
         assert s[("bulkhead_job_step", ())] == 3
         assert s[("bulkhead_job_loss", ())] == 2.7
         assert s[("bulkhead_job_tokens_per_second", ())] == 200.0
+        await session.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_validation_loss_reaches_the_status_and_its_series() -> None:
+    """An evaluation's loss, carried with the step it followed (also among ``earlier``
+    steps), is the status' valLoss and ``bulkhead_job_val_loss`` until the next one; an
+    evaluation the next generation redoes for the same step still counts."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        spec = TrainingJobSpec.model_validate(
+            {
+                "workers": 2,
+                "minWorkers": 1,
+                "trainer": {"steps": 100, "eval": {"intervalSteps": 2}},
+                "faultTolerance": {"maxFailures": 1, "hangTimeoutSeconds": 600},
+            }
+        )
+        session = _session(spec, clock)
+        await session.start()
+        w0, w1 = (session.state.ref(s).id for s in session.state.slots)
+        for i, w in enumerate((w0, w1)):
+            await session.register(RegisterRequest(worker=w, address=f"h:{i}"))
+        await session.progress(ProgressReport(worker=w0, generation=1, step=0, loss=3.0))
+        assert session.status.val_loss is None
+        assert ("bulkhead_job_val_loss", ()) not in _samples()
+        # Steps 1..2 in one request: step 1 evaluated (among ``earlier``), step 2 not.
+        clock.t += 1.0
+        earlier = [StepFigures(step=1, loss=2.9, val_loss=3.25)]
+        await session.progress(
+            ProgressReport(worker=w0, generation=1, step=2, loss=2.8, earlier=earlier)
+        )
+        assert session.status.val_loss == 3.25
+        assert session.status.wire()["valLoss"] == 3.25  # the printer column's path
+        assert _samples()[("bulkhead_job_val_loss", ())] == 3.25
+        # w1 dies during the evaluation after step 3 (a step is reported after its
+        # evaluation): the next generation redoes it and reports step 3 with it.
+        session.observe(WorkerExited(w1, reason="Error: exit code 1"))
+        assert session.state.generation == 2
+        await session.progress(
+            ProgressReport(worker=w0, generation=2, step=3, loss=2.7, val_loss=3.0)
+        )
+        assert session.status.val_loss == 3.0 and session.status.loss == 2.7
+        assert session.state.phase == "Running" and session.state.lost_steps == 0
+        assert _samples()[("bulkhead_job_val_loss", ())] == 3.0
+        await session.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_last_evaluation_counts_when_another_rank_completes_first() -> None:
+    """Rank 0 reports the last step (and its evaluation) after a rank that reports no
+    progress has already sent its completion for that step."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        spec = TrainingJobSpec.model_validate(
+            {
+                "workers": 2,
+                "trainer": {"steps": 2, "eval": {"intervalSteps": 2}},
+                "faultTolerance": {"hangTimeoutSeconds": 600},
+            }
+        )
+        session = _session(spec, clock)
+        await session.start()
+        w0, w1 = (session.state.ref(s).id for s in session.state.slots)
+        for i, w in enumerate((w0, w1)):
+            await session.register(RegisterRequest(worker=w, address=f"h:{i}"))
+        await session.progress(ProgressReport(worker=w0, generation=1, step=0, loss=3.0))
+        await session.complete(CompletionReport(worker=w1, generation=1, step=1, loss=2.9))
+        await session.progress(
+            ProgressReport(worker=w0, generation=1, step=1, loss=2.9, val_loss=2.5)
+        )
+        await session.complete(CompletionReport(worker=w0, generation=1, step=1, loss=2.9))
+        assert session.status.phase == "Succeeded"
+        assert session.status.val_loss == 2.5
         await session.stop()
 
     asyncio.run(scenario())

@@ -128,7 +128,7 @@ def test_get_wide_describe_wait_and_pod_labels(
         worker.register()
     view = wait_until(lambda: (v := workers[0].membership(0)) and v["generation"] >= 1 and v, "g1")
     for worker in workers:
-        worker.progress(view["generation"], step=7, loss=1.25)
+        worker.progress(view["generation"], step=7, loss=1.25, val_loss=1.5)
 
     waited = kubectl("wait", "tj/llm", *ns, "--for=condition=Progressing", "--timeout=60s",
                      timeout=90).stdout  # fmt: skip
@@ -141,8 +141,9 @@ def test_get_wide_describe_wait_and_pod_labels(
 
     header, row = _table(kubectl("get", "tj", *ns, "-o", "wide").stdout)
     assert header == ["NAME", "PHASE", "WORKERS", "STEP", "RESTARTS", "AGE",
-                      "GENERATION", "LOSS", "CHECKPOINT", "PERSISTED", "MESSAGE"]  # fmt: skip
-    assert row[0] == "llm" and row[6:8] == [str(view["generation"]), "1.25"]
+                      "GENERATION", "LOSS", "VALLOSS", "CHECKPOINT", "PERSISTED",
+                      "MESSAGE"]  # fmt: skip
+    assert row[0] == "llm" and row[6:9] == [str(view["generation"]), "1.25", "1.5"]
 
     # describe: the spec and status read as fields, the operator's Events oldest first.
     described = kubectl("describe", "tj", "llm", *ns).stdout

@@ -1,6 +1,7 @@
 """A real job on token shards, end to end: ``bulkhead data tokenizer`` trains a BPE on the
 standard library, ``bulkhead data prepare`` tokenizes other files of it, and ``bulkhead
-run`` trains from the memory-mapped shards with a cosine schedule through a worker kill."""
+run`` trains from the memory-mapped shards with a cosine schedule and a held-out
+evaluation through a worker kill."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_a_job_trains_on_prepared_token_shards_through_a_kill(
                 "steps": steps,
                 "optimizer": {"lr": 0.01, "warmupSteps": 2, "schedule": "cosine", "minLr": 0.001},
                 "data": {"format": "tokens", "path": str(tmp_path / "shards"), "seed": 3},
+                "eval": {"intervalSteps": 5, "batches": 2},
             },
             "faultTolerance": {
                 "maxFailures": 1,
@@ -75,6 +77,11 @@ def test_a_job_trains_on_prepared_token_shards_through_a_kill(
     assert_samples_exact(run_dir, steps)
     first, last = loss_decreased(run_dir)
     assert last < first
+    # The held-out tail, evaluated after steps 5, 10, 15 and the last, whatever the kill.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {r["step"]: r["val_loss"] for r in rows if r["val_loss"] is not None}
+    assert evaluated.keys() == {4, 9, 14, 15}
+    assert summary["final_val_loss"] == evaluated[15] < evaluated[4]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert "data: " in logs and " shards of uint16 from " in logs
     # The first worker to open the shards hashed them and left stamps; later ones reused them.

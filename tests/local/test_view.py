@@ -90,3 +90,73 @@ def test_each_generation_s_plan_is_named_shortly_on_the_plot() -> None:
         "data parallel: every worker holds the whole state (4 copies)"
     )
     assert plan_label(data_parallel) == "g1: 4w"
+
+
+def test_the_validation_loss_is_shown_live_and_drawn_on_the_plot(tmp_path: Path) -> None:
+    console = Console(record=True, force_terminal=False, width=200)
+    rows = [
+        MetricRow(t=float(s), step=s, loss=5.0 - s / 10, tokens_per_s=None, generation=1,
+                  workers=2, val_loss=4.75 - s / 20 if s % 5 == 4 else None)
+        for s in range(20)
+    ]  # fmt: skip
+    with LiveView("demo", 100, console=console) as view:
+        for row in rows[:12]:
+            view.on_metric(row)
+    text = console.export_text()
+    assert "step 11/100  loss 4.0000  val 4.3000" in text  # the newest evaluation, step 9
+    live = Console(record=True, force_terminal=True, width=100)
+    with LiveView("demo", 100, console=live) as view:
+        for row in rows:
+            view.on_metric(row)
+    assert "3.8000 (after step 20)" in live.export_text()
+
+    def orange_pixels(metrics: list[MetricRow], name: str) -> int:
+        import matplotlib.image
+
+        image = matplotlib.image.imread(plot_run(metrics, [], tmp_path / name, "demo"))
+        r, g, b = image[..., 0], image[..., 1], image[..., 2]  # tab:orange is (255, 127, 14)
+        return int(((r > 0.9) & (abs(g - 0.5) < 0.1) & (b < 0.2)).sum())
+
+    assert orange_pixels(rows, "with.png") > 100
+    no_eval = [MetricRow(**{**r.__dict__, "val_loss": None}) for r in rows]
+    assert orange_pixels(no_eval, "without.png") == 0
+
+
+def test_a_late_evaluation_of_a_recorded_step_gets_its_own_row(tmp_path: Path) -> None:
+    """A generation that evaluates the step the previous one ended with (a switch right
+    after it) reports that step again with its validation loss: the run dir keeps it in a
+    second row of that step, and the live view shows it."""
+    from bulkhead.api.manifest import parse_job
+    from bulkhead.api.protocol import ProgressReport
+    from bulkhead.operator.lifecycle.types import LifecycleState
+    from bulkhead.operator.local.runner import LocalRun, RunOptions
+
+    job = parse_job(
+        {
+            "apiVersion": "bulkhead.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "late"},
+            "spec": {"workers": 1, "trainer": {"steps": 10, "eval": {"intervalSteps": 2}}},
+        }
+    )
+    run = LocalRun(job, RunOptions(run_dir=tmp_path, live=False, checkpoint_sidecars=False))
+    run._armed = True
+    run._inject_due = lambda *args: None  # type: ignore[method-assign]
+    recorder = RunRecorder(tmp_path, clock=iter(float(t) for t in range(100)).__next__)
+    view = LiveView("late", 10, enabled=False)
+    state = LifecycleState(job="late", config=None)  # type: ignore[arg-type]
+    reports = [
+        ProgressReport(worker="w", generation=1, step=0, loss=3.0, step_time_s=1.0,
+                       tokens_per_s=10.0),
+        ProgressReport(worker="w", generation=1, step=1, loss=2.9, step_time_s=1.0,
+                       tokens_per_s=10.0),
+        ProgressReport(worker="w", generation=2, step=1, loss=2.9, val_loss=2.75),
+        ProgressReport(worker="w", generation=2, step=2, loss=2.8, step_time_s=1.0,
+                       tokens_per_s=10.0),
+    ]  # fmt: skip
+    for report in reports:
+        run._on_progress(report, state, recorder, None, view)  # type: ignore[arg-type]
+    recorder.close()
+    rows = [(r.step, r.generation, r.val_loss) for r in recorder.metrics]
+    assert rows == [(0, 1, None), (1, 1, None), (1, 2, 2.75), (2, 2, None)]
+    assert view.evaluated is not None and view.evaluated.val_loss == 2.75

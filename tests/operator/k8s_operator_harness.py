@@ -219,8 +219,12 @@ class FakeWorker:
         response.raise_for_status()
         return response.json()
 
-    def progress(self, generation: int, step: int, loss: float = 2.0) -> dict[str, Any]:
+    def progress(
+        self, generation: int, step: int, loss: float = 2.0, val_loss: float | None = None
+    ) -> dict[str, Any]:
         body = {"worker": self.id, "generation": generation, "step": step, "loss": loss}
+        if val_loss is not None:
+            body["valLoss"] = val_loss
         response = self.http.post(f"{self.base}/progress", json=body)
         response.raise_for_status()
         return response.json()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -173,16 +174,20 @@ def worker_main(
     spec_wire: dict[str, Any],
     agent_url: str | None = None,
     slow_forward_s: float = 0.0,
+    die_mid_eval: bool = False,
+    die_at_train_read: int = 0,
 ) -> None:
     """A worker process: the real ElasticTrainer with the file-based control (and, given
-    ``agent_url``, reporting to that node agent; ``slow_forward_s`` makes it a straggler)."""
+    ``agent_url``, reporting to that node agent; ``slow_forward_s`` makes it a straggler;
+    ``die_mid_eval``: it kills itself on its second read of evaluation samples,
+    ``die_at_train_read``: on that read of training samples)."""
     import logging
 
     import torch
 
     from bulkhead.api.spec import TrainingJobSpec
     from bulkhead.trainer.config import train_config
-    from bulkhead.trainer.data import open_dataset
+    from bulkhead.trainer.data import open_datasets
     from bulkhead.trainer.runtime.loop import ElasticTrainer, WorkerIdentity
     from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
     from bulkhead.trainer.runtime.samples_log import SamplesLog
@@ -200,14 +205,20 @@ def worker_main(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     cfg = train_config(TrainingJobSpec.model_validate(spec_wire))
-    dataset = open_dataset(cfg)
+    datasets = open_datasets(cfg)
+    evaluation = datasets.eval
+    if die_mid_eval:
+        assert evaluation is not None
+        evaluation = _DiesMidway(evaluation, 2)
+    train = _DiesMidway(datasets.train, die_at_train_read) if die_at_train_read else None
     trainer = ElasticTrainer(
         cfg,
         lambda: FileControl(base),
         WorkerIdentity(worker, "local", 0, "127.0.0.1"),
-        dataset,
+        train or datasets.train,
         SamplesLog(base / "samples.jsonl", cfg.global_batch_size),
         node_agent=NodeAgentReporter(agent_url, "elastic", token="t") if agent_url else None,
+        eval_dataset=evaluation,
     )
     if slow_forward_s:
         import time
@@ -228,3 +239,21 @@ def worker_main(
     # Like bulkhead-worker: skip the interpreter's teardown, which would wait for the gloo
     # group parked after an abandoned collective (until its timeout).
     os._exit(0)
+
+
+class _DiesMidway:
+    """A dataset whose ``fatal``-th read kills this process (SIGKILL)."""
+
+    def __init__(self, dataset: Any, fatal: int) -> None:
+        self.dataset = dataset
+        self.fatal = fatal
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataset, name)
+
+    def batch(self, positions: Any) -> Any:
+        self.reads += 1
+        if self.reads == self.fatal:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.dataset.batch(positions)

@@ -58,6 +58,16 @@ class MixDataset:
         self.vocab_size = max(s.vocab_size for s in self.sources)
         self.num_samples = sum(s.num_samples for s in self.sources)
 
+    def split(self, fraction: float, field: str) -> tuple[MixDataset, MixDataset]:
+        """(training mix, held-out mix): every source split (``WindowDataset.split``), the
+        parts mixed with the same weights."""
+        parts = [source.split(fraction, field) for source in self.sources]
+        weights = self.counts.tolist()
+        return (
+            MixDataset([train for train, _ in parts], weights, self.order.seed),
+            MixDataset([held for _, held in parts], weights, self.order.seed),
+        )
+
     def locate(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Each position's source and its position in that source's stream."""
         pos = np.asarray(positions, dtype=np.int64)

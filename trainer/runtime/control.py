@@ -274,6 +274,7 @@ def _merged(batch: list[tuple[ProgressReport, float]], now: float) -> ProgressRe
             loss=r.loss,
             step_time_s=r.step_time_s,
             tokens_per_s=r.tokens_per_s,
+            val_loss=r.val_loss,
             age_s=max(0.0, now - at),
         )
         for r, at in batch[:-1]

@@ -7,15 +7,25 @@ collective error (report it, wait for the manager's next generation) -> keep thi
 state, tear the world down -> repeat. The state lives in this process, so survivors of a
 reconfiguration lose no step; checkpoints are read only when some piece of the state has
 no surviving holder, or when the manager says none survived (``restoreFromCheckpoint``).
+
+With ``spec.trainer.eval`` the state after every ``intervalSteps``-th step and after the
+last is evaluated (``engine.evaluate``) before that step is reported, and the report
+carries the validation loss. An evaluation a generation did not finish (a failure during
+it, or a switch right after its step) is done first thing in the next generation, unless
+some survivor finished it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
 
 from bulkhead.api.protocol import (
     CompletionReport,
@@ -35,6 +45,7 @@ from bulkhead.trainer.engine.engine import (
     StepResult,
     import_lazy_dependencies,
 )
+from bulkhead.trainer.engine.evaluate import EvalResult, evaluate
 from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.state import Adoption, HeldState, describe_adoption
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
@@ -57,6 +68,11 @@ log = logging.getLogger(__name__)
 _SPARE_CHECK_S = 2.0
 
 Outcome = Literal["done", "reconfigure"]
+
+
+def _reportable(result: EvalResult | None) -> float | None:
+    """An evaluation's loss for a report (a non-finite loss is logged, not reported)."""
+    return result.loss if result is not None and math.isfinite(result.loss) else None
 
 
 class Stopped(Exception):
@@ -118,8 +134,11 @@ class ElasticTrainer:
         samples_log: SamplesLog | None = None,
         checkpointer: Checkpointer | None = None,
         node_agent: NodeAgentReporter | None = None,
+        eval_dataset: TokenDataset | None = None,
     ) -> None:
         self.cfg = cfg
+        self.eval_dataset = eval_dataset  # spec.trainer.eval's samples (None: no evaluation)
+        self._evaluated_step: int | None = None  # completed steps of the last evaluation
         self.client = connect()
         self.me = identity
         self.dataset = dataset
@@ -357,6 +376,11 @@ class ElasticTrainer:
         first = True
         self.stragglers.reset()
         self._own_straggler = None
+        if self._eval_due(engine.completed_steps, total) and not self._evaluated_here(engine):
+            # The previous generation ended after the step this evaluation follows, and no
+            # survivor finished the evaluation (a switch right after that step, or a
+            # failure during the evaluation): every rank holds the same step, all redo it.
+            self._report_evaluation(view, engine, self._evaluate(engine))
         while engine.completed_steps < total:
             # A rank told to stop (evicted, or the job is over) does not stop the others:
             # it asks everyone to switch generations after this step, and leaves alone.
@@ -419,7 +443,11 @@ class ElasticTrainer:
         completed = engine.completed_steps
         if self.checkpointer is not None and self.checkpointer.due(completed):
             self.checkpointer.snapshot(engine.held_state())
-        if report or completed % self.cfg.log_interval_steps == 0:
+        evaluated = None
+        # After a step followed by a generation switch, the next generation evaluates.
+        if not result.newer_generation and self._eval_due(completed, view.total_steps):
+            evaluated = self._evaluate(engine)
+        if report or evaluated is not None or completed % self.cfg.log_interval_steps == 0:
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else None
             # Rank 0 reports for the job; a rank that persists a checkpoint shard also
             # reports, for its shard's storage progress (a few ranks: one per shard).
@@ -434,6 +462,7 @@ class ElasticTrainer:
                         loss=result.loss,
                         step_time_s=result.seconds,
                         tokens_per_s=tokens_per_s,
+                        val_loss=_reportable(evaluated),
                         checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
                         persisted_step=storage.persisted_step if storage else None,
                         persist_error=storage.error[:1024] if storage and storage.error else None,
@@ -462,6 +491,55 @@ class ElasticTrainer:
                 view.generation,
                 world.world_size,
             )
+
+    def _eval_due(self, completed: int, total: int | None) -> bool:
+        """Whether the state after ``completed`` steps is evaluated: every
+        ``eval.intervalSteps`` and after the last step."""
+        spec = self.cfg.eval
+        if spec is None or self.eval_dataset is None or completed == 0:
+            return False
+        return completed % spec.interval_steps == 0 or completed == (total or self.cfg.steps)
+
+    def _evaluated_here(self, engine: Engine) -> bool:
+        """Whether some rank already finished the evaluation of the state it holds (the
+        failure came later, in the next step): a generation's start does not redo it.
+        Collective: every rank answers the same."""
+        done = self._evaluated_step == engine.completed_steps
+        flag = torch.tensor([1.0 if done else 0.0], device=engine.world.device.device)
+        engine.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _evaluate(self, engine: Engine) -> EvalResult:
+        assert self.cfg.eval is not None and self.eval_dataset is not None
+        result = evaluate(engine, self.eval_dataset, self.cfg.eval.batches)
+        self._evaluated_step = result.step
+        log.info(
+            "evaluation after step %d: val_loss %.4f (%d samples, %.2fs)",
+            result.step - 1,
+            result.loss,
+            result.samples,
+            result.seconds,
+        )
+        return result
+
+    def _report_evaluation(self, view: MembershipView, engine: Engine, result: EvalResult) -> None:
+        """Report an evaluation done at a generation's start, with the step it follows."""
+        if not reports_progress(engine.world.rank):
+            return
+        step = result.step - 1
+        last = self.last_result if self.last_result and self.last_result.step == step else None
+        self.reporter.post(
+            ProgressReport(
+                worker=self.me.worker,
+                generation=view.generation,
+                step=step,
+                loss=last.loss if last else None,
+                val_loss=_reportable(result),
+                checkpoint_step=self.checkpointer.last_step if self.checkpointer else None,
+                plan=self._plan_news(engine),
+                state_source=self._state_source,
+            )
+        )
 
     def _check_stragglers(self, result: StepResult, view: MembershipView, group: World) -> None:
         verdict = self.stragglers.observe(result.compute_s, result.step)
