@@ -63,7 +63,10 @@ def test_every_example_applies(
     [
         ("trainingjob", "A fault-tolerant distributed training job."),
         ("trainingjob.spec", "Faults survived in process"),
-        ("trainingjob.spec.faultTolerance", "Node anomaly severities that evict the node, within what the operator allows"),
+        (
+            "trainingjob.spec.faultTolerance",
+            "Node anomaly severities that evict the node, within what the operator allows",
+        ),
         ("trainingjob.spec.faultTolerance.backoff", "Growth of the wait per restart."),
         ("trainingjob.spec.trainer.optimizer", "Peak learning rate."),
         ("trainingjob.status", "Newest step with a checkpoint snapshot"),
