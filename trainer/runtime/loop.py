@@ -50,6 +50,7 @@ from bulkhead.trainer.runtime.control import (
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 from bulkhead.trainer.runtime.probe import unreachable_peers
 from bulkhead.trainer.runtime.samples_log import SamplesLog
+from bulkhead.trainer.runtime.timeline import Timeline
 from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class ElasticTrainer:
         # This rank's latest straggler verdict, repeated in every report to the node agent
         # until the next one: the agent escalates only what persists over several ticks.
         self._own_straggler: WorkerReport | None = None
+        # Where the time between two generations goes, logged at the next first step.
+        self.timeline = Timeline()
 
     # ------------------------------------------------------------ top level
 
@@ -189,6 +192,7 @@ class ElasticTrainer:
             view = self._next_view(after=0)
             while self._run_generation(view) != "done":
                 view = self._next_view(after=view.generation)
+                self.timeline.mark("wait for the generation")
         finally:
             self.watcher.stop()
             self.reporter.close()
@@ -260,8 +264,11 @@ class ElasticTrainer:
                 processes_per_worker=self.cfg.parallelism.processes_per_worker,
             )
         except CollectiveError as exc:
+            self.timeline.mark("form world (failed)")
             self._report_collective_error(exc, view)
+            self.timeline.mark("report")
             return "reconfigure"
+        self.timeline.add(world.phases)
         engine: Engine | None = None
         # Waits inside FSDP2/DDP (and any NCCL wait) cannot be polled: once a newer
         # generation has existed for longer than a step should take, a side thread aborts
@@ -274,11 +281,15 @@ class ElasticTrainer:
             # A rank holding state adopts it: no seeded initialization on recovery's path.
             holds = self.held is not None and not self.held.holding.empty
             engine = build_engine(plan, world, self.cfg, initialize=not holds)
+            self.timeline.mark("plan and build")
             self._prepare(view, engine)
+            self.timeline.mark("adopt state")
             return self._train(view, engine)
         except CollectiveError as exc:
+            self.timeline.start()
             log.warning("generation %d: %s", view.generation, exc)
             self._report_collective_error(exc, view)
+            self.timeline.mark("report")
             return "reconfigure"
         except NonFiniteLoss as exc:
             self._to_node_agent(self._node_report(step=exc.step, loss=exc.loss))
@@ -292,6 +303,7 @@ class ElasticTrainer:
                 self.held = engine.held_state()
             del engine
             world.close()
+            self.timeline.mark("close world")
 
     def _prepare(self, view: MembershipView, engine: Engine) -> None:
         plan, world = engine.plan, engine.world
@@ -365,6 +377,11 @@ class ElasticTrainer:
                 self.dataset, newer_generation=self._newer_generation_seen(view) or leaving
             )
             self.last_result = result
+            if first:
+                self.timeline.mark("first step")
+                line = self.timeline.finish()
+                if line is not None:
+                    log.info("generation %d: recovered: %s", view.generation, line)
             self._after_step(result, view, engine, report=first)
             self._check_stragglers(result, view, engine.world)
             if first:
@@ -380,6 +397,7 @@ class ElasticTrainer:
                 raise Stopped(self.reporter.stop_reason or "told to stop")
             if result.newer_generation:
                 log.info("generation %d: switching after step %d", view.generation, result.step)
+                self.timeline.start()
                 return "reconfigure"
         self.held = engine.held_state()
         self._complete(view)
