@@ -191,6 +191,19 @@ class _Policy(PolicyActions):
         if report.kind == "nan_loss":
             self.restart_all("nan_loss")
             return
+        if report.kind == "internal_error":
+            # A pod's launcher saying the pod failed (a trainer process died or went
+            # silent); it exits right after. Acting on the report rather than on the exit
+            # spares the recovery the exit's way to the manager (a kubelet status update).
+            slot = self.state.slot_of(report.worker)
+            if (
+                slot is not None
+                and not self.state.terminal
+                and report.worker not in self.state.dead
+            ):
+                self.emit(StopWorker(self.state.ref(slot), "its pod failed"))
+                self.lose([slot], "pod_failed", warning_detail=f"{report.worker}: {report.message}")
+            return
         if report.kind == "peer_suspect":
             suspects = [self.state.slot_of(w) for w in report.suspects]
             lost = [s for s in suspects if s is not None and self.is_member(s)]

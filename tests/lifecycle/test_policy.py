@@ -477,3 +477,20 @@ def test_two_workers_cut_off_in_five_are_both_evicted() -> None:
     assert sorted(d.worker.id for d in stops) == cut
     assert sorted(sim.state.member_ids()) == sorted(healthy)
     assert sim.state.restarts == 0
+
+
+def test_a_pod_that_reports_its_failure_is_replaced_before_it_exits() -> None:
+    """A launcher reports its pod failed (internal_error) and exits a moment later: the
+    recovery starts at the report; the exit that follows changes nothing."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    decisions = sim.fault("job-w1-0", "internal_error")
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == 2
+    assert "job-w1-0" not in [m.worker for m in pub.view.members]
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w1-0"]
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w1-1"]
+    later = sim.exit("job-w1-0", code=1)
+    assert _of(PublishMembership, later) == [] and _of(StartWorker, later) == []
+    assert sim.state.generation == 2

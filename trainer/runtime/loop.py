@@ -12,6 +12,7 @@ no surviving holder, or when the manager says none survived (``restoreFromCheckp
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -532,24 +533,42 @@ class ElasticTrainer:
 
     def _report_collective_error(self, exc: CollectiveError, view: MembershipView) -> None:
         """Report a failed collective with the peers this worker cannot reach (a partition),
-        unless a newer generation already replaced this one (nothing to judge then)."""
-        suspects: list[str] = []
-        if not self._newer_generation_seen(view):
-            suspects = unreachable_peers(view, self.me.worker, self.cfg.timeouts.peer_probe_s)
-        if suspects:
-            log.warning("generation %d: cannot reach %s", view.generation, ", ".join(suspects))
-        self._report_fault("collective_error", str(exc), view.generation, suspects=suspects)
+        unless a newer generation already replaced this one (nothing to judge then).
+
+        From a side thread: the probe and the request (0.01-0.2 s on a loaded machine) need
+        not hold this worker back from the next generation, which it waits for meanwhile."""
+        step = self.completed_steps - 1 if self.completed_steps else None
+
+        def report() -> None:
+            suspects: list[str] = []
+            if not self._newer_generation_seen(view):
+                timeout = self.cfg.timeouts.peer_probe_s
+                suspects = unreachable_peers(view, self.me.worker, timeout)
+            if suspects:
+                log.warning("generation %d: cannot reach %s", view.generation, ", ".join(suspects))
+            self._report_fault(
+                "collective_error", str(exc), view.generation, suspects=suspects, step=step
+            )
+
+        threading.Thread(target=report, name="fault-report", daemon=True).start()
 
     def _report_fault(
-        self, kind: FaultKind, message: str, generation: int, suspects: list[str] | None = None
+        self,
+        kind: FaultKind,
+        message: str,
+        generation: int,
+        suspects: list[str] | None = None,
+        step: int | None = None,
     ) -> None:
+        if step is None and self.completed_steps:
+            step = self.completed_steps - 1
         report = FaultReport(
             worker=self.me.worker,
             generation=generation,
             kind=kind,
             message=message[:4096],
             suspects=suspects or [],
-            step=self.completed_steps - 1 if self.completed_steps else None,
+            step=step,
         )
         try:
             self.reporter.observe(self.client.fault(report))
