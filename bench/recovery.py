@@ -24,11 +24,18 @@ time from the kill to training resuming; lost steps = steps redone. ``--out`` th
 ``{modes: {mode: {in_process_s, restart_s, ratio, in_process_lost_steps,
 restart_lost_steps}}}``.
 
-``--scaling``: a row per size, each one run: one worker of 2, 4 and 8 killed (data
-parallel and ZeRO-3), and one trainer process of a pod of 2 killed (2 pods). Each row:
-seconds from the kill to the next completed step (events.jsonl and metrics.jsonl), steps
-redone (``--quick``: 2 and 4 workers, ZeRO-3 needing 4 or more). ``--out`` writes
-``{scaling: {row: {kill_to_step_s, lost_steps, restarts}}}``.
+``--scaling``: a row per case, each one run: one worker of 2, 4, 8 and 16 killed (data
+parallel, and ZeRO-3 on the dense model as examples/local-zero.yaml, hpZ blocks of 2 from 8),
+one trainer process of a pod of 2 killed (2 pods), and every trainer process of 4 workers
+killed at once (their checkpoint sidecars live on: a restart from shared memory). Each
+row: seconds from the kill to the next completed step (events.jsonl and metrics.jsonl),
+steps redone, restarts, and for each worker started from a pre-started process how long
+before its imports had finished (local mode keeps up to 4 started ahead); the
+data-parallel and kill-all rows also run the same job under
+``torchrun --max-restarts=1`` (a checkpoint every step, every rank restarted) in the same
+invocation. ``--quick``: 2 and 4 workers; ``--row NAME`` (repeatable) runs only those rows.
+``--out`` writes ``{scaling: {row: {kill_to_step_s, lost_steps, restarts,
+torchrun_kill_to_step_s?, torchrun_lost_steps?}}}``.
 
 Goodput with and without failures, against torchrun too, is ``bench/goodput.py``.
 """
@@ -38,11 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +76,7 @@ from bulkhead.trainer.engine.world import open_world
 
 torch.set_num_threads(1)
 spec_json, out_dir, kill_steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+victims = json.loads(sys.argv[4]) if len(sys.argv) > 4 else [1]
 out = os.path.join(out_dir, "progress.jsonl")
 ckpt = os.path.join(out_dir, "state.pt")
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -86,7 +96,7 @@ held = HeldState.from_snapshot(torch.load(ckpt)) if os.path.exists(ckpt) else No
 engine.adopt(held)
 while engine.completed_steps < cfg.steps:
     step = engine.completed_steps
-    if rank == 1 and restart < len(kill_steps) and step == kill_steps[restart]:
+    if rank in victims and restart < len(kill_steps) and step == kill_steps[restart]:
         with open(os.path.join(out_dir, "kills.jsonl"), "a") as f:
             f.write(json.dumps({"t": time.time(), "step": step, "restart": restart}) + "\n")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -181,10 +191,23 @@ def _job(name: str, spec: dict[str, Any]) -> TrainingJob:
     )
 
 
-def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) -> list[float]:
+def torchrun_recoveries(
+    workers: int, steps: int, kills: list[int], work: Path, victims: list[int] | None = None
+) -> list[float]:
+    """Seconds from each kill (of rank 1, or of every rank in ``victims``) to the next
+    step completed after torchrun restarted the workers."""
+    return [seconds for seconds, _ in torchrun_runs(workers, steps, kills, work, victims)]
+
+
+def torchrun_runs(
+    workers: int, steps: int, kills: list[int], work: Path, victims: list[int] | None = None,
+    spec: dict[str, Any] | None = None,
+) -> list[tuple[float, int]]:  # fmt: skip
+    """Per kill: (seconds to the next completed step, steps redone) under torchrun."""
+    work.mkdir(parents=True, exist_ok=True)
     script = work / "torchrun_train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    spec = json.dumps(_spec(workers, steps))
+    spec_json = json.dumps(spec or _spec(workers, steps))
     cmd = [
         sys.executable,
         "-m",
@@ -194,9 +217,10 @@ def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) 
         f"--nproc-per-node={workers}",
         f"--max-restarts={len(kills)}",
         str(script),
-        spec,
+        spec_json,
         str(work),
         json.dumps(kills),
+        json.dumps(victims or [1]),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (work / "torchrun.log").open("w") as log:
@@ -204,11 +228,16 @@ def torchrun_recoveries(workers: int, steps: int, kills: list[int], work: Path) 
     if done.returncode != 0:
         raise RuntimeError(f"torchrun exited {done.returncode}; see {work / 'torchrun.log'}")
     rows = _read(work / "progress.jsonl")
-    out = []
+    first_kill: dict[int, dict[str, Any]] = {}  # several victims: the first one's time
     for kill in _read(work / "kills.jsonl"):
-        after = [r["t"] for r in rows if r["restart"] > kill["restart"]]
+        if kill["restart"] not in first_kill or kill["t"] < first_kill[kill["restart"]]["t"]:
+            first_kill[kill["restart"]] = kill
+    out = []
+    for kill in first_kill.values():
+        after = [r for r in rows if r["restart"] > kill["restart"]]
         if after:
-            out.append(min(after) - kill["t"])
+            first = min(after, key=lambda r: r["t"])
+            out.append((first["t"] - kill["t"], max(0, kill["step"] - first["step"])))
     return out
 
 
@@ -298,65 +327,124 @@ def modes(args: argparse.Namespace) -> None:
                                        indent=2) + "\n")  # fmt: skip
 
 
-def _scaling_spec(workers: int, zero: bool, pods: bool, steps: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ScalingCase:
+    """One ``--scaling`` row: the job and what is killed."""
+
+    name: str
+    workers: int
+    zero: bool = False
+    pods: bool = False  # 2 trainer processes per worker pod; local rank 1 of pod 1 killed
+    kill_all: bool = False  # every trainer process at once (the sidecars live on)
+
+    @property
+    def torchrun(self) -> bool:
+        """Whether torchrun runs the same job (one process per worker, state it can load
+        whole on every rank: data parallel)."""
+        return not (self.zero or self.pods)
+
+    def chaos(self, kill_step: int) -> str:
+        if self.kill_all:
+            return ",".join(f"kill:worker={w}@step={kill_step}" for w in range(self.workers))
+        return f"kill:worker=1{'.1' if self.pods else ''}@step={kill_step}"
+
+
+def scaling_cases(quick: bool) -> list[ScalingCase]:
+    """Every row of ``--scaling``: one worker of each size killed (DP, ZeRO-3 from 4 on:
+    two replicas of shard groups of two or more), one process of a pod, all at once."""
+    sizes = (2, 4) if quick else (2, 4, 8, 16)
+    cases = [ScalingCase(f"dp-{n}", n) for n in sizes]
+    cases += [ScalingCase(f"zero3-{n}", n, zero=True) for n in sizes if n >= 4]
+    cases.append(ScalingCase("pod-2x2", 2, pods=True))
+    all_n = 2 if quick else 4
+    cases.append(ScalingCase(f"all-{all_n}", all_n, kill_all=True))
+    return cases
+
+
+def _scaling_spec(case: ScalingCase, steps: int) -> dict[str, Any]:
     trainer: dict[str, Any] = {
         "model": MODEL,
         "batch": {"globalBatchSize": 16, "microBatchSize": 2},
         "steps": steps,
         "logIntervalSteps": 1,
     }
-    if zero:
-        trainer["parallelism"] = {"zero": {"stage": 3}}
+    if case.zero:
+        # examples/local-zero.yaml's engine on the dense model: ZeRO-3, with hpZ blocks of 2
+        # where the shard groups (workers / 2 replicas) are larger than 2.
+        trainer["model"] = {"preset": "tiny"}
+        hpz = {"hpzPartitionSize": 2} if case.workers >= 8 else {}
+        trainer["parallelism"] = {"zero": {"stage": 3, **hpz}}
     return {
-        "workers": workers,
+        "workers": case.workers,
         "minWorkers": 1,
-        **({"processesPerWorker": 2} if pods else {}),
+        **({"processesPerWorker": 2} if case.pods else {}),
         "trainer": trainer,
         **_FAULTS_AND_CHECKPOINTS,
     }
 
 
-def scaling_row(workers: int, zero: bool, pods: bool, steps: int, kill_step: int,
-                run_dir: Path) -> dict[str, Any]:  # fmt: skip
-    """One run with one worker killed (with ``pods``: one process of pod 1): the seconds
-    from the kill to the next completed step and the steps redone."""
+def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) -> dict[str, Any]:
+    """One run of ``case``: the seconds from the (first) kill to the next completed step,
+    the steps redone and the restarts; the same under torchrun where it applies."""
     import logging
 
     from bulkhead.operator.local.runner import RunOptions, run_local
 
     run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(filename=run_dir.parent / "supervisor.log", level=logging.INFO)
-    job = _job(f"bench-scale-{run_dir.name}", _scaling_spec(workers, zero, pods, steps))
-    chaos = f"kill:worker=1{'.1' if pods else ''}@step={kill_step}"
-    result = run_local(job, RunOptions(chaos=chaos, run_dir=run_dir, live=False, timeout_s=900))
+    job = _job(f"bench-scale-{case.name}", _scaling_spec(case, steps))
+    options = RunOptions(chaos=case.chaos(kill_step), run_dir=run_dir, live=False, timeout_s=900)
+    result = run_local(job, options)
     seconds = kill_to_next_step(run_dir)
     if result.phase != "Succeeded" or not seconds:
-        raise RuntimeError(f"{run_dir.name} run ended {result.phase}; see {run_dir}")
+        raise RuntimeError(f"{case.name} run ended {result.phase}; see {run_dir}")
     lost = [r["lost_steps"] for r in result.summary["recoveries"]]
-    return {"kill_to_step_s": round(seconds[0], 3), "lost_steps": sum(lost),
-            "restarts": result.summary["restarts"]}  # fmt: skip
+    row: dict[str, Any] = {"kill_to_step_s": round(seconds[0], 3), "lost_steps": sum(lost),
+                           "restarts": result.summary["restarts"]}  # fmt: skip
+    # Replacements that took a pre-started process: how long before its imports were done.
+    row["prestarted_ready_s"] = sorted(
+        float(m) for log in (run_dir / "logs").glob("*.log")
+        for m in re.findall(r"pre-started process \d+ runs .* \(imports done ([0-9.]+)s before\)",
+                            log.read_text(errors="replace"))
+    )  # fmt: skip
+    if case.torchrun:
+        victims = list(range(case.workers)) if case.kill_all else [1]
+        runs = torchrun_runs(case.workers, steps, [kill_step], run_dir / "torchrun", victims,
+                             spec=_scaling_spec(case, steps))  # fmt: skip
+        if not runs:
+            raise RuntimeError(f"{case.name}: torchrun measured no recovery; see {run_dir}")
+        row["torchrun_kill_to_step_s"] = round(runs[0][0], 3)
+        row["torchrun_lost_steps"] = runs[0][1]
+    return row
 
 
 def scaling(args: argparse.Namespace) -> None:
-    """A row per size: one worker of 2, 4, 8 killed (data parallel and ZeRO-3), and one
-    process of a pod of 2 (2 pods)."""
+    """A row per case of ``scaling_cases`` (only ``--row`` ones when given)."""
     steps, kill_step = (20, 10) if args.quick else (40, 20)
-    sizes = (2, 4) if args.quick else (2, 4, 8)
-    # ZeRO keeps maxFailures + 1 = 2 replicas of shard groups of >= 2: 4 workers or more.
-    cases = [(f"dp-{n}", n, False, False) for n in sizes]
-    cases += [(f"zero3-{n}", n, True, False) for n in sizes if n >= 4]
-    cases.append(("pod-2x2", 2, False, True))
+    # Killing every trainer comes later: the run's pre-started processes (started once
+    # the job trains) must have finished their imports to stand in for the cold start.
+    all_steps, all_kill = (60, 50) if args.quick else (100, 80)
+    cases = [c for c in scaling_cases(args.quick) if not args.row or c.name in args.row]
+    unknown = set(args.row or ()) - {c.name for c in cases}
+    if unknown:
+        raise SystemExit(f"--row: no such row {sorted(unknown)} "
+                         f"(rows: {[c.name for c in scaling_cases(args.quick)]})")  # fmt: skip
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
-        for name, workers, zero, pods in cases:
-            rows[name] = row = scaling_row(workers, zero, pods, steps, kill_step,
-                                           Path(tmp, name))  # fmt: skip
-            print(f"{name:9} kill -> next step {row['kill_to_step_s']:6.2f} s  "
-                  f"steps redone {row['lost_steps']}  restarts {row['restarts']}",
+        for case in cases:
+            n, k = (all_steps, all_kill) if case.kill_all else (steps, kill_step)
+            rows[case.name] = row = scaling_row(case, n, k, Path(tmp, case.name))
+            theirs = ""
+            if "torchrun_kill_to_step_s" in row:
+                theirs = (f"  torchrun {row['torchrun_kill_to_step_s']:6.2f} s "
+                          f"({row['torchrun_lost_steps']} redone)")  # fmt: skip
+            print(f"{case.name:9} kill -> next step {row['kill_to_step_s']:6.2f} s  "
+                  f"steps redone {row['lost_steps']}  restarts {row['restarts']}{theirs}",
                   flush=True)  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"scaling": rows, "steps": steps, "kill_step": kill_step},
+        args.out.write_text(json.dumps({"scaling": rows, "steps": steps, "kill_step": kill_step,
+                                        "kill_all_steps": all_steps, "kill_all_step": all_kill},
                                        indent=2) + "\n")  # fmt: skip
 
 
@@ -373,8 +461,11 @@ def main() -> None:
                         help="With --modes: only this mode (repeatable).")  # fmt: skip
     parser.add_argument(
         "--scaling", action="store_true",
-        help="A row per size: one worker of 2/4/8 killed (DP, ZeRO-3), one process of a pod.",
+        help="A row per size: one worker of 2/4/8/16 killed (DP, ZeRO-3), one process of a "
+        "pod, every trainer process at once; torchrun --max-restarts beside where it applies.",
     )  # fmt: skip
+    parser.add_argument("--row", action="append",
+                        help="With --scaling: only this row (repeatable), e.g. dp-2.")  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
         scaling(args)

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from bulkhead.api.protocol import (
     JOB_ENV,
     JOB_SPEC_ENV,
     LOCAL_RANK_ENV,
+    LOG_FILE_ENV,
     NODE_ENV,
     RUN_DIR_ENV,
     SHM_DIR_ENV,
@@ -250,7 +252,43 @@ def main() -> None:
     # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
     # the state that matters lives in the surviving replicas and the checkpoint sidecar.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
-    code = run(os.environ)
+    _finish(run(os.environ))
+
+
+def prestarted_main() -> None:
+    """A worker started before it is needed: torch and the trainer imported (the seconds of
+    a cold start), then blocked until its launch environment arrives as one JSON line on
+    stdin; it then runs as ``main`` would have. End of input without one: exit 3 (the
+    supervisor no longer needs it)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
+    import torch  # noqa: F401
+
+    from bulkhead.trainer.engine.engine import import_lazy_dependencies
+    from bulkhead.trainer.runtime import loop  # noqa: F401
+
+    import_lazy_dependencies()
+    ready = time.monotonic()
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(WorkerExit.STOPPED)
+    env = json.loads(line)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get(LOG_FILE_ENV):  # from now on this process is that worker: its log
+        fd = os.open(env[LOG_FILE_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    print(
+        f"pre-started process {os.getpid()} runs {env.get(WORKER_ENV, '?')} "
+        f"(imports done {time.monotonic() - ready:.1f}s before)",
+        file=sys.stderr,
+        flush=True,
+    )
+    _finish(run(os.environ))
+
+
+def _finish(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

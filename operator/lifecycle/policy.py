@@ -143,6 +143,13 @@ class _Policy(PolicyActions):
             if self.state.live_count() >= self.cfg.workers:
                 self.publish(f"all {self.cfg.workers} workers registered")
         elif len(self.state.member_ids()) < self.cfg.workers:
+            if self.state.pending_recoveries:
+                # The survivors' generation has not trained yet: superseding it now would
+                # make them redo their rendezvous with a newcomer still warming up (at 8
+                # ZeRO-3 workers on 2 cores, a recovery of 0.4 s became 5-6 s). It joins
+                # in the generation after their first step (on_progress).
+                self.event("JoinDeferred", f"{ev.worker} joins once the survivors train again")
+                return
             self.publish(f"{ev.worker} joined")
         else:
             ready = self.state.live_count() - len(self.state.member_ids())
@@ -184,6 +191,19 @@ class _Policy(PolicyActions):
         )
         if report.kind == "nan_loss":
             self.restart_all("nan_loss")
+            return
+        if report.kind == "internal_error":
+            # A pod's launcher saying the pod failed (a trainer process died or went
+            # silent); it exits right after. Acting on the report rather than on the exit
+            # spares the recovery the exit's way to the manager (a kubelet status update).
+            slot = self.state.slot_of(report.worker)
+            if (
+                slot is not None
+                and not self.state.terminal
+                and report.worker not in self.state.dead
+            ):
+                self.emit(StopWorker(self.state.ref(slot), "its pod failed"))
+                self.lose([slot], "pod_failed", warning_detail=f"{report.worker}: {report.message}")
             return
         if report.kind == "peer_suspect":
             suspects = [self.state.slot_of(w) for w in report.suspects]
@@ -332,6 +352,20 @@ class _Policy(PolicyActions):
                 warning=r.state_source in ("checkpoint", "fresh"),
             )
         self.state = replace(self.state, pending_recoveries=())
+        if s.pending_recoveries:
+            self.publish_deferred_joins()
+
+    def publish_deferred_joins(self) -> None:
+        """Replacements that registered while the survivors recovered join now."""
+        s = self.state
+        members = s.member_ids()
+        waiting = [
+            s.ref(x).id
+            for x in s.slots
+            if x.status == "registered" and s.ref(x).id not in members | s.dead
+        ]
+        if waiting and len(members) < self.cfg.workers:
+            self.publish(f"{', '.join(waiting[: self.cfg.workers - len(members)])} joined")
 
     def on_complete(self, ev: CompletionReported) -> None:
         r = ev.report

@@ -6,6 +6,11 @@ everything it started, and with a parent-death signal so that nothing outlives a
 supervisor. Its output goes to ``<run dir>/logs/<worker>.log``. Exits are reported to the
 session with the exit code or the signal. Chaos faults (SIGKILL, SIGSTOP) are injected here.
 An optional sidecar launcher starts a checkpoint sidecar next to each worker.
+
+With ``prestarted`` > 0 the driver keeps that many worker processes started ahead (torch
+and the trainer imported, waiting for their launch environment on stdin): a replacement or
+a restarted worker takes one and skips the seconds of a cold start; the pool is refilled
+once the job is Running again, so refilling never competes with a recovery for the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from bulkhead.api.protocol import (
     JOB_ENV,
     JOB_SPEC_ENV,
     LOCAL_RANK_ENV,
+    LOG_FILE_ENV,
     NODE_ENV,
     RUN_DIR_ENV,
     TOKEN_ENV,
@@ -52,6 +58,12 @@ def default_worker_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-c", "from bulkhead.trainer.worker import main; main()"]
+
+
+def prestarted_worker_command() -> list[str]:
+    """A worker that imports first and waits for its launch environment on stdin."""
+    return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import prestarted_main; "
+            "prestarted_main()"]  # fmt: skip
 
 
 class SidecarLauncher(Protocol):
@@ -96,6 +108,8 @@ class LocalDriver:
         extra_env: dict[str, str] | None = None,
         stop_grace_s: float = 5.0,
         sidecars: SidecarLauncher | None = None,
+        prestarted: int = 0,
+        prestarted_command: list[str] | None = None,
     ) -> None:
         self.job_name = job_name
         self.spec = spec
@@ -112,6 +126,10 @@ class LocalDriver:
         self.status_listeners: list[Callable[[TrainingJobStatus], None]] = []
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
+        self.prestarted = prestarted
+        self.prestarted_command = prestarted_command or prestarted_worker_command()
+        self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
+        self._filling = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ Driver
@@ -137,8 +155,11 @@ class LocalDriver:
         }
         if self.sidecars is not None:
             env.update(await self.sidecars.start(worker))
-        log_file = (self.run_dir / "logs" / f"{worker.id}.log").open("ab")
-        process = await self._spawn(env, log_file)
+        log_path = self.run_dir / "logs" / f"{worker.id}.log"
+        log_file = log_path.open("ab")
+        process = await self._take_prestarted({**env, LOG_FILE_ENV: str(log_path)})
+        if process is None:
+            process = await self._spawn(env, log_file)
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
         wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
@@ -158,6 +179,49 @@ class LocalDriver:
             preexec_fn=die_with_parent,
         )
 
+    async def _take_prestarted(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
+        """A pre-started worker given ``env`` (None when none is ready)."""
+        while self._ready:
+            process = self._ready.pop(0)
+            if process.returncode is not None or process.stdin is None:
+                continue
+            try:
+                process.stdin.write(json.dumps(env).encode() + b"\n")
+                await process.stdin.drain()
+                process.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                continue
+            log.info("%s takes pre-started process %d", env[WORKER_ENV], process.pid)
+            return process
+        return None
+
+    async def fill_prestarted(self) -> None:
+        """Start pre-started workers up to ``prestarted`` (their imports take seconds)."""
+        if self._filling or self._closing:
+            return
+        self._filling = True
+        try:
+            self._ready = [p for p in self._ready if p.returncode is None]
+            logs = self.run_dir / "logs"
+            while len(self._ready) < self.prestarted and not self._closing:
+                env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
+                       "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+                with (logs / "prestarted.log").open("ab") as log_file:
+                    process = await asyncio.create_subprocess_exec(
+                        *self.prestarted_command,
+                        env=env,
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=log_file,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
+                self._ready.append(process)
+                if self._closing:  # shutdown began meanwhile: it kills what it finds
+                    _killpg(process.pid, signal.SIGKILL)
+        finally:
+            self._filling = False
+
     async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
         wp = self._procs.get(worker.id)
         if wp is None or not wp.running or wp.stopping:
@@ -173,6 +237,8 @@ class LocalDriver:
 
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self.status = status
+        if status.phase == "Running" and len(self._ready) < self.prestarted:
+            asyncio.create_task(self.fill_prestarted(), name="prestart")  # noqa: RUF006
         for listener in self.status_listeners:
             listener(status)
 
@@ -211,6 +277,12 @@ class LocalDriver:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after the grace) and wait for all."""
         self._closing = True
+        for process in self._ready:  # nothing to stop gracefully: they never started
+            _killpg(process.pid, signal.SIGKILL)
+        for process in self._ready:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 10)
+        self._ready.clear()
         grace = self.stop_grace_s if grace_s is None else grace_s
         live = [wp for wp in self._procs.values() if wp.running]
         for wp in live:

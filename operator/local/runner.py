@@ -52,8 +52,10 @@ class RunOptions:
     chaos_seed: int = 0
     finish_grace_s: float = 30.0
     checkpoint_sidecars: bool = True
-    # Keep a worker process started ahead (imports done) to replace the next lost worker.
     shm_root: Path | None = None
+    # Worker processes started ahead (imports done) for the next replacements or restart:
+    # None = one per worker slot, up to 4 (0 with a custom worker command).
+    prestarted: int | None = None
 
 
 @dataclass
@@ -146,6 +148,7 @@ class LocalRun:
                 extra_env=self.options.extra_env,
                 stop_grace_s=self.options.stop_grace_s,
                 sidecars=self._sidecars(token),
+                prestarted=self._prestarted(),
             )
 
         session = JobSession(open_new(self.name, self.spec), token, make_driver)
@@ -191,6 +194,13 @@ class LocalRun:
         recorder.close()
         code = {"Succeeded": EXIT_OK, "Interrupted": EXIT_INTERRUPTED}.get(phase, EXIT_FAILED)
         return RunResult(phase, code, summary, self.run_dir)
+
+    def _prestarted(self) -> int:
+        if self.options.prestarted is not None:
+            return self.options.prestarted
+        if self.options.worker_command is not None:
+            return 0  # a custom command has no pre-started form
+        return min(self.spec.worker_slots, 4)
 
     def _sidecars(self, token: str) -> CheckpointSidecars | None:
         if not self.options.checkpoint_sidecars:

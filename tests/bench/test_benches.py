@@ -118,3 +118,43 @@ def test_recovery_modes_bench_quick(tmp_path: Path):
     assert row["in_process_restarts"] == 0 and row["in_process_lost_steps"] == 0, row
     assert row["restart_restarts"] == 1, row
     assert row["in_process_s"] > 0 and row["restart_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two whole runs (bulkhead's and torchrun's) of a 2-worker job
+def test_recovery_scaling_bench_quick(tmp_path: Path):
+    """``--scaling``, the row that kills every trainer of 2 at once: a restart from the
+    sidecars' shared memory, beside torchrun --max-restarts with both ranks killed."""
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "recovery.py"), "--scaling", "--quick",
+         "--row", "all-2", "--out", str(out)],
+        capture_output=True, text=True, timeout=580, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"scaling failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads(out.read_text())["scaling"]
+    assert set(rows) == {"all-2"}
+    every = rows["all-2"]
+    assert every["restarts"] == 1, every  # nobody survived: a restart
+    # Restored from a snapshot at most one interval (10 steps) before the kill.
+    assert every["lost_steps"] <= 10, every
+    assert every["kill_to_step_s"] > 0 and every["torchrun_kill_to_step_s"] > 0, every
+    assert every["torchrun_lost_steps"] == 0, every  # torchrun's script saves every step
+
+
+def test_recovery_scaling_rows_cover_every_size_and_kill() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import recovery
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    full = {c.name: c for c in recovery.scaling_cases(quick=False)}
+    assert set(full) == {"dp-2", "dp-4", "dp-8", "dp-16", "zero3-4", "zero3-8", "zero3-16",
+                         "pod-2x2", "all-4"}  # fmt: skip
+    assert full["all-4"].chaos(20) == ",".join(f"kill:worker={w}@step=20" for w in range(4))
+    assert full["pod-2x2"].chaos(20) == "kill:worker=1.1@step=20"
+    assert not full["zero3-8"].torchrun and full["dp-16"].torchrun and full["all-4"].torchrun
+    zero8 = recovery._scaling_spec(full["zero3-8"], 40)["trainer"]["parallelism"]["zero"]
+    assert zero8 == {"stage": 3, "hpzPartitionSize": 2}
+    assert set(c.name for c in recovery.scaling_cases(quick=True)) == {
+        "dp-2", "dp-4", "zero3-4", "pod-2x2", "all-2"}  # fmt: skip

@@ -57,8 +57,13 @@ def test_lost_worker_is_dropped_replaced_and_rejoins() -> None:
     assert not pub.view.restore_from_checkpoint
     assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
     assert sim.state.phase == "Recovering"
-    # The replacement registers: generation 3 brings it back, appended after the survivors.
-    sim.feed(WorkerRegistered("job-w2-1", "n", "h:22"))
+    # The replacement registers before the survivors trained again: generation 2 is left
+    # to them (superseding it would make them redo their rendezvous with the newcomer)...
+    joined = sim.feed(WorkerRegistered("job-w2-1", "n", "h:22"))
+    assert _of(PublishMembership, joined) == []
+    assert any(getattr(d, "reason", "") == "JoinDeferred" for d in joined)
+    # ... and generation 3 brings it back, after the survivors, once they trained a step.
+    sim.progress(11)
     view = sim.published()[-1].view
     assert view.generation == 3
     assert [m.worker for m in view.members] == ["job-w0-0", "job-w1-0", "job-w3-0", "job-w2-1"]
@@ -164,6 +169,7 @@ def test_members_carry_their_checkpoint_sidecar_address() -> None:
     sim.progress(3)
     sim.exit("job-w1-0")
     sim.feed(WorkerRegistered("job-w1-1", "node-9", "h:9", checkpoint_address="h:29709"))
+    sim.progress(4)  # the survivors trained again: the replacement joins
     rejoined = {m.worker: m.checkpoint_address for m in sim.published()[-1].view.members}
     assert rejoined["job-w1-1"] == "h:29709"
     assert rejoined["job-w0-0"] == "127.0.0.1:29700"
@@ -330,6 +336,7 @@ def test_completion_from_a_forgotten_generation_is_ignored() -> None:
         sim.progress(90 + step)
         sim.exit(sim.wid(slot))
         sim.feed(WorkerRegistered(sim.wid(slot), "n", f"h:{slot}"))
+    sim.progress(93)  # the last replacement joins once the survivors trained
     assert sim.state.generation == 7 and "job-w0-0" in sim.state.members()
     decisions = sim.complete(99, ["job-w0-0"], generation=1)
     assert _of(Succeed, decisions) == []
@@ -483,3 +490,20 @@ def test_two_workers_cut_off_in_five_are_both_evicted() -> None:
     assert sorted(d.worker.id for d in stops) == cut
     assert sorted(sim.state.member_ids()) == sorted(healthy)
     assert sim.state.restarts == 0
+
+
+def test_a_pod_that_reports_its_failure_is_replaced_before_it_exits() -> None:
+    """A launcher reports its pod failed (internal_error) and exits a moment later: the
+    recovery starts at the report; the exit that follows changes nothing."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    decisions = sim.fault("job-w1-0", "internal_error")
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == 2
+    assert "job-w1-0" not in [m.worker for m in pub.view.members]
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w1-0"]
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w1-1"]
+    later = sim.exit("job-w1-0", code=1)
+    assert _of(PublishMembership, later) == [] and _of(StartWorker, later) == []
+    assert sim.state.generation == 2

@@ -85,6 +85,7 @@ def test_with_no_spare_ready_the_replacement_joins_later_as_without_spares() -> 
     sim.exit("job-w1-0")  # no spare left: 2 members
     assert _members(sim) == ["job-w2-0", "job-w3-0"]
     sim.feed(WorkerRegistered("job-w1-1", "n", "h:11"))
+    sim.progress(7)  # it joins once the survivors trained again
     assert _members(sim) == ["job-w2-0", "job-w3-0", "job-w1-1"]  # joined: the job is whole
     sim.feed(WorkerRegistered("job-w0-1", "n", "h:01"))
     assert len(_members(sim)) == 3 and sim.state.generation == 4  # job-w0-1 is the spare

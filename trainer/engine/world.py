@@ -7,7 +7,13 @@ world whose collective failed is shut down, which closes its connections so ever
 still waiting on this rank sees the error at once instead of waiting out the timeout. A
 world with an operation this rank abandoned (a hung peer, a newer generation) is
 *parked*: dropped from torch's registry without shutdown, because shutting down a gloo
-group waits for its in-flight operation. A world is never reused.
+group waits for its in-flight operation. A world is never reused, except through a
+communicator *shrink*: on NCCL builds that offer it (``dist.shrink_group``, NCCL >= 2.27), a
+world that ended without a hang is retained, and when the next generation is the same ranks
+less the lost ones, in the same order, it is derived from the retained one instead of
+created anew (no bootstrap, no topology search: docs/communicators.md). Everything else
+(gloo, a newcomer, a reordering, an aborted world) creates the next world with
+``init_process_group``.
 
 Our own collectives (the step commit, the state exchange) are waited for by polling, so a
 rank blocked by a hung peer gives up as soon as ``should_abandon()`` says a newer
@@ -24,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,6 +56,85 @@ _CHECK_IN_POLL_S = 1.0
 _CHECK_IN_WAIT_S = 0.5
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
+
+
+class Shrinker(Protocol):
+    """Derives the next generation's default group from the current one (the seam the
+    NCCL shrink path goes through; tests inject their own)."""
+
+    def supported(self) -> bool:
+        """Whether the current default group can be shrunk."""
+
+    def shrink(
+        self, excluded: list[int], store: dist.Store, rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        """Make the default group the current one less ``excluded`` (old ranks); this
+        process becomes ``rank`` of ``world_size``. Raises on failure."""
+
+
+class NcclShrinker:
+    """``dist.shrink_group`` (torch 2.15 with NCCL >= 2.27: ``ncclCommShrink``)."""
+
+    def supported(self) -> bool:
+        if getattr(dist, "shrink_group", None) is None or not dist.is_initialized():
+            return False
+        try:
+            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+            return bool(backend.supports_shrinking)
+        except (RuntimeError, AttributeError):
+            return False  # no CUDA backend (gloo), or a torch without the attribute
+
+    def shrink(
+        self, excluded: list[int], store: dist.Store, rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        # SHRINK_ABORT: whatever the failed generation left in flight is aborted first.
+        dist.shrink_group(excluded, shrink_flags=c10d.SHRINK_ABORT)
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"shrunk to rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"expected {rank} of {world_size}"
+            )
+
+
+SHRINKER: Shrinker = NcclShrinker()
+
+
+@dataclass(frozen=True)
+class Retained:
+    """A world kept for the next generation to shrink: its ranks' keys, in rank order."""
+
+    generation: int
+    rank_keys: tuple[tuple[str, int], ...]
+
+
+_RETAINED: list[Retained] = []  # at most one: the last world, when it can be shrunk
+
+
+def rank_keys(workers: list[str]) -> list[tuple[str, int]]:
+    """Each rank as (worker, which of that worker's processes): a worker pod's G
+    processes hold G ranks under one name."""
+    seen: dict[str, int] = {}
+    keys = []
+    for worker in workers:
+        keys.append((worker, seen.get(worker, 0)))
+        seen[worker] = seen.get(worker, 0) + 1
+    return keys
+
+
+def shrink_exclusions(
+    old: list[tuple[str, int]] | tuple[tuple[str, int], ...], new: list[tuple[str, int]]
+) -> list[int] | None:
+    """The old world's ranks to exclude when the new world is exactly the old one less
+    them, in the same order (a shrink renumbers the survivors in their old order); None
+    when it is not (a newcomer, another order, nothing lost)."""
+    position = {key: rank for rank, key in enumerate(old)}
+    if len(new) >= len(old) or any(key not in position for key in new):
+        return None
+    kept = [position[key] for key in new]
+    if kept != sorted(kept):
+        return None
+    keep = set(kept)
+    return [rank for rank in range(len(old)) if rank not in keep]
 
 
 class CollectiveError(RuntimeError):
@@ -125,6 +211,9 @@ class World:
     store: dist.Store | None = None
     sockets_before: set[int] = field(default_factory=set)
     connections: Connections = field(default_factory=Connections)
+    # Seconds each phase of forming this world took (store, check_in, init): where a
+    # recovery's time goes, logged by the loop with its own phases.
+    phases: dict[str, float] = field(default_factory=dict)
     _state: str = field(default="open", init=False)  # open | failed | abandoned | closed
 
     @property
@@ -266,9 +355,14 @@ class World:
 
     # -- teardown ----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """End this world: destroy (healthy or failed) or park (abandoned); idempotent."""
+    def close(self, shrinker: Shrinker | None = None) -> None:
+        """End this world: retain it for a shrink (healthy or failed, when the backend can
+        shrink), else destroy (healthy or failed) or park (abandoned); idempotent."""
         if self._state == "closed" or not dist.is_initialized():
+            self._state = "closed"
+            return
+        if self._state != "abandoned" and (shrinker or SHRINKER).supported():
+            _RETAINED[:] = [Retained(self.generation, tuple(rank_keys(self.workers)))]
             self._state = "closed"
             return
         if self._state == "abandoned":
@@ -416,26 +510,35 @@ def open_world(
     timeout_s: float,
     should_abandon: Callable[[], bool] = _never,
     abandon_after_s: float = 0.5,
+    shrinker: Shrinker | None = None,
 ) -> World:
-    """Init the registered world of ``generation`` on ``store`` (under prefix gen<G>)."""
-    if dist.is_initialized():  # a previous world that was not closed: never reuse it
+    """Init the registered world of ``generation`` on ``store`` (under prefix gen<G>), or
+    shrink the retained previous one when it holds the same ranks plus the lost ones."""
+    retained = _RETAINED.pop() if _RETAINED else None
+    if dist.is_initialized() and retained is None:  # a world not closed: never reuse it
         park_default_world()
     scoped = dist.PrefixStore(f"gen{generation}", store)
+    started = time.monotonic()
     try:
         check_in(scoped, generation, rank, len(workers), timeout_s, should_abandon)
     except CollectiveError:
         raise
     except (RuntimeError, ValueError, dist.DistError) as exc:  # the store went away
         raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
+    checked_in = time.monotonic()
     before = set(own_socket_fds())
+    shrunk = retained is not None and _shrink(
+        retained, generation, rank, workers, scoped, timeout_s, shrinker or SHRINKER
+    )
     try:
-        dist.init_process_group(
-            device.backend,
-            store=scoped,
-            rank=rank,
-            world_size=len(workers),
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if not shrunk:
+            dist.init_process_group(
+                device.backend,
+                store=scoped,
+                rank=rank,
+                world_size=len(workers),
+                timeout=timedelta(seconds=timeout_s),
+            )
     except (RuntimeError, ValueError, dist.DistError) as exc:
         # Also when nothing was registered: a failed init still counted a group, and the
         # next world's groups must be named as a fresh process names them (a newcomer and
@@ -453,7 +556,52 @@ def open_world(
         abandon_after_s=abandon_after_s,
         store=scoped,
         sockets_before=before,
+        phases={
+            "check_in": round(checked_in - started, 3),
+            ("shrink" if shrunk else "init"): round(time.monotonic() - checked_in, 3),
+        },
     )
+
+
+def _shrink(
+    retained: Retained,
+    generation: int,
+    rank: int,
+    workers: list[str],
+    store: dist.Store,
+    timeout_s: float,
+    shrinker: Shrinker,
+) -> bool:
+    """Derive this generation's world from the retained one when it is the same ranks
+    less some, in order; whether it was (if not, or if it fails, the retained world is
+    parked and the caller creates the world anew)."""
+    excluded = shrink_exclusions(retained.rank_keys, rank_keys(workers))
+    if excluded and dist.is_initialized() and shrinker.supported():
+        try:
+            shrinker.shrink(excluded, store, rank, len(workers), timeout_s)
+        except (RuntimeError, ValueError, TypeError, dist.DistError) as exc:
+            log.warning(
+                "generation %d: shrinking generation %d's communicators failed (%s): "
+                "creating them anew",
+                generation,
+                retained.generation,
+                exc,
+            )
+        else:
+            log.info(
+                "generation %d: communicators shrunk from generation %d (ranks %s excluded)",
+                generation,
+                retained.generation,
+                excluded,
+            )
+            return True
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a broken group may fail to shut down cleanly
+            log.debug("generation %d: teardown: %s", retained.generation, exc)
+            park_default_world()
+    return False
 
 
 def await_listener(
@@ -508,6 +656,7 @@ def form_world(
     ``processes_per_worker``; the coordinator's store is its local rank 0's (``host``:
     this process's store, None for the other local ranks, which host none)."""
     rank = member_rank(view, worker, device.local_rank, processes_per_worker)
+    started = time.monotonic()
     try:
         if host is not None and view.coordinator == host.address:
             store: dist.Store = host.store
@@ -529,6 +678,7 @@ def form_world(
             f"generation {view.generation}: store at {view.coordinator} unreachable: {exc}"
         ) from exc
     by_rank = rank_members(view, processes_per_worker)
+    connected = time.monotonic() - started
     world = open_world(
         view.generation,
         rank,
@@ -540,6 +690,7 @@ def form_world(
         should_abandon,
         abandon_after_s,
     )
+    world.phases = {"store": round(connected, 3), **world.phases}
     log.info(
         "generation %d: joined as rank %d of %d (coordinator %s, %s)",
         view.generation,

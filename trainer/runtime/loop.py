@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from bulkhead.trainer.runtime.control import (
 from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
 from bulkhead.trainer.runtime.probe import unreachable_peers
 from bulkhead.trainer.runtime.samples_log import SamplesLog
+from bulkhead.trainer.runtime.timeline import Timeline
 from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,8 @@ class ElasticTrainer:
         # This rank's latest straggler verdict, repeated in every report to the node agent
         # until the next one: the agent escalates only what persists over several ticks.
         self._own_straggler: WorkerReport | None = None
+        # Where the time between two generations goes, logged at the next first step.
+        self.timeline = Timeline()
 
     # ------------------------------------------------------------ top level
 
@@ -208,6 +212,7 @@ class ElasticTrainer:
             view = self._next_view(after=0)
             while self._run_generation(view) != "done":
                 view = self._next_view(after=view.generation)
+                self.timeline.mark("wait for the generation")
         finally:
             self.watcher.stop()
             self.reporter.close()
@@ -279,8 +284,11 @@ class ElasticTrainer:
                 processes_per_worker=self.cfg.parallelism.processes_per_worker,
             )
         except CollectiveError as exc:
+            self.timeline.mark("form world (failed)")
             self._report_collective_error(exc, view)
+            self.timeline.mark("report")
             return "reconfigure"
+        self.timeline.add(world.phases)
         engine: Engine | None = None
         # Waits inside FSDP2/DDP (and any NCCL wait) cannot be polled: once a newer
         # generation has existed for longer than a step should take, a side thread aborts
@@ -293,11 +301,15 @@ class ElasticTrainer:
             # A rank holding state adopts it: no seeded initialization on recovery's path.
             holds = self.held is not None and not self.held.holding.empty
             engine = build_engine(plan, world, self.cfg, initialize=not holds)
+            self.timeline.mark("plan and build")
             self._prepare(view, engine)
+            self.timeline.mark("adopt state")
             return self._train(view, engine)
         except CollectiveError as exc:
+            self.timeline.start()
             log.warning("generation %d: %s", view.generation, exc)
             self._report_collective_error(exc, view)
+            self.timeline.mark("report")
             return "reconfigure"
         except NonFiniteLoss as exc:
             self._to_node_agent(self._node_report(step=exc.step, loss=exc.loss))
@@ -311,6 +323,7 @@ class ElasticTrainer:
                 self.held = engine.held_state()
             del engine
             world.close()
+            self.timeline.mark("close world")
 
     def _prepare(self, view: MembershipView, engine: Engine) -> None:
         plan, world = engine.plan, engine.world
@@ -389,6 +402,11 @@ class ElasticTrainer:
                 self.dataset, newer_generation=self._newer_generation_seen(view) or leaving
             )
             self.last_result = result
+            if first:
+                self.timeline.mark("first step")
+                line = self.timeline.finish()
+                if line is not None:
+                    log.info("generation %d: recovered: %s", view.generation, line)
             self._after_step(result, view, engine, report=first)
             self._check_stragglers(result, view, engine.world)
             if first:
@@ -404,6 +422,7 @@ class ElasticTrainer:
                 raise Stopped(self.reporter.stop_reason or "told to stop")
             if result.newer_generation:
                 log.info("generation %d: switching after step %d", view.generation, result.step)
+                self.timeline.start()
                 return "reconfigure"
         self.held = engine.held_state()
         self._complete(view)
@@ -592,24 +611,42 @@ class ElasticTrainer:
 
     def _report_collective_error(self, exc: CollectiveError, view: MembershipView) -> None:
         """Report a failed collective with the peers this worker cannot reach (a partition),
-        unless a newer generation already replaced this one (nothing to judge then)."""
-        suspects: list[str] = []
-        if not self._newer_generation_seen(view):
-            suspects = unreachable_peers(view, self.me.worker, self.cfg.timeouts.peer_probe_s)
-        if suspects:
-            log.warning("generation %d: cannot reach %s", view.generation, ", ".join(suspects))
-        self._report_fault("collective_error", str(exc), view.generation, suspects=suspects)
+        unless a newer generation already replaced this one (nothing to judge then).
+
+        From a side thread: the probe and the request (0.01-0.2 s on a loaded machine) need
+        not hold this worker back from the next generation, which it waits for meanwhile."""
+        step = self.completed_steps - 1 if self.completed_steps else None
+
+        def report() -> None:
+            suspects: list[str] = []
+            if not self._newer_generation_seen(view):
+                timeout = self.cfg.timeouts.peer_probe_s
+                suspects = unreachable_peers(view, self.me.worker, timeout)
+            if suspects:
+                log.warning("generation %d: cannot reach %s", view.generation, ", ".join(suspects))
+            self._report_fault(
+                "collective_error", str(exc), view.generation, suspects=suspects, step=step
+            )
+
+        threading.Thread(target=report, name="fault-report", daemon=True).start()
 
     def _report_fault(
-        self, kind: FaultKind, message: str, generation: int, suspects: list[str] | None = None
+        self,
+        kind: FaultKind,
+        message: str,
+        generation: int,
+        suspects: list[str] | None = None,
+        step: int | None = None,
     ) -> None:
+        if step is None and self.completed_steps:
+            step = self.completed_steps - 1
         report = FaultReport(
             worker=self.me.worker,
             generation=generation,
             kind=kind,
             message=message[:4096],
             suspects=suspects or [],
-            step=self.completed_steps - 1 if self.completed_steps else None,
+            step=step,
         )
         try:
             self.reporter.observe(self.client.fault(report))

@@ -1,0 +1,85 @@
+"""Pre-started workers: the local driver hands a waiting process its launch environment
+instead of starting a cold one, and ends the unused ones with the run; the real
+``prestarted_main`` imports first, then becomes the worker its environment names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from bulkhead.api.protocol import LOG_FILE_ENV, WORKER_ENV, WorkerExit
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local.driver import LocalDriver, prestarted_worker_command
+from bulkhead.operator.local.rundir import RunRecorder
+
+# Stands for prestarted_main without torch: waits for one JSON line, writes what it got
+# to the log file it names, exits 0 (the driver's watcher reports that exit).
+WAITING = r"""
+import json, os, sys
+line = sys.stdin.readline()
+if not line.strip():
+    sys.exit(3)
+env = json.loads(line)
+with open(env["BULKHEAD_LOG_FILE"], "a") as f:
+    f.write(f"pid {os.getpid()} worker {env['BULKHEAD_WORKER']}\n")
+"""
+
+
+def test_a_started_worker_takes_a_prestarted_process_and_the_rest_end_with_the_run(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> tuple[set[int], int, str, list[int]]:
+        exits: list[object] = []
+        spec = TrainingJobSpec.model_validate({"workers": 2})
+        driver = LocalDriver(
+            "job", spec, tmp_path, RunRecorder(tmp_path), "http://127.0.0.1:1", "token",
+            exits.append, prestarted=2, prestarted_command=[sys.executable, "-c", WAITING],
+        )  # fmt: skip
+        await driver.fill_prestarted()
+        waiting = {p.pid for p in driver._ready}
+        ref = WorkerRef("job", 0, 0)
+        await driver.start_worker(ref)
+        taken = driver._procs[ref.id].process
+        await asyncio.wait_for(taken.wait(), 30)
+        log = (tmp_path / "logs" / f"{ref.id}.log").read_text()
+        left = [p.pid for p in driver._ready]
+        await driver.shutdown(grace_s=1)
+        return waiting, taken.pid, log, left
+
+    waiting, taken, log, left = asyncio.run(scenario())
+    assert len(waiting) == 2 and taken in waiting  # no cold start: a waiting process
+    assert log.strip() == f"pid {taken} worker job-w0-0"  # it got that worker's env
+    assert len(left) == 1 and left[0] != taken
+    assert not psutil.pid_exists(left[0]) or psutil.Process(left[0]).status() == "zombie"
+
+
+def test_prestarted_main_imports_then_runs_the_worker_its_environment_names(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "w.log"
+    proc = subprocess.Popen(
+        prestarted_worker_command(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    # An incomplete launch environment: the worker it becomes says so and exits 2.
+    env = {"PATH": os.environ["PATH"], WORKER_ENV: "job-w3-1", LOG_FILE_ENV: str(log)}
+    proc.communicate(json.dumps(env).encode() + b"\n", timeout=240)
+    assert proc.returncode == WorkerExit.USER_ERROR
+    text = log.read_text()
+    assert f"pre-started process {proc.pid} runs job-w3-1" in text
+    assert "bad launch environment: missing environment variables" in text
+
+
+def test_a_prestarted_process_no_one_needs_exits_stopped() -> None:
+    done = subprocess.run(prestarted_worker_command(), input=b"", timeout=240, check=False)
+    assert done.returncode == WorkerExit.STOPPED
