@@ -729,6 +729,14 @@ class CheckpointConfig(SpecModel):
         default_factory=StorageConfig, description="Where persisted checkpoints are written."
     )
     peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
+    allow_fresh_start: bool = Field(
+        False,
+        description=(
+            "Once a checkpoint was persisted, a restore that finds none (storage emptied, "
+            "every copy corrupt) fails the job with a condition saying which step is "
+            "missing; true lets the workers start over from step 0 instead."
+        ),
+    )
 
 
 class TrainingJobSpec(SpecModel):
