@@ -75,7 +75,9 @@ class Sidecar:
         self._storage_errors = 0
         self._threads: list[threading.Thread] = []
         self.replicas = ReplicaStore(self.shm_dir)
-        self.replica_server = ReplicaServer(listen, self.replicas, token) if listen else None
+        self.replica_server = (
+            ReplicaServer(listen, self.replicas, token, io_timeout=peer_timeout) if listen else None
+        )
         self.control_server = _ControlServer(self)
 
     # -- lifecycle -------------------------------------------------------------------
