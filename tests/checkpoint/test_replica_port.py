@@ -12,16 +12,19 @@ import socket
 import threading
 from pathlib import Path
 
+import crc32c
 import pytest
 from sidecar_process import spawn_sidecar
 from waiting import wait_until
 
 from bulkhead.api.protocol import TOKEN_ENV
+from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.replica import (
     MAX_CONNECTIONS,
     ReplicaServer,
     ReplicaStore,
     list_replicas,
+    push_replica,
 )
 from bulkhead.trainer.checkpoint.wire import parse_address
 
@@ -131,3 +134,42 @@ def _serve(server: ReplicaServer) -> threading.Thread:
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     return thread
+
+
+def _sealed(shard: str, shards: list[str], step: int, data: bytes) -> SnapshotRecord:
+    record = SnapshotRecord(
+        job="job1",
+        shard=shard,
+        step=step,
+        shards=shards,
+        nbytes=len(data),
+        tensors=[],
+        skeleton="{}",
+        created=float(step),
+    )
+    record.seal(crc32c.crc32c(data))
+    return record
+
+
+def test_replicas_of_superseded_layouts_leave_shared_memory(shm_factory) -> None:
+    """Three reconfigurations push shards of three layouts: the oldest layout's replica is
+    dropped (its file too), the newest two stay and are listed."""
+    shm = shm_factory()
+    server = ReplicaServer("127.0.0.1:0", ReplicaStore(shm), TOKEN)
+    with server:
+        thread = _serve(server)
+        data = b"y" * 8192
+        layouts = [(["a", "b"], "a"), (["x", "y", "z"], "x"), (["p", "q"], "p")]
+        try:
+            for step, (shards, shard) in enumerate(layouts, start=1):
+                record = _sealed(shard, shards, step * 10, data)
+                assert push_replica(server.address, record, memoryview(data), TOKEN, 10)
+            held = list_replicas(server.address, "job1", TOKEN, timeout=10)
+        finally:
+            server.shutdown()
+            thread.join(10)
+    assert sorted((r.shard, r.step) for r in held) == [("p", 30), ("x", 20)]
+    files = sorted(
+        p.name.split("--")[1].removesuffix(".json") for p in (shm / "replicas").iterdir()
+    )
+    assert files == ["p", "p", "x", "x"]  # each its record and its bytes; nothing of "a"

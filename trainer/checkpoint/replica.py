@@ -47,6 +47,7 @@ AUTH_LINE_BYTES = 4096  # the credentials line: a token, nothing big
 AUTH_TIMEOUT_S = 10.0  # to send it, from the connection's accept
 MAX_CONNECTIONS = 64  # served at once: a job's restoring trainers list and fetch in parallel
 REFUSAL_LOG_EVERY = 100  # a flood logs its first refusal and then one in this many
+LAYOUTS_KEPT = 2  # per job: the newest layout's replicas and the previous one's
 
 
 class ReplicaError(Exception):
@@ -117,6 +118,31 @@ class ReplicaStore:
             )
             if previous is not None and previous.nonce != record.nonce:
                 self._data(previous).unlink(missing_ok=True)
+            self._prune_layouts(record.job)
+
+    def _prune_layouts(self, job: str) -> None:
+        """Drop replicas of ``job``'s layouts older than the newest ``LAYOUTS_KEPT``.
+
+        After each reconfiguration a peer pushes a shard of another name (the shards of a
+        layout differ), and the replica of the old name would sit in memory for good. The
+        previous layout stays: until the new one's checkpoint is complete, it may be the
+        only one a restore can finish."""
+        newest: dict[tuple[str, ...], float] = {}
+        held = self.records(job)
+        for record in held:
+            layout = tuple(sorted(record.shards))
+            newest[layout] = max(newest.get(layout, 0.0), record.created)
+        kept = set(sorted(newest, key=newest.__getitem__, reverse=True)[:LAYOUTS_KEPT])
+        for record in held:
+            if tuple(sorted(record.shards)) not in kept:
+                self._meta(record.job, record.shard).unlink(missing_ok=True)
+                self._data(record).unlink(missing_ok=True)
+                log.info(
+                    "dropped the replica of %s/%s step %d: its layout is superseded",
+                    record.job,
+                    record.shard,
+                    record.step,
+                )
 
     def read_into(self, record: SnapshotRecord, buffer: memoryview) -> None:
         """Our own copy of a held replica, verified (the sidecar may replace it meanwhile:
