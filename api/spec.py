@@ -8,9 +8,10 @@ which field to fix. Rules that the API server can check itself are also exported
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -965,12 +966,39 @@ class TrainingJobSpec(SpecModel):
             )
 
 
+# A job's name names its headless Service, so it must be a DNS-1035 label: lower case
+# letters, digits and '-', starting with a letter, at most 63 characters. The API server
+# takes any DNS subdomain (253 characters, a leading digit, dots) for a TrainingJob.
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+JOB_NAME_MAX = 63
+JOB_NAME_RULE = (
+    f"a job name is a DNS-1035 label (it names the job's Service): lower case letters, "
+    f"digits and '-', starting with a letter and ending with a letter or digit, at most "
+    f"{JOB_NAME_MAX} characters"
+)
+
+
+def job_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a TrainingJob, or None."""
+    if len(name) > JOB_NAME_MAX or not re.match(JOB_NAME_PATTERN, name):
+        return f"metadata.name {name[:80]!r}: {JOB_NAME_RULE}"
+    return None
+
+
 class ObjectMeta(BaseModel):
     """The part of Kubernetes ObjectMeta a manifest author writes."""
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(..., min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, value: str) -> str:
+        if job_name_problem(value) is not None:
+            raise PydanticCustomError("job_name", JOB_NAME_RULE)
+        return value
+
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

@@ -326,7 +326,10 @@ def build_worker_pod(
         ctx, pod_spec.get("containers") or [], worker_id, incarnation
     )
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != "checkpoint"]
-    pod_spec["containers"] = [_secure(trainer), *others]
+    # Every container of the template is hardened, not only the trainer: a helper container
+    # would otherwise run with the image's defaults (often root, all default capabilities).
+    pod_spec["containers"] = [_secure(trainer), *map(_secure, others)]
+    init = [_secure(c) for c in init]
     trainer_memory = _memory_limit(trainer)
     sidecar = _secure(_checkpoint_sidecar(ctx, worker_id, incarnation, trainer_memory))
     pod_spec["initContainers"] = [*init, sidecar]

@@ -35,6 +35,7 @@ from bulkhead.api.manifest import ManifestError, parse_spec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
+from bulkhead.operator.k8s.admission import refusals
 from bulkhead.operator.k8s.adopt import (
     decode_token,
     incarnations_of,
@@ -111,8 +112,10 @@ class OperatorRuntime:
         namespace, name = meta["namespace"], meta["name"]
         try:
             spec = parse_spec(body.get("spec"), source=f"{namespace}/{name}")
+            errors = "; ".join(refusals(name, spec, self.settings.allow_privileged_templates))
         except ManifestError as exc:
             errors = "; ".join(str(e) for e in exc.errors)
+        if errors:  # Failed once, with the reason: never retried until the spec changes
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
             status = invalid_status(errors, datetime.now(UTC))
             await StatusWriter(self.client, namespace, name).write_now(status)
