@@ -654,8 +654,11 @@ class TrainerConfig(SpecModel):
 class BackoffConfig(SpecModel):
     """Wait between full restarts: initialSeconds, times multiplier per restart, capped."""
 
-    initial_seconds: float = Field(1.0, gt=0, le=3600, description="Wait before the first restart.")
-    max_seconds: float = Field(60.0, gt=0, le=86_400, description="Longest wait.")
+    # Lower bounds a clock can honour: a 1e-300 s wait is a typo, not a setting.
+    initial_seconds: float = Field(
+        1.0, ge=0.01, le=3600, description="Wait before the first restart."
+    )
+    max_seconds: float = Field(60.0, ge=0.01, le=86_400, description="Longest wait.")
     multiplier: float = Field(2.0, ge=1, le=100, description="Growth of the wait per restart.")
 
     @model_validator(mode="after")
@@ -689,13 +692,13 @@ class FaultToleranceConfig(SpecModel):
         default_factory=BackoffConfig, description="Wait between full restarts."
     )
     hang_timeout_seconds: float = Field(
-        120.0, gt=0, le=604_800, description="No progress this long = hang."
+        120.0, ge=1, le=604_800, description="No progress this long = hang."
     )
     registration_timeout_seconds: float = Field(
-        300.0, gt=0, le=86_400, description="How long to wait for workers to register."
+        300.0, ge=1, le=86_400, description="How long to wait for workers to register."
     )
     collective_timeout_seconds: float = Field(
-        30.0, gt=0, le=86_400, description="torch.distributed collective timeout."
+        30.0, ge=1, le=86_400, description="torch.distributed collective timeout."
     )
     evict_severities: list[Severity] = Field(
         default_factory=lambda: ["critical"],
@@ -714,10 +717,25 @@ class FaultToleranceConfig(SpecModel):
     )
 
 
+# An absolute path whose parts are neither '.' nor '..' (RE2 has no look-ahead: each part
+# is spelled out). The root directory alone is refused too.
+_PART = r"([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)"
+STORAGE_PATH_PATTERN = rf"^(/{_PART})+/?$"
+
+
 class StorageConfig(SpecModel):
     """Where persisted checkpoints go: a directory, optionally on a PersistentVolumeClaim."""
 
-    path: str | None = Field(None, description="Directory for persisted checkpoints.")
+    path: str | None = Field(
+        None,
+        pattern=STORAGE_PATH_PATTERN,
+        max_length=4096,
+        description=(
+            "Directory for persisted checkpoints: an absolute path, no '.' or '..' parts. On "
+            "Kubernetes it must be on a volume (pvc, or one the template mounts there): "
+            "otherwise checkpoints land in the pod's own filesystem and die with it."
+        ),
+    )
     pvc: str | None = Field(None, description="PersistentVolumeClaim mounted for checkpoints.")
 
 

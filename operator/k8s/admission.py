@@ -33,6 +33,26 @@ def refusals(name: str, spec: TrainingJobSpec, allow_privileged: bool) -> list[s
     return problems
 
 
+def storage_warning(spec: TrainingJobSpec) -> str | None:
+    """A storage.path with no PVC and no template volume mounted over it: checkpoints
+    would "persist" into the pod's own filesystem (read-only in our pods, and gone with
+    the pod anyway). A warning, not a refusal: an admission webhook may add the volume."""
+    storage = spec.checkpoint.storage
+    if not storage.path or storage.pvc:
+        return None
+    path = storage.path.rstrip("/") + "/"
+    for container in ((spec.template or {}).get("spec") or {}).get("containers") or []:
+        for mount in container.get("volumeMounts") or [] if isinstance(container, dict) else []:
+            where = str(mount.get("mountPath") or "").rstrip("/") + "/"
+            if path.startswith(where) and where != "/":
+                return None
+    return (
+        f"spec.checkpoint.storage.path {storage.path!r} is on no volume (no storage.pvc, and "
+        "the template mounts none there): checkpoints would be written into the pod's own "
+        "filesystem and lost with it; set storage.pvc or mount a volume at that path"
+    )
+
+
 def privileged_fields(template: dict[str, Any]) -> list[str]:
     """The fields of a pod template that ask for rights beyond the job's own pods."""
     spec = template.get("spec") or {}

@@ -35,7 +35,7 @@ from bulkhead.api.manifest import ManifestError, parse_spec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
-from bulkhead.operator.k8s.admission import refusals
+from bulkhead.operator.k8s.admission import refusals, storage_warning
 from bulkhead.operator.k8s.adopt import (
     decode_token,
     incarnations_of,
@@ -115,6 +115,8 @@ class OperatorRuntime:
             errors = "; ".join(refusals(name, spec, self.settings.allow_privileged_templates))
         except ManifestError as exc:
             errors = "; ".join(str(e) for e in exc.errors)
+        if not errors and (warning := storage_warning(spec)) is not None:
+            log.warning("job %s/%s: %s", namespace, name, warning)
         if errors:  # Failed once, with the reason: never retried until the spec changes
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
             status = invalid_status(errors, datetime.now(UTC))

@@ -173,3 +173,49 @@ def test_replicas_of_superseded_layouts_leave_shared_memory(shm_factory) -> None
         p.name.split("--")[1].removesuffix(".json") for p in (shm / "replicas").iterdir()
     )
     assert files == ["p", "p", "x", "x"]  # each its record and its bytes; nothing of "a"
+
+
+def test_a_peer_advertising_a_huge_snapshot_is_skipped_and_storage_restores(
+    shm_factory, sidecar_factory, tmp_path
+) -> None:
+    """A real peer sidecar lists a (sealed, self-consistent) replica of 1 PiB: the restore
+    skips it, counted as corrupt, instead of dying allocating it, and falls back."""
+    from ckpt_helpers import assert_state_is, make_state
+
+    from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings, Topology
+    from bulkhead.trainer.checkpoint.metrics import CORRUPT
+    from bulkhead.trainer.checkpoint.records import TensorEntry, write_json_atomic
+
+    peer_shm = shm_factory()
+    peer = sidecar_factory(peer_shm, listen="127.0.0.1:0", token=TOKEN)
+    huge = 1 << 50
+    forged = SnapshotRecord(
+        job="job1",
+        shard="rank0",
+        step=99,
+        shards=["rank0"],
+        nbytes=huge,
+        tensors=[TensorEntry(path=["w"], dtype="uint8", shape=[huge], offset=0, nbytes=huge)],
+        skeleton='{"__dict__":[["w",{"__tensor__":0}]]}',
+        created=1e12,
+    )
+    forged.seal(0)
+    write_json_atomic(
+        peer_shm / "replicas" / "job1--rank0.json", forged.model_dump(mode="json"), durable=False
+    )
+    assert [r.step for r in list_replicas(peer.replica_address, "job1", TOKEN, 10)] == [99]
+
+    own_shm = shm_factory()
+    sidecar_factory(own_shm)
+    settings = CheckpointSettings(job="job1", shm_dir=own_shm, storage_dir=tmp_path, token=TOKEN)
+    with CheckpointEngine(settings) as engine:
+        engine.snapshot(10, make_state(10))
+        assert engine.flush(timeout=60)["persisted_step"] == 10
+    skipped_before = CORRUPT.labels(tier="peer")._value.get()
+    settings = settings.model_copy(update={"shm_dir": shm_factory()})  # memory lost
+    sidecar_factory(settings.shm_dir)
+    with CheckpointEngine(settings, Topology(peers=(peer.replica_address,))) as engine:
+        restored = engine.restore()
+    assert restored is not None and (restored.step, restored.tier) == (10, "storage")
+    assert_state_is(restored.state, 10)
+    assert CORRUPT.labels(tier="peer")._value.get() == skipped_before + 1

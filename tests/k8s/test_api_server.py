@@ -71,8 +71,34 @@ def _with(path: str, value: object) -> dict:
         (_with("spec.minWorkers", 9), 'minWorkers: Invalid value: "object": must be <= workers'),
         (_with("spec.trainer.model.preset", "huge"), 'model.preset: Unsupported value: "huge"'),
         (_with("spec", None), "spec: Required value"),
+        (
+            _with("spec.faultTolerance", {"hangTimeoutSeconds": 1e-300}),
+            "hangTimeoutSeconds in body should be greater than or equal to 1",
+        ),
+        (
+            _with("spec.faultTolerance", {"backoff": {"initialSeconds": 1e-300}}),
+            "initialSeconds in body should be greater than or equal to 0.01",
+        ),
+        (
+            _with("spec.checkpoint", {"storage": {"path": "ckpt"}}),
+            "storage.path in body should match",
+        ),
+        (
+            _with("spec.checkpoint", {"storage": {"path": "/data/../etc"}}),
+            "storage.path in body should match",
+        ),
     ],
-    ids=["workers-zero", "workers-string", "min-above-workers", "unknown-preset", "no-spec"],
+    ids=[
+        "workers-zero",
+        "workers-string",
+        "min-above-workers",
+        "unknown-preset",
+        "no-spec",
+        "hang-timeout-1e-300",
+        "backoff-1e-300",
+        "relative-storage-path",
+        "dotdot-storage-path",
+    ],
 )  # fmt: skip
 def test_schema_rejects_invalid_jobs(
     k8s_cluster: Cluster, trainingjob_crd: str, k8s_namespace: str, job: dict, message: str

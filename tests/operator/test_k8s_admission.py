@@ -2,7 +2,7 @@
 
 from bulkhead.api import parse_spec
 from bulkhead.operator.k8s import builders
-from bulkhead.operator.k8s.admission import refusals
+from bulkhead.operator.k8s.admission import refusals, storage_warning
 
 
 def _spec(**pod_spec):
@@ -69,3 +69,25 @@ def test_every_container_of_the_pod_is_hardened():
         assert context["allowPrivilegeEscalation"] is False, container["name"]
         assert context["capabilities"] == {"drop": ["ALL"]}, container["name"]
         assert context["readOnlyRootFilesystem"] is True, container["name"]
+
+
+def test_a_storage_path_on_no_volume_warns_one_on_a_mount_or_a_pvc_does_not():
+    def spec(storage, mounts=()):
+        trainer = {
+            "name": "trainer",
+            "volumeMounts": [{"name": "v", "mountPath": m} for m in mounts],
+        }
+        return parse_spec(
+            {
+                "workers": 2,
+                "checkpoint": {"storage": storage},
+                "template": {"spec": {"containers": [trainer]}},
+            }
+        )
+
+    warning = storage_warning(spec({"path": "/ckpt/run1"}))
+    assert warning is not None and "'/ckpt/run1' is on no volume" in warning
+    assert storage_warning(spec({"path": "/ckpt/run1"}, mounts=["/ckpt"])) is None
+    assert storage_warning(spec({"path": "/ckpt/run1"}, mounts=["/ck"])) is not None
+    assert storage_warning(spec({"path": "/ckpt", "pvc": "claim"})) is None
+    assert storage_warning(spec({})) is None
