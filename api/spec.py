@@ -743,7 +743,15 @@ class CheckpointConfig(SpecModel):
     """In-memory snapshots, peer replicas and persisted checkpoints."""
 
     interval_steps: int = Field(50, gt=0, le=1_000_000, description="Snapshot every n steps.")
-    keep: int = Field(3, ge=1, le=10_000, description="Persisted checkpoints kept (newest first).")
+    keep: int = Field(
+        3,
+        ge=1,
+        le=10_000,
+        description=(
+            "Complete persisted checkpoints kept (every shard of a step, the newest taken "
+            "first); older steps are deleted, the newest complete one never."
+        ),
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Where persisted checkpoints are written."
     )
