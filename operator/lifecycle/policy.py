@@ -283,7 +283,8 @@ class _Policy(PolicyActions):
         if r.generation != s.generation or r.worker not in s.member_ids():
             return
         s = self.state
-        if r.state_source == "fresh" and s.has_progress and self.fresh_start_refused(r):
+        first_of_generation = not s.has_progress or s.step_generation != r.generation
+        if r.state_source == "fresh" and first_of_generation and self.fresh_start_refused(r):
             return
         self.on_persist_report(r)
         self.on_plan_report(r)
@@ -342,9 +343,10 @@ class _Policy(PolicyActions):
         self.state = replace(self.state, pending_recoveries=())
 
     def fresh_start_refused(self, r: ProgressReport) -> bool:
-        """Workers that restored nothing started over although a checkpoint was persisted:
-        unless the spec allows it, the job fails saying which step is missing (training
-        on would overwrite the only record that it existed)."""
+        """A generation's first report says it started from nothing although a checkpoint
+        was persisted before it: unless the spec allows it, the job fails saying which step
+        is missing (training on would overwrite the only record that it existed). Later
+        reports of the generation still say "fresh": they are not a new start."""
         persisted = self.state.last_persisted_step
         if persisted is None or self.cfg.allow_fresh_start:
             return False

@@ -13,7 +13,7 @@ import pytest
 from ckpt_helpers import assert_state_is, make_state
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
-from bulkhead.trainer.checkpoint.records import Topology
+from bulkhead.trainer.checkpoint.records import SnapshotRecord, Topology
 from bulkhead.trainer.checkpoint.restore import ANY_SHARD
 from bulkhead.trainer.checkpoint.storage import INCOMPLETE_KEPT, FileStorage
 
@@ -25,7 +25,7 @@ class FailingSteps(FileStorage):
 
     failing: set[int] = set()
 
-    def persist(self, record, data) -> None:  # type: ignore[no-untyped-def]
+    def persist(self, record: SnapshotRecord, data: memoryview) -> None:
         if record.step in FailingSteps.failing:
             raise OSError(errno.EIO, "Input/output error")
         super().persist(record, data)

@@ -14,6 +14,7 @@ from waiting import until
 from bulkhead.api.protocol import FaultReport, ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Member, Membership, Recovery, TrainingJobStatus
+from bulkhead.operator.lifecycle.types import WorkerExited
 from bulkhead.operator.session.job import JobSession, open_new, open_resumed
 
 
@@ -109,8 +110,8 @@ def test_open_recovery_survives_a_manager_restart() -> None:
 
 
 def test_workers_that_restored_nothing_after_a_persisted_step_fail_the_job_saying_so() -> None:
-    """A manager that knows step 30 reached storage (from the status it resumed) hears a
-    generation start over from nothing: Failed, with a condition naming the missing step;
+    """A manager that knows step 30 reached storage (from the status it resumed) hears the
+    next generation start over from nothing: Failed, with a condition naming the missing step;
     never a Recovered Event claiming a checkpoint restore."""
 
     async def scenario() -> None:
@@ -131,8 +132,12 @@ def test_workers_that_restored_nothing_after_a_persisted_step_fail_the_job_sayin
         live = {"job-w0-0": "n0", "job-w1-0": "n1"}
         session = JobSession(open_resumed("job", _spec(2), status, live), "t", lambda _: driver)
         await session.start()
+        # w1 dies: w0 goes on alone in a new generation, which finds no state to start from.
+        session.observe(WorkerExited("job-w1-0", None, 9))
+        generation = session.state.generation
+        assert generation > 3 and session.status.phase != "Failed"
         directive = await session.progress(
-            ProgressReport(worker="job-w0-0", generation=3, step=0, state_source="fresh")
+            ProgressReport(worker="job-w0-0", generation=generation, step=0, state_source="fresh")
         )
         assert directive.action != "continue", directive
         await until(lambda: session.status.phase == "Failed")

@@ -427,6 +427,17 @@ def test_a_fresh_start_after_a_persisted_step_fails_the_job_saying_what_is_missi
     assert not [e for e in _of(RecordEvent, sim.log) if e.reason == "Recovered"]
 
 
+def test_a_first_generation_that_started_fresh_and_persisted_goes_on() -> None:
+    """Generation 1 starts from nothing and says so in every report; the steps it persists
+    meanwhile do not make its own later reports a refused fresh start."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(0, state_source="fresh")
+    sim.progress(9, persisted=9, state_source="fresh")
+    sim.progress(10, state_source="fresh")
+    assert sim.state.phase == "Running" and sim.state.last_persisted_step == 9
+
+
 def test_a_fresh_start_is_allowed_by_the_spec_and_told_as_such() -> None:
     spec = make_spec().model_copy(deep=True)
     spec.checkpoint.allow_fresh_start = True
