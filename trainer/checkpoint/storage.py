@@ -266,7 +266,7 @@ def make_dirs_durable(directory: Path) -> None:
     fsynced in its parent (a rename into a directory whose own entry is lost is lost too)."""
     missing = []
     at = directory
-    while not at.is_dir():
+    while not at.exists():  # a file in the way then fails mkdir with ENOTDIR, as it should
         missing.append(at)
         at = at.parent
     for path in reversed(missing):
