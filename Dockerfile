@@ -10,7 +10,9 @@
 # smaller image) for CPU nodes, CI and the operator and agent, which never use a GPU.
 # tests/packaging/test_dockerfile.py checks this file against pyproject.toml.
 
-ARG PYTHON_IMAGE=python:3.11-slim
+# The base image by digest, so a rebuild gets the very bytes that were tested (a tag moves).
+# Update both parts together: docker buildx imagetools inspect python:3.11-slim
+ARG PYTHON_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
 FROM ${PYTHON_IMAGE} AS build
 ARG VARIANT=cuda

@@ -5,7 +5,9 @@
 - ``GET /metrics``   Prometheus text format (``bulkhead_agent_*``)
 - ``GET /v1/anomalies``  the Node condition and active problems (the agents' token)
 - ``POST /v1/jobs/{job}/report``  a ``WorkerReport`` from a trainer of job ``job`` on this
-  node, with that job's own token (``job_report_token``): checked before the body is read
+  node, with that job's own token (``job_report_token``): checked before the body is read,
+  and the body is read as it streams (chunked too) and refused past ``MAX_REPORT_BYTES``;
+  a report of a new worker while the agent already watches ``MAX_WORKERS`` gets 429
 
 Workers are known as ``<job>/<worker>``, so two jobs' workers of the same name (jobs of one
 name in two namespaces) never share a state.
@@ -52,6 +54,19 @@ def of_job(job: str, report: WorkerReport) -> WorkerReport:
             "straggler_scores": {f"{job}/{w}": v for w, v in report.straggler_scores.items()},
         }
     )
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None once it passes ``limit`` bytes: read as it streams, so a
+    chunked body (no Content-Length) is refused without being held whole."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def create_app(
@@ -117,17 +132,25 @@ def create_app(
     async def report(job: str, request: Request) -> JSONResponse:
         def reject(status: int, detail: Any) -> JSONResponse:
             metrics.reports.labels("rejected").inc()
-            log.info("report for job %s rejected (%d): %s", job, status, detail)
-            return JSONResponse({"detail": detail}, status_code=status)
+            log.info("report for job %s rejected (%d): %s", job, status, str(detail)[:200])
+            # Closing the connection stops the server reading (and discarding) the rest of
+            # an oversized or refused body.
+            return JSONResponse(
+                {"detail": detail}, status_code=status, headers={"Connection": "close"}
+            )
 
         denied = refused(request, job)
         if denied is not None:
             return reject(*denied)
-        if int(request.headers.get("content-length") or 0) > MAX_REPORT_BYTES:
-            return reject(413, f"report larger than {MAX_REPORT_BYTES} bytes")
-        body = await request.body()
-        if len(body) > MAX_REPORT_BYTES:
-            return reject(413, f"report larger than {MAX_REPORT_BYTES} bytes")
+        too_large = f"report larger than {MAX_REPORT_BYTES} bytes"
+        declared = request.headers.get("content-length") or "0"
+        if not declared.isdigit():
+            return reject(400, f"bad Content-Length {declared[:32]!r}")
+        if int(declared) > MAX_REPORT_BYTES:
+            return reject(413, too_large)
+        body = await _bounded_body(request, MAX_REPORT_BYTES)
+        if body is None:
+            return reject(413, too_large)
         try:
             parsed = WorkerReport.model_validate_json(body)
         except ValidationError as exc:
@@ -135,7 +158,8 @@ def create_app(
                 {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
             ]
             return reject(422, errors)
-        agent.record_report(of_job(job, parsed))
+        if not agent.record_report(of_job(job, parsed)):
+            return reject(429, "this agent watches as many workers as it may; report refused")
         metrics.reports.labels("accepted").inc()
         return JSONResponse({"accepted": True, "worker": parsed.worker}, status_code=202)
 

@@ -91,8 +91,9 @@ class Agent:
             log.info("no collector produces %s: the rules reading them stay idle", sorted(unread))
 
     # --- inputs from the API ---------------------------------------------------------------
-    def record_report(self, report: WorkerReport) -> None:
-        self.collectors.training.record(report, self.clock())
+    def record_report(self, report: WorkerReport) -> bool:
+        """False when refused: a new worker while the agent watches as many as it may."""
+        return self.collectors.training.record(report, self.clock())
 
     def problems(self) -> list[Problem]:
         with self._lock:

@@ -12,7 +12,16 @@ from typing import Any
 
 import yaml
 
-from bulkhead.api.spec import API_GROUP, API_VERSION, KIND, TrainingJobSpec
+from bulkhead.api.spec import (
+    API_GROUP,
+    API_VERSION,
+    JOB_NAME_MAX,
+    JOB_NAME_PATTERN,
+    JOB_NAME_RULE,
+    KIND,
+    TrainingJobSpec,
+    cel,
+)
 from bulkhead.api.status import TrainingJobStatus
 
 PLURAL = "trainingjobs"
@@ -158,6 +167,15 @@ def crd() -> dict[str, Any]:
                 "type": "object",
                 "description": "A fault-tolerant distributed training job.",
                 "required": ["spec"],
+                # The API server lets a root rule read metadata.name (and nothing else of
+                # metadata): names the operator could not use never get in.
+                "x-kubernetes-validations": [
+                    cel(
+                        f"size(self.metadata.name) <= {JOB_NAME_MAX} && "
+                        f"self.metadata.name.matches('{JOB_NAME_PATTERN}')",
+                        f"metadata.name: {JOB_NAME_RULE}",
+                    )
+                ],
                 "properties": {
                     "apiVersion": {
                         "type": "string",

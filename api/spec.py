@@ -8,9 +8,10 @@ which field to fix. Rules that the API server can check itself are also exported
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -718,8 +719,11 @@ class TrainerConfig(SpecModel):
 class BackoffConfig(SpecModel):
     """Wait between full restarts: initialSeconds, times multiplier per restart, capped."""
 
-    initial_seconds: float = Field(1.0, gt=0, le=3600, description="Wait before the first restart.")
-    max_seconds: float = Field(60.0, gt=0, le=86_400, description="Longest wait.")
+    # Lower bounds a clock can honour: a 1e-300 s wait is a typo, not a setting.
+    initial_seconds: float = Field(
+        1.0, ge=0.01, le=3600, description="Wait before the first restart."
+    )
+    max_seconds: float = Field(60.0, ge=0.01, le=86_400, description="Longest wait.")
     multiplier: float = Field(2.0, ge=1, le=100, description="Growth of the wait per restart.")
 
     @model_validator(mode="after")
@@ -753,13 +757,13 @@ class FaultToleranceConfig(SpecModel):
         default_factory=BackoffConfig, description="Wait between full restarts."
     )
     hang_timeout_seconds: float = Field(
-        120.0, gt=0, le=604_800, description="No progress this long = hang."
+        120.0, ge=1, le=604_800, description="No progress this long = hang."
     )
     registration_timeout_seconds: float = Field(
-        300.0, gt=0, le=86_400, description="How long to wait for workers to register."
+        300.0, ge=1, le=86_400, description="How long to wait for workers to register."
     )
     collective_timeout_seconds: float = Field(
-        30.0, gt=0, le=86_400, description="torch.distributed collective timeout."
+        30.0, ge=1, le=86_400, description="torch.distributed collective timeout."
     )
     evict_severities: list[Severity] = Field(
         default_factory=lambda: ["critical"],
@@ -780,10 +784,25 @@ class FaultToleranceConfig(SpecModel):
     )
 
 
+# An absolute path whose parts are neither '.' nor '..' (RE2 has no look-ahead: each part
+# is spelled out). The root directory alone is refused too.
+_PART = r"([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)"
+STORAGE_PATH_PATTERN = rf"^(/{_PART})+/?$"
+
+
 class StorageConfig(SpecModel):
     """Where persisted checkpoints go: a directory, optionally on a PersistentVolumeClaim."""
 
-    path: str | None = Field(None, description="Directory for persisted checkpoints.")
+    path: str | None = Field(
+        None,
+        pattern=STORAGE_PATH_PATTERN,
+        max_length=4096,
+        description=(
+            "Directory for persisted checkpoints: an absolute path, no '.' or '..' parts. On "
+            "Kubernetes it must be on a volume (pvc, or one the template mounts there): "
+            "otherwise checkpoints land in the pod's own filesystem and die with it."
+        ),
+    )
     pvc: str | None = Field(None, description="PersistentVolumeClaim mounted for checkpoints.")
 
 
@@ -791,11 +810,27 @@ class CheckpointConfig(SpecModel):
     """In-memory snapshots, peer replicas and persisted checkpoints."""
 
     interval_steps: int = Field(50, gt=0, le=1_000_000, description="Snapshot every n steps.")
-    keep: int = Field(3, ge=1, le=10_000, description="Persisted checkpoints kept (newest first).")
+    keep: int = Field(
+        3,
+        ge=1,
+        le=10_000,
+        description=(
+            "Complete persisted checkpoints kept (every shard of a step, the newest taken "
+            "first); older steps are deleted, the newest complete one never."
+        ),
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Where persisted checkpoints are written."
     )
     peer_replication: bool = Field(True, description="Keep a replica in a peer's memory.")
+    allow_fresh_start: bool = Field(
+        False,
+        description=(
+            "Once a checkpoint was persisted, a restore that finds none (storage emptied, "
+            "every copy corrupt) fails the job with a condition saying which step is "
+            "missing; true lets the workers start over from step 0 instead."
+        ),
+    )
 
 
 class TrainingJobSpec(SpecModel):
@@ -1024,12 +1059,39 @@ class TrainingJobSpec(SpecModel):
             )
 
 
+# A job's name names its headless Service, so it must be a DNS-1035 label: lower case
+# letters, digits and '-', starting with a letter, at most 63 characters. The API server
+# takes any DNS subdomain (253 characters, a leading digit, dots) for a TrainingJob.
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+JOB_NAME_MAX = 63
+JOB_NAME_RULE = (
+    f"a job name is a DNS-1035 label (it names the job's Service): lower case letters, "
+    f"digits and '-', starting with a letter and ending with a letter or digit, at most "
+    f"{JOB_NAME_MAX} characters"
+)
+
+
+def job_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a TrainingJob, or None."""
+    if len(name) > JOB_NAME_MAX or not re.match(JOB_NAME_PATTERN, name):
+        return f"metadata.name {name[:80]!r}: {JOB_NAME_RULE}"
+    return None
+
+
 class ObjectMeta(BaseModel):
     """The part of Kubernetes ObjectMeta a manifest author writes."""
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(..., min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, value: str) -> str:
+        if job_name_problem(value) is not None:
+            raise PydanticCustomError("job_name", JOB_NAME_RULE)
+        return value
+
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

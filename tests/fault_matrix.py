@@ -230,6 +230,114 @@ FAULTS: tuple[Fault, ...] = (
             "test_a_worker_most_members_cannot_reach_is_evicted_and_the_rest_go_on",
         ),
     ),
+    Fault(
+        "one shard's persist failing (keep 1 and 3), then every pod lost",
+        "retention counts steps every shard has and never deletes the newest of them; "
+        "status, Events (once, no flapping) and metrics report that step, and it restores",
+        (
+            "tests/checkpoint/test_retention.py::"
+            "test_one_shard_missing_writes_keeps_a_complete_step_and_reports_it",
+            "tests/checkpoint/test_retention.py::"
+            "test_once_shards_meet_again_older_steps_go_and_the_newest_complete_stays",
+            "tests/lifecycle/test_policy.py::"
+            "test_one_shard_failing_while_others_persist_does_not_flap",
+        ),
+    ),
+    Fault(
+        "no restorable checkpoint although one was persisted (storage emptied; keep 1 with "
+        "the newest corrupt)",
+        "the job fails with CheckpointsPersisted=False (NotRestorable) naming the step, "
+        "unless checkpoint.allowFreshStart; a fresh start is never told as a restore; after "
+        "a fall back, retention keeps the steps taken since, not the corrupt higher one",
+        (
+            "tests/control/test_session_recovery.py::"
+            "test_workers_that_restored_nothing_after_a_persisted_step_fail_the_job_saying_so",
+            "tests/checkpoint/test_retention.py::"
+            "test_a_corrupt_newer_step_taken_before_a_fall_back_is_retired_not_the_present",
+            "tests/lifecycle/test_policy.py::"
+            "test_a_fresh_start_after_a_persisted_step_fails_the_job_saying_what_is_missing",
+        ),
+    ),
+    Fault(
+        "power loss right after a step is reported persisted",
+        "every directory a persist creates is fsynced in its parent before the manifest "
+        "makes the step visible (checked on a real persist's system calls)",
+        (
+            "tests/checkpoint/test_retention.py::"
+            "test_new_step_directories_are_fsynced_in_their_parent_before_the_manifest",
+        ),
+    ),
+    Fault(
+        "tokenless giant lines and idle connection floods on the sidecar's replica port "
+        "(1,024 open files)",
+        "the token's 4 KiB line is checked before anything else is read; 64 connections at "
+        "most, 10 s to show the token; the sidecar stays small and serves peers again",
+        (
+            "tests/checkpoint/test_replica_port.py::"
+            "test_tokenless_giant_lines_and_idle_floods_leave_the_sidecar_small_and_serving",
+            "tests/checkpoint/test_replica_port.py::"
+            "test_a_connection_that_shows_no_token_in_time_is_closed",
+        ),
+    ),
+    Fault(
+        "oversized or chunked report bodies and made-up worker names at the node agent",
+        "bodies are read bounded as they stream (413, connection closed); at most 512 "
+        "workers are watched, a new one beyond gets 429; the agent lives on",
+        (
+            "tests/agent/test_app.py::test_a_chunked_flood_is_refused_as_it_streams",
+            "tests/agent/test_app.py::"
+            "test_reports_of_too_many_unknown_workers_are_refused_known_ones_still_served",
+        ),
+    ),
+    Fault(
+        "replicas of superseded layouts left in shared memory",
+        "each sidecar keeps a job's replicas of its two newest layouts and drops the rest",
+        (
+            "tests/checkpoint/test_replica_port.py::"
+            "test_replicas_of_superseded_layouts_leave_shared_memory",
+        ),
+    ),
+    Fault(
+        "a peer advertising a huge checkpoint size",
+        "the candidate is skipped (counted corrupt) and the restore goes on to the next",
+        (
+            "tests/checkpoint/test_replica_port.py::"
+            "test_a_peer_advertising_a_huge_snapshot_is_skipped_and_storage_restores",
+        ),
+    ),
+    Fault(
+        "job names the operator cannot use (1job, more than 63 characters)",
+        "refused by the CRD (real API server) and by bulkhead validate, naming the rule; "
+        "an operator given one anyway fails the job once",
+        (
+            "tests/k8s/test_api_server.py::test_job_names_the_operator_cannot_use_are_refused",
+            "tests/api/test_bulkhead_cli.py::"
+            "test_validate_refuses_job_names_the_operator_cannot_use",
+            "tests/operator/test_k8s_admission.py::"
+            "test_names_the_objects_cannot_carry_are_refused_ordinary_ones_pass",
+        ),
+    ),
+    Fault(
+        "privileged pod template (host network or PID, hostPath /, root, privileged, "
+        "another service account)",
+        "the job fails once with Valid=False naming each field, no pod created, unless the "
+        "chart allows it; every container of a worker pod is hardened",
+        (
+            "tests/operator/test_k8s_recovery.py::"
+            "test_a_privileged_template_fails_the_job_once_naming_each_field",
+            "tests/operator/test_k8s_admission.py::"
+            "test_each_privileged_field_is_named_and_the_setting_allows_them",
+            "tests/operator/test_k8s_admission.py::test_every_container_of_the_pod_is_hardened",
+        ),
+    ),
+    Fault(
+        "absurd timeouts (1e-300 s) and relative or '..' storage paths",
+        "refused by the CRD (real API server) and by bulkhead validate, naming the field",
+        (
+            "tests/k8s/test_api_server.py::test_schema_rejects_invalid_jobs",
+            "tests/api/test_manifests.py::test_invalid_manifest_names_its_field",
+        ),
+    ),
 )
 
 

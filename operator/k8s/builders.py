@@ -20,6 +20,13 @@ WORKER_COMMAND = ["bulkhead-worker"]
 CHECKPOINTD_COMMAND = ["bulkhead-checkpointd"]
 HOST_IP_ENV = "BULKHEAD_HOST_IP"
 
+# The checkpoint sidecar's resources. Its CPU work is checksums and copies; its memory is
+# mostly a peer's replica it receives into the shared volume (tmpfs pages are charged to the
+# container that writes them), so its memory limit follows the trainer's, whose state the
+# replicas mirror, and SIDECAR_MEMORY_LIMIT when the trainer has none.
+SIDECAR_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+SIDECAR_MEMORY_LIMIT = "8Gi"
+
 # GPU nodes usually carry this taint so that only GPU workloads land there.
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
@@ -195,12 +202,24 @@ def _trainer_container(
     return trainer, others
 
 
-def _checkpoint_sidecar(ctx: JobContext, worker_id: str, incarnation: int) -> dict[str, Any]:
+def _memory_limit(container: dict[str, Any]) -> str | None:
+    limits = (container.get("resources") or {}).get("limits") or {}
+    value = limits.get("memory")
+    return str(value) if value is not None else None
+
+
+def _checkpoint_sidecar(
+    ctx: JobContext, worker_id: str, incarnation: int, trainer_memory: str | None
+) -> dict[str, Any]:
     """The TCE sidecar as a native sidecar (init container that keeps running)."""
     return {
         "name": names.CHECKPOINT_CONTAINER,
         "image": ctx.image,
         "command": list(CHECKPOINTD_COMMAND),
+        "resources": {
+            "requests": dict(SIDECAR_REQUESTS),
+            "limits": {"memory": trainer_memory or SIDECAR_MEMORY_LIMIT},
+        },
         # restartPolicy Always on an init container = a sidecar: started before the trainer,
         # stopped after it, and the pod phase follows the trainer alone.
         "restartPolicy": "Always",
@@ -271,11 +290,14 @@ def _secure(container: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def _volumes(ctx: JobContext, user: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _volumes(
+    ctx: JobContext, user: list[dict[str, Any]], trainer_memory: str | None
+) -> list[dict[str, Any]]:
     ours_names = {names.SHM_VOLUME, names.CHECKPOINT_VOLUME, names.TMP_VOLUME}
-    shm: dict[str, Any] = {"medium": "Memory"}
-    if ctx.shm_size_limit:
-        shm["sizeLimit"] = ctx.shm_size_limit
+    # Bounded always: by the operator's setting, else by the trainer's memory limit (its
+    # snapshots are charged to it anyway), else by the sidecar's default limit.
+    size = ctx.shm_size_limit or trainer_memory or SIDECAR_MEMORY_LIMIT
+    shm: dict[str, Any] = {"medium": "Memory", "sizeLimit": size}
     volumes = [v for v in user if v.get("name") not in ours_names]
     volumes.append({"name": names.SHM_VOLUME, "emptyDir": shm})
     volumes.append({"name": names.TMP_VOLUME, "emptyDir": {}})
@@ -304,14 +326,18 @@ def build_worker_pod(
         ctx, pod_spec.get("containers") or [], worker_id, incarnation
     )
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != "checkpoint"]
-    pod_spec["containers"] = [_secure(trainer), *others]
-    sidecar = _secure(_checkpoint_sidecar(ctx, worker_id, incarnation))
+    # Every container of the template is hardened, not only the trainer: a helper container
+    # would otherwise run with the image's defaults (often root, all default capabilities).
+    pod_spec["containers"] = [_secure(trainer), *map(_secure, others)]
+    init = [_secure(c) for c in init]
+    trainer_memory = _memory_limit(trainer)
+    sidecar = _secure(_checkpoint_sidecar(ctx, worker_id, incarnation, trainer_memory))
     pod_spec["initContainers"] = [*init, sidecar]
     security = pod_spec.setdefault("securityContext", {})
     for key, value in POD_SECURITY.items():
         security.setdefault(key, copy.deepcopy(value))
     pod_spec.setdefault("automountServiceAccountToken", False)
-    pod_spec["volumes"] = _volumes(ctx, pod_spec.get("volumes") or [])
+    pod_spec["volumes"] = _volumes(ctx, pod_spec.get("volumes") or [], trainer_memory)
     # A dead worker is replaced by a new incarnation (a new pod), never restarted in place.
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("affinity", _anti_affinity(ctx))

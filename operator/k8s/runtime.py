@@ -36,6 +36,7 @@ from bulkhead.api.node_problems import may_evict, narrow_evictions
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
+from bulkhead.operator.k8s.admission import refusals, storage_warning
 from bulkhead.operator.k8s.adopt import (
     decode_token,
     incarnations_of,
@@ -113,8 +114,12 @@ class OperatorRuntime:
         namespace, name = meta["namespace"], meta["name"]
         try:
             asked = parse_spec(body.get("spec"), source=f"{namespace}/{name}")
+            errors = "; ".join(refusals(name, asked, self.settings.allow_privileged_templates))
         except ManifestError as exc:
             errors = "; ".join(str(e) for e in exc.errors)
+        if not errors and (warning := storage_warning(asked)) is not None:
+            log.warning("job %s/%s: %s", namespace, name, warning)
+        if errors:  # Failed once, with the reason: never retried until the spec changes
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
             status = invalid_status(errors, datetime.now(UTC))
             await StatusWriter(self.client, namespace, name).write_now(status)

@@ -32,7 +32,16 @@ class OperatorSettings(BaseSettings):
         "ghcr.io/bulkhead-dev/bulkhead:0.1.0",
         description="Image of the checkpoint sidecar and of templates that name none.",
     )
-    shm_size_limit: str | None = Field(None, description="sizeLimit of the shared emptyDir.")
+    shm_size_limit: str | None = Field(
+        None,
+        description="sizeLimit of the shared emptyDir; default: the trainer's memory limit.",
+    )
+    allow_privileged_templates: bool = Field(
+        False,
+        description="Run jobs whose pod template uses the host's namespaces or paths, runs "
+        "privileged or as root, adds capabilities or names a service account; off: such a "
+        "job fails saying which field (bulkhead.operator.k8s.admission).",
+    )
     agent_port: int = Field(
         AGENT_PORT, ge=1, le=65535, description="hostPort of the node agent workers report to."
     )

@@ -258,28 +258,38 @@ class _Policy(PolicyActions):
             self.lose(on_node, f"node_{ev.reason}")
 
     def on_persist_report(self, r: ProgressReport | CompletionReport) -> None:
-        """Storage progress from a rank that persists: any member's report counts (each
-        persists its own shard), whether or not its step is news."""
+        """Storage progress from a rank that persists, whether or not its step is news.
+
+        ``persisted_step`` is the newest step every shard has on storage (the sidecar
+        checks), so the newest report of it is the job's. Failures are kept per worker:
+        one shard failing while others persist is one failure, not an Event per report.
+        """
         if r.persisted_step is None and r.persist_error is None:
             return  # not a persisting rank
         s = self.state
         persisted = s.last_persisted_step
         if r.persisted_step is not None:
             persisted = max(persisted or 0, r.persisted_step)
-        error = r.persist_error
-        if error and not s.persist_error:
+        members = s.member_ids()
+        errors = {w: e for w, e in s.persist_errors if w in members and w != r.worker}
+        if r.persist_error:
+            errors[r.worker] = r.persist_error
+        if errors and not s.persist_errors:
             self.event(
                 "CheckpointPersistFailed",
-                f"{r.worker} cannot persist checkpoints: {error}; a restart from storage "
-                f"would resume after step {persisted if persisted is not None else 'none'}",
+                f"{r.worker} cannot persist checkpoints: {r.persist_error}; a restart from "
+                f"storage would resume after step "
+                f"{persisted if persisted is not None else 'none'}",
                 warning=True,
             )
-        elif s.persist_error and not error:
+        elif s.persist_errors and not errors:
             self.event(
                 "CheckpointPersisted",
                 f"checkpoints persist again (step {persisted} on storage)",
             )
-        self.state = replace(s, last_persisted_step=persisted, persist_error=error or None)
+        self.state = replace(
+            s, last_persisted_step=persisted, persist_errors=tuple(sorted(errors.items()))
+        )
 
     def on_plan_report(self, r: ProgressReport) -> None:
         """The layout rank 0 trains with (pipelines, experts per worker): an Event when new."""
@@ -293,6 +303,10 @@ class _Policy(PolicyActions):
         r = ev.report
         s = self.state
         if r.generation != s.generation or r.worker not in s.member_ids():
+            return
+        s = self.state
+        first_of_generation = not s.has_progress or s.step_generation != r.generation
+        if r.state_source == "fresh" and first_of_generation and self.fresh_start_refused(r):
             return
         self.on_persist_report(r)
         self.on_plan_report(r)
@@ -366,6 +380,25 @@ class _Policy(PolicyActions):
         ]
         if waiting and len(members) < self.cfg.workers:
             self.publish(f"{', '.join(waiting[: self.cfg.workers - len(members)])} joined")
+
+    def fresh_start_refused(self, r: ProgressReport) -> bool:
+        """A generation's first report says it started from nothing although a checkpoint
+        was persisted before it: unless the spec allows it, the job fails saying which step
+        is missing (training on would overwrite the only record that it existed). Later
+        reports of the generation still say "fresh": they are not a new start."""
+        persisted = self.state.last_persisted_step
+        if persisted is None or self.cfg.allow_fresh_start:
+            return False
+        why = (
+            f"no checkpoint could be restored: step {persisted} was persisted, but "
+            f"{r.worker} found no complete, verified copy of it or of an older step in "
+            "memory, peers or storage (checkpoint.storage emptied or corrupt?); the workers "
+            "would start over from step 0. Restore the checkpoint directory, or set "
+            "checkpoint.allowFreshStart: true to start over"
+        )
+        self.state = replace(self.state, unrestorable=why)
+        self.fail(why)
+        return True
 
     def on_complete(self, ev: CompletionReported) -> None:
         r = ev.report

@@ -58,6 +58,8 @@ class PolicyConfig:
     # collective error (or are polling membership) may stay silent before it is replaced.
     suspect_grace_s: float = DEFAULT_SUSPECT_GRACE_S
     spares: int = 0  # registered workers kept out of training, to replace a lost member
+    # checkpoint.allowFreshStart: starting over from step 0 after a step was persisted.
+    allow_fresh_start: bool = False
 
     @property
     def slots(self) -> int:
@@ -84,6 +86,7 @@ class PolicyConfig:
             evict_severities=frozenset(ft.evict_severities),
             suspect_grace_s=suspect_grace_s,
             spares=ft.spares,
+            allow_fresh_start=spec.checkpoint.allow_fresh_start,
         )
 
     def backoff(self, attempt: int) -> float:
@@ -285,7 +288,9 @@ class LifecycleState:
     val_loss: float | None = None  # of the newest evaluation a member reported
     last_checkpoint_step: int | None = None
     last_persisted_step: int | None = None
-    persist_error: str | None = None  # the last persist failure a worker reported, until fixed
+    # (worker, error) of each persisting worker whose last storage report was a failure.
+    persist_errors: tuple[tuple[str, str], ...] = ()
+    unrestorable: str | None = None  # why a persisted checkpoint could not be restored
     plan: tuple[str, ...] = ()  # the parallel layout rank 0 last reported (PlanApplied)
     last_progress_at: float = 0.0
     deadline: float | None = None  # registration deadline while forming / restarting
@@ -320,6 +325,13 @@ class LifecycleState:
     @property
     def generation(self) -> int:
         return self.membership.generation
+
+    @property
+    def persist_error(self) -> str | None:
+        """Why checkpoints do not reach storage (every failing worker), or None."""
+        if not self.persist_errors:
+            return None
+        return "; ".join(f"{worker}: {error}" for worker, error in self.persist_errors)[:1024]
 
     @property
     def terminal(self) -> bool:

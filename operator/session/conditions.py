@@ -39,7 +39,9 @@ class ConditionBook:
             ),
         }
         # Once a worker has said anything about storage: are checkpoints reaching it?
-        if s.persist_error:
+        if s.unrestorable:
+            wanted["CheckpointsPersisted"] = ("False", "NotRestorable", s.unrestorable)
+        elif s.persist_error:
             wanted["CheckpointsPersisted"] = ("False", "PersistFailed", s.persist_error)
         elif s.last_persisted_step is not None:
             wanted["CheckpointsPersisted"] = ("True", "Persisted", "")

@@ -3,6 +3,7 @@ valid reports are detected, malformed or unauthenticated ones get 4xx and the ag
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import uvicorn
 from agent_helpers import TEST_SETTINGS, TOKEN
 from waiting import wait_until
 
+from bulkhead.agent.collectors.training import MAX_WORKERS
 from bulkhead.agent.service import Built, Sources, build
 from bulkhead.agent.settings import AgentSettings
 from bulkhead.api.protocol import (
@@ -189,3 +191,46 @@ def test_the_reporter_survives_an_agent_that_refuses_it(served, caplog):
     assert reporter.sent == 0
     # One warning for the outage, not one per report.
     assert caplog.text.count("node agent at") == 1
+
+
+def test_a_chunked_flood_is_refused_as_it_streams(served):
+    """100 MB in chunks (no Content-Length) on a raw socket: the agent answers 413 and
+    hangs up after about MAX_REPORT_BYTES, long before the body ends (read whole, it
+    peaked at 276 MB)."""
+    built, http = served
+    host, port = http.base_url.host, http.base_url.port
+    chunk = b"x" * (1 << 20)
+    total, sent, reply = 100 << 20, 0, b""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        head = (
+            f"POST {REPORT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: {JOB_AUTH['Authorization']}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        try:
+            while sent < total:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the agent hung up: what we want
+        with contextlib.suppress(OSError):
+            reply = sock.recv(4096)
+    assert sent < total // 4, f"{sent} bytes went out before the agent refused"
+    assert not reply or reply.startswith(b"HTTP/1.1 413"), reply[:80]
+    assert built.metrics.reports.labels("rejected")._value.get() >= 1
+    assert http.get("/healthz").status_code == 200
+
+
+def test_reports_of_too_many_unknown_workers_are_refused_known_ones_still_served(served):
+    built, http = served
+    headers = {**JOB_AUTH, "content-type": "application/json"}
+    codes = [
+        http.post(REPORT, content=f'{{"worker": "w{i}", "step": 1}}', headers=headers).status_code
+        for i in range(MAX_WORKERS + 5)
+    ]
+    assert codes[:MAX_WORKERS] == [202] * MAX_WORKERS
+    assert codes[MAX_WORKERS:] == [429] * 5
+    again = http.post(REPORT, content='{"worker": "w0", "step": 2}', headers=headers)
+    assert again.status_code == 202
+    assert len(built.agent.collectors.training.collect(built.agent.clock())) == MAX_WORKERS

@@ -80,3 +80,17 @@ def test_unreadable_inputs_get_one_clear_line_and_no_traceback(tmp_path: Path) -
             assert len(out.stderr.strip().splitlines()) == 1, (command, name, out.stderr)
     directory = _run("validate", str(tmp_path))
     assert directory.returncode == 1 and "cannot read file" in directory.stderr
+
+
+def test_validate_refuses_job_names_the_operator_cannot_use(tmp_path):
+    minimal = (REPO / "tests/data/valid/minimal.yaml").read_text()
+    paths = []
+    for name in ("1job", "j" * 64):
+        path = tmp_path / f"{name[:8]}.yaml"
+        path.write_text(minimal.replace("name: minimal", f"name: {name}", 1))
+        paths.append(str(path))
+    out = _run("validate", *paths)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 2, out.stderr
+    assert all("metadata.name: a job name is a DNS-1035 label" in line for line in lines)

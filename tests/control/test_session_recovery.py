@@ -14,6 +14,7 @@ from waiting import until
 from bulkhead.api.protocol import FaultReport, ProgressReport, RegisterRequest
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Member, Membership, Recovery, TrainingJobStatus
+from bulkhead.operator.lifecycle.types import WorkerExited
 from bulkhead.operator.session.job import JobSession, open_new, open_resumed
 
 
@@ -103,6 +104,48 @@ def test_open_recovery_survives_a_manager_restart() -> None:
         assert closed.seconds is not None and closed.seconds >= 29.0
         assert session.status.phase == "Running"
         assert driver.started == [] and driver.stopped == []
+        await session.stop()
+
+    asyncio.run(scenario())
+
+
+def test_workers_that_restored_nothing_after_a_persisted_step_fail_the_job_saying_so() -> None:
+    """A manager that knows step 30 reached storage (from the status it resumed) hears the
+    next generation start over from nothing: Failed, with a condition naming the missing step;
+    never a Recovered Event claiming a checkpoint restore."""
+
+    async def scenario() -> None:
+        status = TrainingJobStatus(
+            phase="Running",
+            step=35,
+            last_persisted_step=30,
+            membership=Membership(
+                generation=3,
+                coordinator="h:0",
+                members=[
+                    Member(rank=0, worker="job-w0-0", address="h:0"),
+                    Member(rank=1, worker="job-w1-0", address="h:1"),
+                ],
+            ),
+        )
+        driver = RecordingDriver()
+        live = {"job-w0-0": "n0", "job-w1-0": "n1"}
+        session = JobSession(open_resumed("job", _spec(2), status, live), "t", lambda _: driver)
+        await session.start()
+        # w1 dies: w0 goes on alone in a new generation, which finds no state to start from.
+        session.observe(WorkerExited("job-w1-0", None, 9))
+        generation = session.state.generation
+        assert generation > 3 and session.status.phase != "Failed"
+        directive = await session.progress(
+            ProgressReport(worker="job-w0-0", generation=generation, step=0, state_source="fresh")
+        )
+        assert directive.action != "continue", directive
+        await until(lambda: session.status.phase == "Failed")
+        conditions = {c.type: c for c in session.status.conditions}
+        lost = conditions["CheckpointsPersisted"]
+        assert (lost.status, lost.reason) == ("False", "NotRestorable")
+        assert "step 30 was persisted" in lost.message and "allowFreshStart" in lost.message
+        assert not [e for e in driver.events if e[0] == "Recovered"]
         await session.stop()
 
     asyncio.run(scenario())

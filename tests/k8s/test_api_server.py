@@ -71,8 +71,34 @@ def _with(path: str, value: object) -> dict:
         (_with("spec.minWorkers", 9), 'minWorkers: Invalid value: "object": must be <= workers'),
         (_with("spec.trainer.model.preset", "huge"), 'model.preset: Unsupported value: "huge"'),
         (_with("spec", None), "spec: Required value"),
+        (
+            _with("spec.faultTolerance", {"hangTimeoutSeconds": 1e-300}),
+            "hangTimeoutSeconds in body should be greater than or equal to 1",
+        ),
+        (
+            _with("spec.faultTolerance", {"backoff": {"initialSeconds": 1e-300}}),
+            "initialSeconds in body should be greater than or equal to 0.01",
+        ),
+        (
+            _with("spec.checkpoint", {"storage": {"path": "ckpt"}}),
+            "storage.path in body should match",
+        ),
+        (
+            _with("spec.checkpoint", {"storage": {"path": "/data/../etc"}}),
+            "storage.path in body should match",
+        ),
     ],
-    ids=["workers-zero", "workers-string", "min-above-workers", "unknown-preset", "no-spec"],
+    ids=[
+        "workers-zero",
+        "workers-string",
+        "min-above-workers",
+        "unknown-preset",
+        "no-spec",
+        "hang-timeout-1e-300",
+        "backoff-1e-300",
+        "relative-storage-path",
+        "dotdot-storage-path",
+    ],
 )  # fmt: skip
 def test_schema_rejects_invalid_jobs(
     k8s_cluster: Cluster, trainingjob_crd: str, k8s_namespace: str, job: dict, message: str
@@ -158,3 +184,17 @@ def test_helm_installs_a_chart(
     assert config_map["data"] == {"greeting": "hi"}
     releases = json.loads(k8s_cluster.helm("list", "-n", k8s_namespace, "-o", "json").stdout)
     assert [(r["name"], r["status"]) for r in releases] == [("p", "deployed")]
+
+
+@pytest.mark.parametrize("name", ["1job", "j" * 64, "a.b"], ids=["digit-first", "64-chars", "dot"])
+def test_job_names_the_operator_cannot_use_are_refused(
+    k8s_cluster: Cluster, trainingjob_crd: str, k8s_namespace: str, name: str
+) -> None:
+    """The API server takes any DNS subdomain as a name; the CRD refuses what cannot name
+    the job's Service, saying why."""
+    job = example_job("x")
+    job["metadata"]["name"] = name
+    with pytest.raises(KubectlError) as rejected:
+        k8s_cluster.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(job))
+    assert "metadata.name: a job name is a DNS-1035 label" in rejected.value.stderr
+    assert not k8s_cluster.kubectl("get", "tj", "-n", k8s_namespace, "-o", "name").stdout

@@ -85,9 +85,54 @@ def test_monitoring_is_off_by_default_and_every_option_renders(k8s_cluster: Clus
     assert agent["priorityClassName"] == "system-node-critical"
 
 
+def _operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize(
+    ("sets", "flag"),
+    [
+        ((), None),  # empty: the operator's default (600 s)
+        (("operator.untaintAfterHealthySeconds=0",), "--untaint-after-healthy-seconds=0"),
+        (("operator.untaintAfterHealthySeconds=90",), "--untaint-after-healthy-seconds=90"),
+    ],
+    ids=["default", "never", "90s"],
+)
+def test_untaint_after_healthy_seconds_renders_as_documented(
+    k8s_cluster: Cluster, sets: tuple[str, ...], flag: str | None
+) -> None:
+    args = _operator_container(_objects(_render(k8s_cluster, *sets)))["args"]
+    untaint = [a for a in args if a.startswith("--untaint-after-healthy-seconds")]
+    assert untaint == ([flag] if flag else [])
+
+
+def test_privileged_templates_are_refused_unless_the_chart_allows_them(
+    k8s_cluster: Cluster,
+) -> None:
+    for sets, value in (((), "false"), (("operator.allowPrivilegedTemplates=true",), "true")):
+        env = _operator_container(_objects(_render(k8s_cluster, *sets)))["env"]
+        setting = next(
+            e for e in env if e["name"] == "BULKHEAD_OPERATOR_ALLOW_PRIVILEGED_TEMPLATES"
+        )
+        assert setting["value"] == value
+
+
+def test_the_operator_has_a_disruption_budget_of_one(k8s_cluster: Cluster) -> None:
+    for docs in (
+        _objects(_render(k8s_cluster)),
+        _objects(k8s_cluster.kubectl("kustomize", str(ROOT / "deploy")).stdout),
+    ):
+        (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [
+        ("operator.untaintAfterHealthySeconds=-1", "untaintAfterHealthySeconds"),
+        ("operator.allowPrivilegedTemplates=maybe", "allowPrivilegedTemplates"),
         ("operator.watchNamespace=team-a", "additional properties 'watchNamespace' not allowed"),
         ("monitoring.serviceMonitor.enabled=yes", "enabled"),
         ("operator.logFormat=xml", "logFormat"),

@@ -74,6 +74,7 @@ class Sim:
         persisted: int | None = None,
         persist_error: str | None = None,
         plan: list[str] | None = None,
+        state_source: str | None = None,
     ) -> None:
         worker = worker or self.state.members()[0]
         report = ProgressReport(
@@ -85,6 +86,7 @@ class Sim:
             persisted_step=persisted,
             persist_error=persist_error,
             plan=plan,
+            state_source=state_source,
         )
         self.feed(ProgressReported(report), advance)
 

@@ -392,16 +392,82 @@ def test_persist_failures_are_told_once_and_their_end_too() -> None:
     assert sim.state.last_persisted_step == 10 and sim.state.persist_error is None
     for step in (11, 12):
         sim.progress(step, worker=w0, persisted=10, persist_error="ENOSPC: No space left")
-    assert sim.state.persist_error == "ENOSPC: No space left"
+    assert sim.state.persist_error == f"{w0}: ENOSPC: No space left"
     failed = [e for e in _of(RecordEvent, sim.log) if e.reason == "CheckpointPersistFailed"]
     assert len(failed) == 1 and failed[0].warning
     assert "ENOSPC" in failed[0].message and "after step 10" in failed[0].message
     sim.progress(13, worker=w1)  # a rank that does not persist says nothing about storage
-    assert sim.state.persist_error == "ENOSPC: No space left"
+    assert sim.state.persist_error == f"{w0}: ENOSPC: No space left"
     sim.progress(14, worker=w0, persisted=14)
     assert sim.state.persist_error is None and sim.state.last_persisted_step == 14
     (back,) = [e for e in _of(RecordEvent, sim.log) if e.reason == "CheckpointPersisted"]
     assert "step 14" in back.message
+
+
+def test_one_shard_failing_while_others_persist_does_not_flap() -> None:
+    """Reports of a failing shard and of healthy ones interleave: the failure stands until
+    the failing worker itself persists again (one Event each way, not one per report)."""
+    sim = Sim()
+    sim.start_and_register_all()
+    w0, w1 = sim.state.members()[:2]
+    for step in range(10, 20):
+        sim.progress(step, worker=w0, persisted=8, persist_error="EIO: input/output error")
+        sim.progress(step, worker=w1, persisted=8)
+        assert sim.state.persist_error == f"{w0}: EIO: input/output error"
+    reasons = [e.reason for e in _of(RecordEvent, sim.log) if "CheckpointPersist" in e.reason]
+    assert reasons == ["CheckpointPersistFailed"]
+    sim.progress(20, worker=w0, persisted=20)
+    reasons = [e.reason for e in _of(RecordEvent, sim.log) if "CheckpointPersist" in e.reason]
+    assert reasons == ["CheckpointPersistFailed", "CheckpointPersisted"]
+
+
+def _restart_with(sim: Sim, state_source: str) -> None:
+    """Lose more than maxFailures members, re-register, and resume with ``state_source``."""
+    w0, w1 = sim.state.members()[:2]
+    sim.exit(w0)
+    sim.exit(w1)
+    assert sim.state.restarting
+    sim.tick(30.0)  # past the backoff: the replacements start
+    for slot in range(len(sim.state.slots)):
+        if sim.state.slots[slot].status == "starting":
+            sim.feed(WorkerRegistered(sim.wid(slot), f"node-{slot}", f"127.0.0.1:{9100 + slot}"))
+    assert not sim.state.restarting
+    sim.progress(0, state_source=state_source)
+
+
+def test_a_fresh_start_after_a_persisted_step_fails_the_job_saying_what_is_missing() -> None:
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(30, persisted=30)
+    _restart_with(sim, "fresh")
+    assert sim.state.phase == "Failed"
+    assert "step 30 was persisted" in sim.state.message
+    assert "checkpoint.allowFreshStart" in sim.state.message
+    assert sim.state.unrestorable == sim.state.message
+    assert not [e for e in _of(RecordEvent, sim.log) if e.reason == "Recovered"]
+
+
+def test_a_first_generation_that_started_fresh_and_persisted_goes_on() -> None:
+    """Generation 1 starts from nothing and says so in every report; the steps it persists
+    meanwhile do not make its own later reports a refused fresh start."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(0, state_source="fresh")
+    sim.progress(9, persisted=9, state_source="fresh")
+    sim.progress(10, state_source="fresh")
+    assert sim.state.phase == "Running" and sim.state.last_persisted_step == 9
+
+
+def test_a_fresh_start_is_allowed_by_the_spec_and_told_as_such() -> None:
+    spec = make_spec().model_copy(deep=True)
+    spec.checkpoint.allow_fresh_start = True
+    sim = Sim(spec)
+    sim.start_and_register_all()
+    sim.progress(30, persisted=30)
+    _restart_with(sim, "fresh")
+    assert sim.state.phase == "Running"
+    (recovered,) = [e for e in _of(RecordEvent, sim.log) if e.reason == "Recovered"]
+    assert "started over" in recovered.message and "checkpoint" not in recovered.message
 
 
 def test_a_new_plan_is_one_event_and_a_repeated_one_none() -> None:

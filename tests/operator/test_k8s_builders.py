@@ -196,3 +196,26 @@ def test_a_pod_of_eight_gpus_runs_eight_processes_each_with_its_sidecar_port():
     replica_ports = [p["containerPort"] for p in sidecar["ports"] if "replica" in p["name"]]
     assert replica_ports == list(range(29700, 29708))
     assert len({p["name"] for p in sidecar["ports"]}) == len(sidecar["ports"])
+
+
+def test_the_sidecar_and_the_shared_memory_volume_are_always_bounded():
+    """Without a trainer memory limit: the defaults; with one, both follow it; the
+    operator's shm setting wins for the volume."""
+    pod = builders.build_worker_pod(_ctx(), "llm-w0-0", slot=0, incarnation=0)
+    sidecar = pod["spec"]["initContainers"][-1]
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == names.SHM_VOLUME)
+    assert sidecar["resources"]["limits"] == {"memory": builders.SIDECAR_MEMORY_LIMIT}
+    assert sidecar["resources"]["requests"] == builders.SIDECAR_REQUESTS
+    assert shm["emptyDir"]["sizeLimit"] == builders.SIDECAR_MEMORY_LIMIT
+    template = {
+        "spec": {"containers": [{"name": "trainer", "resources": {"limits": {"memory": "40Gi"}}}]}
+    }
+    pod = builders.build_worker_pod(_ctx(template=template), "llm-w0-0", slot=0, incarnation=0)
+    sidecar = pod["spec"]["initContainers"][-1]
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == names.SHM_VOLUME)
+    assert sidecar["resources"]["limits"] == {"memory": "40Gi"}
+    assert shm["emptyDir"]["sizeLimit"] == "40Gi"
+    ctx = replace(_ctx(template=template), shm_size_limit="100Gi")
+    pod = builders.build_worker_pod(ctx, "llm-w0-0", slot=0, incarnation=0)
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == names.SHM_VOLUME)
+    assert shm["emptyDir"]["sizeLimit"] == "100Gi"

@@ -81,6 +81,46 @@ def test_invalid_spec_is_reported_not_crashed_on(k8s_cluster, k8s_namespace, ope
     assert operator.alive()
 
 
+def test_a_privileged_template_fails_the_job_once_naming_each_field(
+    k8s_cluster, k8s_namespace, operator
+):
+    """Through the real API server: the CRD stores the job, the operator refuses to run
+    it by default: Failed, Valid=False naming every privileged field, no pod, no Service,
+    no retry."""
+    template = {
+        "spec": {
+            "hostNetwork": True,
+            "hostPID": True,
+            "serviceAccountName": "cluster-admin-sa",
+            "volumes": [{"name": "root", "hostPath": {"path": "/"}}],
+            "containers": [
+                {"name": "trainer", "image": "bulkhead:test", "securityContext": {"runAsUser": 0}},
+                {"name": "helper", "image": "x", "securityContext": {"privileged": True}},
+            ],
+        }
+    }
+    manifest = job_manifest("root", k8s_namespace, "nowhere", workers=1, template=template)
+    k8s_cluster.kubectl("apply", "-f", "-", input=manifest)
+    job = Job(k8s_cluster, k8s_namespace, "root")
+    valid = wait_until(lambda: job.condition("Valid"), "the Valid condition")
+    assert valid["status"] == "False" and job.status()["phase"] == "Failed"
+    for field in (
+        "hostNetwork is true",
+        "hostPID is true",
+        "serviceAccountName is 'cluster-admin-sa'",
+        "mounts hostPath '/'",
+        "containers[trainer].securityContext.runAsUser is 0",
+        "containers[helper].securityContext.privileged is true",
+        "allowPrivilegedTemplates",
+    ):
+        assert field in valid["message"], (field, valid["message"])
+    assert job.pods() == []
+    services = k8s_cluster.kubectl("get", "svc", "-n", k8s_namespace, "-o", "name").stdout
+    assert "service/root" not in services
+    assert operator.logs().count(f"job {k8s_namespace}/root has an invalid spec") == 1
+    assert operator.alive()
+
+
 def test_operator_killed_mid_recovery_converges(k8s_cluster, k8s_namespace, nodes, operator):
     zone, _ = nodes
     job = Job(k8s_cluster, k8s_namespace, "tough")

@@ -96,3 +96,13 @@ def test_every_file_the_build_reads_is_copied() -> None:
 def test_manifests_run_the_image_the_chart_names() -> None:
     values = yaml.safe_load((ROOT / "charts" / "bulkhead" / "values.yaml").read_text())
     assert values["image"]["repository"] in DOCKERFILE
+
+
+def test_every_base_image_is_pinned_by_digest() -> None:
+    """A tag moves; a digest names the bytes that were tested."""
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", DOCKERFILE, re.M))
+    bases = re.findall(r"^FROM (\S+)", DOCKERFILE, re.M)
+    assert bases
+    for base in bases:
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+        assert re.search(r"@sha256:[0-9a-f]{64}$", image), f"FROM {base} is not pinned: {image}"

@@ -30,7 +30,8 @@ RESTORE_SECONDS = Histogram(
 BYTES = Gauge("bulkhead_checkpoint_bytes", "Size of the last snapshot of this shard in bytes.")
 LAST_STEP = Gauge(
     "bulkhead_checkpoint_last_step",
-    "Newest step held per tier (shm = snapshotted, peer = replicated, storage = persisted).",
+    "Newest step held per tier (shm = snapshotted, peer = replicated, storage = the newest "
+    "step persisted by every shard).",
     ["tier"],
 )
 RESTORES = Counter(

@@ -124,7 +124,7 @@ class SlotMeta(SnapshotRecord):
 
     persist: bool = Field(False, description="This shard is written to storage by us.")
     storage: str | None = Field(None, description="Storage root; None = do not persist.")
-    keep: int = Field(3, ge=1, description="Persisted checkpoints kept per shard.")
+    keep: int = Field(3, ge=1, description="Complete persisted steps kept (retention).")
     replicate_to: str | None = Field(None, description="Peer sidecar host:port for a replica.")
 
     def record(self) -> SnapshotRecord:

@@ -31,6 +31,7 @@ from bulkhead.trainer.checkpoint import metrics
 from bulkhead.trainer.checkpoint.checksum import shared_workers
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
 from bulkhead.trainer.checkpoint.layout import (
+    ALIGN,
     KeyPath,
     SkeletonError,
     assemble,
@@ -101,6 +102,32 @@ class RestoreOptions:
     peer_timeout: float
 
 
+def implausible_size(record: SnapshotRecord) -> str | None:
+    """Why ``record``'s size cannot be true, or None. A snapshot is exactly its tensors laid
+    out with ``ALIGN`` padding, and must fit in the memory there is to restore it into; a
+    peer (or a damaged record) claiming more would have us allocate it before any check."""
+    extent = max((t.offset + t.nbytes for t in record.tensors), default=0)
+    laid_out = -(-extent // ALIGN) * ALIGN
+    if record.nbytes > laid_out:
+        return f"it claims {record.nbytes} bytes for tensors that take {laid_out}"
+    available = _available_memory()
+    if available is not None and record.nbytes > available:
+        return f"its {record.nbytes} bytes exceed the {available} bytes of memory available"
+    return None
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _empty_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8)
 
@@ -127,6 +154,15 @@ class Restorer:
         notes: list[str] = []
         found = self._from_memory(notes) + self._from_peers(notes) + self._from_storage()
         found = [c for c in found if max_step is None or c.record.step <= max_step]
+        plausible = []
+        for candidate in found:
+            why = implausible_size(candidate.record)
+            if why is None:
+                plausible.append(candidate)
+            else:  # a buffer that size would take the process down: skip it, never fatal
+                metrics.CORRUPT.labels(tier=candidate.tier).inc()
+                notes.append(f"skipping {candidate.describe()}: {why}")
+        found = plausible
         found.sort(key=lambda c: (-c.record.step, TIERS.index(c.tier)))
         return found, notes
 

@@ -75,7 +75,9 @@ class Sidecar:
         self._storage_errors = 0
         self._threads: list[threading.Thread] = []
         self.replicas = ReplicaStore(self.shm_dir)
-        self.replica_server = ReplicaServer(listen, self.replicas, token) if listen else None
+        self.replica_server = (
+            ReplicaServer(listen, self.replicas, token, io_timeout=peer_timeout) if listen else None
+        )
         self.control_server = _ControlServer(self)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -270,7 +272,11 @@ class Sidecar:
                 )
             deleted = storage.retain(meta.job, meta.shard, meta.keep)
             if deleted:
-                log.info("retention removed steps %s of %s/%s", deleted, meta.job, meta.shard)
+                log.info(
+                    "retention removed steps %s of %s (after %s)", deleted, meta.job, meta.shard
+                )
+            # What a restore could use: the newest step every shard has, not this shard's.
+            complete = storage.newest_complete(meta.job)
         except Exception as exc:  # a storage failure must never stop training
             reason = error_reason(exc)
             metrics.STORAGE_ERRORS.labels(reason=reason).inc()
@@ -283,10 +289,11 @@ class Sidecar:
                 self._last_error = message
                 self._storage_errors += 1
             return False
-        metrics.LAST_STEP.labels(tier="storage").set(meta.step)
         with self._changed:
             self._last_error = None
-        self._record(persisted=meta.step)
+        if complete is not None:
+            metrics.LAST_STEP.labels(tier="storage").set(complete)
+            self._record(persisted=complete)
         return True
 
 

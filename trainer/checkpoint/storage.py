@@ -4,8 +4,14 @@ Layout: ``<root>/<job>/step-<step:012d>/<shard>-<nonce>.bin`` plus
 ``<shard>.manifest.json`` (the shard's ``SnapshotRecord``). A shard's bytes are written to
 a temp file, fsynced and renamed; its manifest is written last (temp + fsync + rename +
 directory fsync), so a crash at any point leaves either the previous state or a complete
-new shard, never a visible partial one. A step is complete when every shard listed in the
-manifests has a manifest.
+new shard, never a visible partial one. New directories are fsynced in their parent
+before the manifest is written, so a step reported persisted survives a power loss.
+
+A step is complete when every shard its manifests list has a valid manifest (its record
+checksum holds) and a data file of the recorded size (each shard's bytes were checked
+against their CRC-32C as they were written). Retention counts complete steps, across all
+shards, in the order they were taken (after a fall back to an older step, that is the
+present): it never deletes a shard of the newest ``keep`` complete steps.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
@@ -30,6 +37,11 @@ from bulkhead.trainer.checkpoint.records import (
 log = logging.getLogger(__name__)
 
 MANIFEST_SUFFIX = ".manifest.json"
+# Steps newer than the newest complete one that retention keeps while their other shards
+# may still arrive (a lagging shard persists only its newest snapshot): enough for shards
+# a few intervals apart to meet on one step, bounded so a shard that never persists
+# again cannot fill the volume.
+INCOMPLETE_KEPT = 3
 
 
 class ChecksumMismatch(Exception):
@@ -64,6 +76,16 @@ def read_verified(
             crc = crc32c.crc32c(chunk, crc)
     if crc != record.crc32c:
         raise ChecksumMismatch(f"{path} fails its CRC-32C check")
+
+
+@dataclass(frozen=True)
+class StepState:
+    """One step on storage: its manifests, whether it is complete, and when it was taken."""
+
+    step: int
+    records: dict[str, SnapshotRecord]
+    complete: bool
+    created: float
 
 
 class FileStorage:
@@ -106,7 +128,7 @@ class FileStorage:
         if record.crc32c is None:
             raise ValueError("only sealed snapshots (with a CRC-32C) are persisted")
         directory = self.step_dir(record.job, record.step)
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs_durable(directory)
         final = directory / shard_file(record)
         tmp = directory / f".{final.name}.tmp"
         try:
@@ -164,6 +186,29 @@ class FileStorage:
                     found.setdefault(record.step, {})[record.shard] = record
         return found
 
+    def steps(self, job: str) -> list[StepState]:
+        """Every step of ``job`` that has a readable manifest, the most recently taken first."""
+        out = []
+        for step, records in self.manifests(job).items():
+            listed = {name for record in records.values() for name in record.shards}
+            complete = listed <= set(records) and all(
+                self._data_present(record) for record in records.values()
+            )
+            created = max(record.created for record in records.values())
+            out.append(StepState(step, records, complete, created))
+        return sorted(out, key=lambda s: (s.created, s.step), reverse=True)
+
+    def _data_present(self, record: SnapshotRecord) -> bool:
+        path = self.step_dir(record.job, record.step) / shard_file(record)
+        try:
+            return path.stat().st_size == record.nbytes
+        except OSError:
+            return False
+
+    def newest_complete(self, job: str) -> int | None:
+        """The step of the most recently taken complete checkpoint, or None."""
+        return next((s.step for s in self.steps(job) if s.complete), None)
+
     def complete_steps(self, job: str, shard: str) -> list[tuple[int, SnapshotRecord]]:
         """Steps, newest first, that have ``shard`` and every shard its manifest lists."""
         out = []
@@ -179,24 +224,53 @@ class FileStorage:
         read_verified(path, record, buffer, self.chunk_bytes)
 
     def retain(self, job: str, shard: str, keep: int) -> list[int]:
-        """Delete ``shard``'s steps beyond the newest ``keep`` and its stale temp files.
+        """Keep the ``keep`` most recently taken complete steps; delete older steps (every
+        shard of them: a step of an older layout has shards no running sidecar owns) and
+        ``shard``'s steps beyond ``INCOMPLETE_KEPT`` among the incomplete newer ones.
 
-        Call it only when no persist of ``shard`` is in flight. Returns the deleted steps.
+        With no complete step, nothing is deleted. Call it only when no persist of ``shard``
+        is in flight. Returns the steps deleted wholly or in part.
         """
-        mine = sorted(
-            (step for step, records in self.manifests(job).items() if shard in records),
-            reverse=True,
-        )
         for leftover in (self.root / job).glob(f"step-*/.{shard}-*.bin.tmp"):
             leftover.unlink(missing_ok=True)  # from a persist killed midway
+        steps = self.steps(job)
+        complete = [s for s in steps if s.complete]
+        if not complete:
+            return []
+        oldest_kept = complete[: max(keep, 1)][-1]
+        newer = [s for s in steps if (s.created, s.step) > (oldest_kept.created, oldest_kept.step)]
+        newer_incomplete = [s for s in newer if not s.complete]
         deleted = []
-        for step in mine[keep:]:
-            directory = self.step_dir(job, step)
-            # The manifest goes first: from then on the shard is invisible, never half-there.
-            self.manifest_path(job, step, shard).unlink(missing_ok=True)
-            for path in directory.glob(f"{shard}-*.bin"):
-                path.unlink(missing_ok=True)
-            deleted.append(step)
-            if not any(directory.glob(f"*{MANIFEST_SUFFIX}")):
-                shutil.rmtree(directory, ignore_errors=True)
-        return deleted
+        for state in newer_incomplete[INCOMPLETE_KEPT:]:
+            if shard in state.records:
+                self._delete_shard(job, state.step, shard)
+                deleted.append(state.step)
+        for state in steps[steps.index(oldest_kept) + 1 :]:
+            for name in sorted(state.records):
+                self._delete_shard(job, state.step, name)
+            deleted.append(state.step)
+        return sorted(deleted)
+
+    def _delete_shard(self, job: str, step: int, shard: str) -> None:
+        directory = self.step_dir(job, step)
+        # The manifest goes first: from then on the shard is invisible, never half-there.
+        self.manifest_path(job, step, shard).unlink(missing_ok=True)
+        for path in directory.glob(f"{shard}-*.bin"):
+            path.unlink(missing_ok=True)
+        if not any(directory.glob(f"*{MANIFEST_SUFFIX}")):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def make_dirs_durable(directory: Path) -> None:
+    """``mkdir -p`` whose new entries survive a power loss: each directory created is
+    fsynced in its parent (a rename into a directory whose own entry is lost is lost too)."""
+    missing = []
+    at = directory
+    while not at.exists():  # a file in the way then fails mkdir with ENOTDIR, as it should
+        missing.append(at)
+        at = at.parent
+    for path in reversed(missing):
+        # Made here or by another shard's sidecar just now: fsync the entry either way, as
+        # this shard may be reported persisted before the other sidecar gets to it.
+        path.mkdir(exist_ok=True)
+        fsync_dir(path.parent)

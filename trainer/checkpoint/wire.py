@@ -24,11 +24,12 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
 
-def recv_message(reader: BufferedReader) -> dict[str, Any]:
-    line = reader.readline(MAX_LINE_BYTES + 1)
+def recv_message(reader: BufferedReader, limit: int = MAX_LINE_BYTES) -> dict[str, Any]:
+    """One JSON object line of at most ``limit`` bytes (read no further)."""
+    line = reader.readline(limit + 1)
     if not line:
         raise ProtocolError("connection closed before a message arrived")
-    if len(line) > MAX_LINE_BYTES or not line.endswith(b"\n"):
+    if len(line) > limit or not line.endswith(b"\n"):
         raise ProtocolError("message line too long or truncated")
     try:
         message = json.loads(line)
@@ -64,8 +65,12 @@ def request(
     message: dict[str, Any],
     timeout: float,
     payload: memoryview | None = None,
+    credentials: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], socket.socket, BufferedReader]:
-    """Send one message (+ payload) and read the reply; the caller closes the socket."""
+    """Send one message (+ payload) and read the reply; the caller closes the socket.
+
+    ``credentials`` go first on a short line of their own, so a server can check them
+    before it reads a large message."""
     if isinstance(address, tuple):
         sock = socket.create_connection(address, timeout=timeout)
     else:
@@ -78,6 +83,8 @@ def request(
             raise
     try:
         reader = sock.makefile("rb")
+        if credentials is not None:
+            send_message(sock, credentials)
         send_message(sock, message)
         if payload is not None:
             send_payload(sock, payload)

@@ -355,7 +355,8 @@ class ElasticTrainer:
                     view.generation,
                 )
                 adoption = engine.adopt(None)
-            self._state_source = "checkpoint"
+            # Nothing restored is a fresh start: the manager decides whether that may be.
+            self._state_source = "checkpoint" if adoption.source != "fresh" else "fresh"
         else:
             self._state_source = "checkpoint" if restored is not None else adoption.source
         self._adoption = adoption
