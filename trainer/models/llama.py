@@ -213,8 +213,9 @@ class Llama(CausalLM):
             return [self.model.embed_tokens]
         if 1 <= unit <= n:
             return [self.model.layers[unit - 1]]
-        if unit == n + 1:
-            return [self.model.norm, self.lm_head]
+        if unit == n + 1:  # a tied head's weight is the embedding's: the unit holds it too
+            tied = [self.model.embed_tokens] if self.sizes.tie_embeddings else []
+            return [self.model.norm, *tied, self.lm_head]
         raise IndexError(f"unit {unit} of a model with units 0..{n + 1}")
 
     def unit_of(self, param: str) -> int:
