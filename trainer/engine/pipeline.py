@@ -12,17 +12,19 @@ device), so each process holds 1/G of its stage; without ZeRO each holds all of 
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
 activations from the stage before, the last computes the loss; backward receives the
-output's gradient and sends the input's gradient back. A family whose MoE loss pools
-the routing statistics of every layer (``MoELayer.pooled``: Hugging Face's Mixtral) has
-them travel alongside (tag 1): each stage adds its blocks' statistics to those received
-and sends the sum on, the last stage takes the loss of the total, and the statistics'
-gradients flow back like the activations'. Sends do not block; each
-receive is posted one pass ahead (the transfer overlaps the current pass) and its wait
-blocks inside gloo: a dead neighbour fails it at once (its connection resets), and a
-hung one is cut off by the runtime's abort monitor once a newer generation exists
-(``World.abort``), as for FSDP2's waits. Every micro-batch's loss is weighted by its share
-of the global batch, so the gradients summed over the pipelines are the data-parallel
-gradient.
+output's gradient and sends the input's gradient back. A family whose MoE loss pools the
+routing statistics of every layer (``MoELayer.pooled``: Hugging Face's Mixtral) has them
+travel alongside (tag 1): each stage adds its blocks' statistics to those received and
+sends the sum on, the last stage takes the loss of the total, and the statistics'
+gradients flow back like the activations'. A balance loss is of the rows a process runs:
+each of a pod's processes takes it over its share of the micro-batch (as a data-parallel
+rank takes it per micro-batch), so it equals one process running micro-batches that size.
+Sends do not block; each receive is posted one pass ahead (the transfer overlaps the
+current pass) and its wait blocks inside gloo: a dead neighbour fails it at once (its
+connection resets), and a hung one is cut off by the runtime's abort monitor once a newer
+generation exists (``World.abort``), as for FSDP2's waits. Every micro-batch's loss is
+weighted by its share of the global batch, so the gradients summed over the pipelines are
+the data-parallel gradient.
 
 Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
