@@ -139,7 +139,14 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
 
 
 def full_params(engine: Engine) -> dict[str, torch.Tensor]:
-    """Every parameter gathered whole, on the CPU (collective)."""
+    """Every parameter gathered whole, on the CPU (collective). Under pipelines, where no
+    rank holds every unit: the state keys, gathered (``full_state``)."""
+    if hasattr(engine, "full_state"):
+        state = engine.full_state()
+        return {
+            name: state[f"param/{name}"].float().cpu().view(p.shape)
+            for name, p in engine.model.named_parameters()
+        }
     out = {}
     for name, p in engine.model.named_parameters():
         whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -199,7 +206,12 @@ def _worker(slot: int, sc: Scenario, port: int, out_dir: str) -> None:
     if sc.sleep_cycles and device.is_cuda:
         _delay_secondary_copies(engine, sc.sleep_cycles)
     if sc.kill_at is None:
+        # Steady state: the CPU time of the steps after the first (which builds caches).
+        _train(engine, dataset, min(1, sc.steps), losses, members.index(slot))
+        cpu = time.process_time()
         _train(engine, dataset, sc.steps, losses, members.index(slot))
+        record["steady_cpu_s"] = time.process_time() - cpu
+        record["steady_steps"] = sc.steps - min(1, sc.steps)
     else:
         # The control plane's part, played by a file: once the kill is recorded, abort
         # this generation (NCCL: its communicators; gloo: its connections) so a

@@ -8,7 +8,7 @@ a field to exactly its default value does not override a preset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from bulkhead.api.spec import (
@@ -78,31 +78,15 @@ class ModelSizes:
         return self.moe is not None and (layer + 1) % self.moe.every == 0
 
 
-# ModelConfig fields of the llama/mixtral families that the GPT decoder has no use for.
-_NOT_GPT = {
-    "n_kv_heads": "nKvHeads",
-    "rope_theta": "ropeTheta",
-    "rope_scaling": "ropeScaling",
-    "rms_norm_eps": "rmsNormEps",
-    "tie_embeddings": "tieEmbeddings",
-    "pretrained": "pretrained",
-}
-
-
 def resolve_model(model: ModelConfig) -> ModelSizes:
-    """Concrete sizes: preset values, overridden by every field that differs from its default."""
+    """Concrete sizes: preset values, overridden by every field that differs from its default
+    (only the fields ``ModelSizes`` has: the gpt family's ``sizes`` refuses the others)."""
     defaults = ModelConfig()
-    for name, wire in _NOT_GPT.items():
-        if getattr(model, name) != getattr(defaults, name):
-            raise ValueError(
-                f"spec.trainer.model.{wire}: the gpt family has no such setting "
-                "(family llama or mixtral has)"
-            )
     values: dict[str, Any] = {}
     if model.preset is not None:
         values.update(PRESETS[model.preset])
-    for name in ModelConfig.model_fields:
-        if name in ("preset", "moe", "family", *_NOT_GPT):
+    for name in (f.name for f in fields(ModelSizes)):
+        if name == "moe":
             continue
         value = getattr(model, name)
         if name not in values or value != getattr(defaults, name):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bulkhead.api.spec import ModelConfig, TrainingJobSpec
-from bulkhead.trainer.config import resolve_model, train_config
+from bulkhead.trainer.config import train_config
+from bulkhead.trainer.models.registry import family
 
 
 @pytest.mark.parametrize(
@@ -14,7 +15,7 @@ from bulkhead.trainer.config import resolve_model, train_config
 )
 def test_llama_only_fields_are_refused_for_gpt(field, value):
     with pytest.raises(ValueError, match=rf"spec\.trainer\.model\.{field}: the gpt family has no"):
-        resolve_model(ModelConfig.model_validate({"preset": "tiny", field: value}))
+        family("gpt").sizes(ModelConfig.model_validate({"preset": "tiny", field: value}))
 
 
 def test_a_llama_job_resolves_through_the_registry():

@@ -55,25 +55,21 @@ def test_logits_loss_and_gradients_equal_transformers(case, tmp_path):
     model = ours.model.train()
     mine = model(tokens, shifted(tokens))
     if moe:
-        # Our aux loss is per block, as transformers computes it for one layer, summed.
-        per_layer = sum(
-            load_balancing_loss_func(
-                (logits,), config.num_local_experts, config.num_experts_per_tok
-            )
-            for logits in out.router_logits
+        # transformers pools the router decisions of every layer before the product.
+        pooled = load_balancing_loss_func(
+            out.router_logits, config.num_local_experts, config.num_experts_per_tok
         )
-        torch.testing.assert_close(mine.aux_loss, per_layer, atol=1e-6, rtol=0)
-    if config.num_hidden_layers == 1 or not moe:
-        # One MoE block: transformers' loss (lm + coef x aux) is exactly our total.
-        torch.testing.assert_close(mine.total(coef), out.loss, atol=1e-5, rtol=0)
-        out.loss.backward()
-        mine.total(coef).backward()
-    else:
-        # transformers pools the layers' routing statistics before the product: compare
-        # the language-model loss and its gradients.
-        torch.testing.assert_close(mine.lm_loss, out.loss - coef * out.aux_loss, atol=1e-5, rtol=0)
-        hf(input_ids=tokens, labels=tokens).loss.backward()
-        mine.lm_loss.backward()
+        torch.testing.assert_close(mine.aux_loss, pooled, atol=1e-6, rtol=0)
+        if config.num_hidden_layers > 1:  # pooling differs from a sum of per-layer losses
+            per_layer = sum(
+                load_balancing_loss_func((logits,), config.num_local_experts, 2)
+                for logits in out.router_logits
+            )
+            assert abs(float(per_layer) - float(pooled)) > 0.5
+    # transformers' loss (lm + coef x aux) is exactly our total, and so are its gradients.
+    torch.testing.assert_close(mine.total(coef), out.loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    mine.total(coef).backward()
     expected_grads = as_bulkhead({n: p.grad for n, p in hf.named_parameters()})
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert set(grads) == set(expected_grads) - (

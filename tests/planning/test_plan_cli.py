@@ -12,27 +12,50 @@ from bulkhead.cli.main import cli
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_plan_moe_job_with_failures_writes_json(tmp_path: Path) -> None:
+def test_the_gpu_cluster_example_fits_its_gpus_and_survives_two_losses(tmp_path: Path) -> None:
+    # A Mixtral-8x7B-shaped job on the 64 nodes of 8 GPUs it asks for; its checkpoint's
+    # config.json is on the cluster's PVC, so the spec's sizes are planned.
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(
-        cli, ["plan", str(EXAMPLES / "gpu-cluster.yaml"), "--nodes", "16", "--fail", "2",
-              "--json", str(out)],
-    )  # fmt: skip
+        cli, ["plan", str(EXAMPLES / "gpu-cluster.yaml"), "--fail", "2", "--json", str(out)]
+    )
     assert result.exit_code == 0, result.output
-    for heading in ("Pipeline templates", "pipelines on 16 nodes", "After losing 2",
-                    "Expert placement", "Recovery probability"):  # fmt: skip
-        assert heading in result.output
+    text = " ".join(result.output.split())  # rich wraps lines
+    assert "Mixtral-8x7B-v0.1/config.json is not readable here" in text
+    headings = (
+        "Pipeline templates", "pipelines on 64 nodes", "After losing 2", "Expert placement",
+        "Recovery probability", "Fits: the most loaded GPU",
+    )  # fmt: skip
+    for heading in headings:
+        assert heading in text
     data = json.loads(out.read_text())
+    memory = data["memory"]
+    assert 0 < memory["maxBytesPerGpu"] <= memory["usableBytesPerGpu"] == 0.9 * 80 * 2**30
     plan = data["plan"]
     assert sum(p["microbatches"] for p in plan["pipelines"]) == 1024 // 8
     assert len(plan["pipelines"]) >= 3  # maxFailures 2 -> at least 3 replicas of each layer
     assert sorted(n for p in plan["pipelines"] for n in p["nodes"]) == sorted(
-        f"node-{i}" for i in range(16)
+        f"node-{i}" for i in range(64)
     )
     experts = data["experts"]
-    assert sum(experts["replicas"]) == 16 * 8
+    assert sum(experts["replicas"]) == 64 * 8
     assert experts["recovery"]["2"]["mro"] >= experts["recovery"]["2"]["spread"]
     assert data["reconfiguration"]["lostNodes"]
+
+
+def test_plan_of_a_pretrained_job_without_its_checkpoint_or_sizes_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "apiVersion: bulkhead.dev/v1alpha1\nkind: TrainingJob\nmetadata: {name: x}\n"
+        "spec: {workers: 2, trainer: {model: {family: llama, pretrained: {path: /nowhere}}}}\n"
+    )
+    result = CliRunner().invoke(cli, ["plan", str(job)])
+    assert result.exit_code != 0
+    assert "spec.trainer.model.pretrained.path: /nowhere/config.json is not readable" in " ".join(
+        result.output.split()
+    )
 
 
 def test_plan_of_a_pipeline_job_says_which_units_move_after_a_kill(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def apply_experts(layout: Layout, plan: ParallelPlan, world: World) -> None:
 
 
 def apply_zero(layout: Layout, plan: ParallelPlan, world: World) -> None:
-    """FSDP2 per the plan's ZeRO stage; experts and absent (meta) units stay outside.
+    """FSDP2 per the plan's ZeRO stage; hosted experts and absent (meta) units stay outside.
     Expert parallelism without pipelines keeps the dense state replicated (its gradients
     are summed by hand, as the experts'), so ZeRO applies there only inside a stage."""
     if not plan.zero.sharded or (plan.experts is not None and plan.pipelines is None):
@@ -119,8 +119,12 @@ def apply_zero(layout: Layout, plan: ParallelPlan, world: World) -> None:
             return  # an idle rank holds nothing to shard
         assert layout.team is not None
         mesh = DeviceMesh.from_group(layout.team.group, device_type)
-    groups = ParamGroups(layout.model)
-    experts = {p for n, p in layout.model.named_parameters() if groups.expert_of(n)}
+    # Hosted experts are whole on their hosts; without expert parallelism an expert is a
+    # parameter like any other, sharded with its block.
+    experts: set[nn.Parameter] = set()
+    if plan.experts is not None:
+        groups = ParamGroups(layout.model)
+        experts = {p for n, p in layout.model.named_parameters() if groups.expert_of(n)}
     with world.guard("sharding the model"):
         layout.root = zero_shard(layout.model, plan.zero, device_type, mesh, experts)
 

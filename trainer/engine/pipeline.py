@@ -12,13 +12,19 @@ device), so each process holds 1/G of its stage; without ZeRO each holds all of 
 Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
 activations from the stage before, the last computes the loss; backward receives the
-output's gradient and sends the input's gradient back. Sends do not block; each
-receive is posted one pass ahead (the transfer overlaps the current pass) and its wait
-blocks inside gloo: a dead neighbour fails it at once (its connection resets), and a
-hung one is cut off by the runtime's abort monitor once a newer generation exists
-(``World.abort``), as for FSDP2's waits. Every micro-batch's loss is weighted by its share
-of the global batch, so the gradients summed over the pipelines are the data-parallel
-gradient.
+output's gradient and sends the input's gradient back. A family whose MoE loss pools the
+routing statistics of every layer (``MoELayer.pooled``: Hugging Face's Mixtral) has them
+travel alongside (tag 1): each stage adds its blocks' statistics to those received and
+sends the sum on, the last stage takes the loss of the total, and the statistics'
+gradients flow back like the activations'. A balance loss is of the rows a process runs:
+each of a pod's processes takes it over its share of the micro-batch (as a data-parallel
+rank takes it per micro-batch), so it equals one process running micro-batches that size.
+Sends do not block; each receive is posted one pass ahead (the transfer overlaps the
+current pass) and its wait blocks inside gloo: a dead neighbour fails it at once (its
+connection resets), and a hung one is cut off by the runtime's abort monitor once a newer
+generation exists (``World.abort``), as for FSDP2's waits. Every micro-batch's loss is
+weighted by its share of the global batch, so the gradients summed over the pipelines are
+the data-parallel gradient.
 
 Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
@@ -85,6 +91,9 @@ class _Pass:
     inputs: torch.Tensor | None  # received activations (None on the first stage)
     outputs: torch.Tensor  # activations sent on, or the weighted loss on the last stage
     aux: torch.Tensor | None  # weighted balance loss of this stage's MoE blocks
+    # Pooled MoE statistics (see the module docstring): received, and sent on.
+    stats_in: torch.Tensor | None = None
+    stats_out: torch.Tensor | None = None
 
 
 class _Inbox:
@@ -93,9 +102,9 @@ class _Inbox:
 
     def __init__(
         self, peer: int, order: list[int], shape: Callable[[int], tuple[int, ...]],
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, tag: int = 0,
     ) -> None:  # fmt: skip
-        self.peer, self.order, self.shape = peer, order, shape
+        self.peer, self.order, self.shape, self.tag = peer, order, shape, tag
         self.dtype, self.device = dtype, device
         self.posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self.cursor = 0
@@ -105,7 +114,7 @@ class _Inbox:
         if self.cursor < len(self.order):
             i = self.order[self.cursor]
             buf = torch.empty(self.shape(i), dtype=self.dtype, device=self.device)
-            self.posted[i] = (dist.irecv(buf, self.peer), buf)
+            self.posted[i] = (dist.irecv(buf, self.peer, tag=self.tag), buf)
             self.cursor += 1
 
     def take(self, i: int) -> torch.Tensor:
@@ -247,10 +256,11 @@ class PipelineEngine(GroupedEngine):
 
     def _stage_forward(
         self, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(output activations or logits, summed balance loss, language-model loss)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(output activations or logits, summed balance loss, language-model loss,
+        pooled MoE statistics of the stage's blocks)."""
         out = self.model(x, targets, units=(stage.start, stage.stop))
-        return out.logits, out.aux_loss, out.lm_loss
+        return out.logits, out.aux_loss, out.lm_loss, out.aux_stats
 
     def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
         stage = self.stage
@@ -272,14 +282,28 @@ class PipelineEngine(GroupedEngine):
         def shape(i: int) -> tuple[int, ...]:
             return (len(batches[i]), cfg.model.seq_len, cfg.model.d_model)
 
+        pool = self.model.aux_pool()
+        stats_size = pool.stats_size if pool is not None else 0
+
+        def stats_shape(_: int) -> tuple[int, ...]:
+            return (stats_size,)
+
         with world.guard("pipeline"):
-            activations = grads_in = None
+            activations = grads_in = stats_in = stats_grads = None
+            forwards = [i for kind, i in ops if kind == "F"]
+            backwards = [i for kind, i in ops if kind == "B"]
             if not stage.first:
-                order = [i for kind, i in ops if kind == "F"]
-                activations = _Inbox(self._neighbour(-1), order, shape, dtype, device)
+                activations = _Inbox(self._neighbour(-1), forwards, shape, dtype, device)
+                if stats_size:
+                    stats_in = _Inbox(
+                        self._neighbour(-1), forwards, stats_shape, torch.float32, device, tag=1
+                    )
             if not stage.last:
-                order = [i for kind, i in ops if kind == "B"]
-                grads_in = _Inbox(self._neighbour(1), order, shape, dtype, device)
+                grads_in = _Inbox(self._neighbour(1), backwards, shape, dtype, device)
+                if stats_size:
+                    stats_grads = _Inbox(
+                        self._neighbour(1), backwards, stats_shape, torch.float32, device, tag=1
+                    )
             for position, (kind, i) in enumerate(ops):
                 samples = batches[i]
                 weight = len(samples) / gb
@@ -294,7 +318,23 @@ class PipelineEngine(GroupedEngine):
                         inputs = activations.take(i)
                         x = inputs.requires_grad_(True)
                     started = time.perf_counter()
-                    out, aux, lm = self._stage_forward(stage, x, targets)
+                    out, aux, lm, stats = self._stage_forward(stage, x, targets)
+                    received_stats = sent_stats = None
+                    if pool is not None:
+                        if stats_in is None:
+                            total = torch.zeros(stats_size, device=device)
+                        else:
+                            received_stats = stats_in.take(i).requires_grad_(True)
+                            total = received_stats
+                        if stats is not None:
+                            total = total + stats
+                        if stage.last:  # the loss of every layer's statistics
+                            aux = pool.pooled_loss(total)
+                        else:
+                            aux = total.new_zeros(())
+                            sent_stats = total
+                            wire = total.detach()
+                            sending.append((dist.isend(wire, self._neighbour(1), tag=1), wire))
                     compute += time.perf_counter() - started
                     aux_sum += aux.item() * len(samples)
                     weighted_aux = aux * (aux_coef * weight) if aux.requires_grad else None
@@ -304,7 +344,7 @@ class PipelineEngine(GroupedEngine):
                     else:
                         sent = out.detach()
                         sending.append((dist.isend(sent, self._neighbour(1)), sent))
-                    passes[i] = _Pass(inputs, out, weighted_aux)
+                    passes[i] = _Pass(inputs, out, weighted_aux, received_stats, sent_stats)
                 else:
                     if self.root is not None:
                         begin_microbatch(self.root, self.plan.zero, position == len(ops) - 1)
@@ -316,6 +356,12 @@ class PipelineEngine(GroupedEngine):
                     if done.aux is not None:
                         outputs.append(done.aux)
                         grads.append(None)
+                    if stats_grads is not None:
+                        stats_grad = stats_grads.take(i)  # taken in order even if unused
+                        assert done.stats_out is not None
+                        if done.stats_out.requires_grad:  # no MoE block before: constant
+                            outputs.append(done.stats_out)
+                            grads.append(stats_grad)
                     started = time.perf_counter()
                     torch.autograd.backward(outputs, grads)
                     compute += time.perf_counter() - started
@@ -323,6 +369,10 @@ class PipelineEngine(GroupedEngine):
                         assert done.inputs.grad is not None
                         sent = done.inputs.grad
                         sending.append((dist.isend(sent, self._neighbour(-1)), sent))
+                    if done.stats_in is not None:
+                        grad = done.stats_in.grad
+                        sent = grad if grad is not None else torch.zeros_like(done.stats_in)
+                        sending.append((dist.isend(sent, self._neighbour(-1), tag=1), sent))
             for work, _ in sending:
                 work.wait()
         # Busy time per planned work, so stages of different sizes compare (stragglers).

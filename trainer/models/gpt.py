@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bulkhead.api.spec import ModelConfig
 from bulkhead.trainer.config import ModelSizes, resolve_model
 from bulkhead.trainer.models.protocol import CausalLM, ModelFamily, ModelOutput, MoELayer, Routing
 
@@ -202,9 +203,33 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
 
 
+# ModelConfig fields of the llama/mixtral families that the GPT decoder has no use for.
+_NOT_GPT = {
+    "n_kv_heads": "nKvHeads",
+    "rope_theta": "ropeTheta",
+    "rope_scaling": "ropeScaling",
+    "rms_norm_eps": "rmsNormEps",
+    "tie_embeddings": "tieEmbeddings",
+    "pretrained": "pretrained",
+}
+
+
+def gpt_sizes(model: ModelConfig) -> ModelSizes:
+    """The gpt family's sizes of ``spec.trainer.model``; a setting only the llama and mixtral
+    families honour is an error naming it (never silently ignored)."""
+    defaults = ModelConfig()
+    for name, wire in _NOT_GPT.items():
+        if getattr(model, name) != getattr(defaults, name):
+            raise ValueError(
+                f"spec.trainer.model.{wire}: the gpt family has no such setting "
+                "(family llama or mixtral has)"
+            )
+    return resolve_model(model)
+
+
 FAMILY = ModelFamily(
     name="gpt",
-    sizes=resolve_model,
+    sizes=gpt_sizes,
     build=GPT,
     description="GPT-2-style byte-level decoder (learned positions, LayerNorm, tied head, "
     "optional GELU experts)",

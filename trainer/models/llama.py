@@ -213,8 +213,9 @@ class Llama(CausalLM):
             return [self.model.embed_tokens]
         if 1 <= unit <= n:
             return [self.model.layers[unit - 1]]
-        if unit == n + 1:
-            return [self.model.norm, self.lm_head]
+        if unit == n + 1:  # a tied head's weight is the embedding's: the unit holds it too
+            tied = [self.model.embed_tokens] if self.sizes.tie_embeddings else []
+            return [self.model.norm, *tied, self.lm_head]
         raise IndexError(f"unit {unit} of a model with units 0..{n + 1}")
 
     def unit_of(self, param: str) -> int:
@@ -273,20 +274,28 @@ class Llama(CausalLM):
         start, stop = units if units is not None else (0, n + 2)
         x = self.model.embed_tokens(tokens) if start == 0 else tokens
         aux = x.new_zeros((), dtype=torch.float32)
+        stats: torch.Tensor | None = None  # pooled MoE layers' summed routing statistics
         if start <= n and stop > 1:
             cos, sin = self.rotary.tables(x.shape[1], x)
             for layer in self.model.layers[max(start, 1) - 1 : min(stop, n + 1) - 1]:
                 x, layer_aux = layer(x, cos, sin)
-                aux = aux + layer_aux
+                if layer_aux.dim():
+                    stats = layer_aux if stats is None else stats + layer_aux
+                else:
+                    aux = aux + layer_aux
+        if stats is not None:
+            pool = self.aux_pool()
+            assert pool is not None
+            aux = aux + pool.pooled_loss(stats)
         if stop <= n + 1:
-            return ModelOutput(logits=x, lm_loss=None, aux_loss=aux)
+            return ModelOutput(logits=x, lm_loss=None, aux_loss=aux, aux_stats=stats)
         logits = self.lm_head(self.model.norm(x))
         lm_loss = None
         if targets is not None:
             lm_loss = F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
             )
-        return ModelOutput(logits=logits, lm_loss=lm_loss, aux_loss=aux)
+        return ModelOutput(logits=logits, lm_loss=lm_loss, aux_loss=aux, aux_stats=stats)
 
 
 def _sizes(model_config: object) -> LlamaSizes:

@@ -2,11 +2,12 @@
 
 Routing as Mixtral does it: a softmax over every expert's router logit, the ``top_k``
 largest probabilities kept and renormalised to sum to one. The auxiliary loss is the
-Switch-Transformer load-balancing term as Hugging Face's ``load_balancing_loss_func``
-computes it for one layer: ``E * sum_e (tokens routed to e / tokens) * mean prob of e``
-(``top_k`` when routing is uniform). The model's ``aux_loss`` sums it over its MoE blocks
-(Hugging Face pools the layers' statistics before the product instead; the two agree for
-one MoE block and differ in second order otherwise).
+Switch-Transformer load-balancing term exactly as Hugging Face's
+``load_balancing_loss_func`` computes it: the router decisions of all MoE layers pooled,
+``E * sum_e (routed slots of e / rows) * (sum of e's probabilities / rows)`` where a row
+is one token at one layer (``top_k`` when routing is uniform). The layers are ``pooled``:
+each returns its statistics (slot counts, probability sums, rows), the model sums them
+and takes the loss of the sum, so a pipeline can add its stages' statistics up.
 
 Parameter names follow Hugging Face's per-expert Mixtral layout:
 ``model.layers.N.block_sparse_moe.gate.weight`` and
@@ -70,13 +71,27 @@ class MixtralMoE(MoELayer):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(probs=probs, weights=weights.to(tokens.dtype), chosen=chosen)
 
-    def aux_loss(self, routing: Routing) -> torch.Tensor:
-        tokens = routing.probs.shape[0]
-        if tokens == 0:
-            return routing.probs.new_zeros(())
+    pooled = True
+
+    @property
+    def stats_size(self) -> int:
+        return 2 * self.num_experts + 1
+
+    def balance_stats(self, routing: Routing) -> torch.Tensor:
+        """``[slots routed to each expert, sum of each expert's probability, rows]``."""
+        probs = routing.probs.float()
         counts = torch.bincount(routing.chosen.reshape(-1), minlength=self.num_experts)
-        routed_share = counts.to(routing.probs.dtype) / tokens
-        return self.num_experts * torch.sum(routed_share * routing.probs.mean(dim=0))
+        rows = probs.new_full((1,), probs.shape[0])
+        return torch.cat((counts.to(probs.dtype), probs.sum(dim=0), rows))
+
+    def pooled_loss(self, stats: torch.Tensor) -> torch.Tensor:
+        e = self.num_experts
+        rows = stats[-1].clamp_min(1.0)  # no rows: counts and sums are zero, so is the loss
+        return e * torch.sum(stats[:e] * stats[e : 2 * e]) / (rows * rows)
+
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        """The loss of this one layer's routing."""
+        return self.pooled_loss(self.balance_stats(routing))
 
 
 class Mixtral(Llama):

@@ -36,12 +36,15 @@ from bulkhead.trainer.planning.costs import ModelShape, UnitShape
 class ModelOutput:
     """``logits``: ``[batch, seq, vocab]``, or the hidden states leaving a stage that does
     not hold the head. ``lm_loss``: mean cross-entropy over the batch's tokens (``None``
-    without targets or without the head). ``aux_loss``: the summed MoE auxiliary loss of
-    the blocks that ran (zero for a dense model)."""
+    without targets or without the head). ``aux_loss``: the MoE auxiliary loss of the
+    blocks that ran (zero for a dense model). ``aux_stats``: for a family whose MoE layers
+    are ``pooled``, the routing statistics of the blocks that ran, summed; a pipeline adds
+    up its stages' and takes ``pooled_loss`` of the total (``None`` otherwise)."""
 
     logits: torch.Tensor
     lm_loss: torch.Tensor | None
     aux_loss: torch.Tensor
+    aux_stats: torch.Tensor | None = None
 
     def total(self, aux_coef: float) -> torch.Tensor:
         if self.lm_loss is None:
@@ -88,8 +91,14 @@ class MoELayer(nn.Module, ABC):
     ``experts`` is a ``ModuleDict`` keyed by the expert's index as a string, so that a rank
     hosting only some experts keeps their true indices (and their parameter names).
     ``dispatch`` is replaced by expert parallelism; everything else is the family's.
+
+    The auxiliary loss is either per layer (``aux_loss``, summed over the layers) or, when
+    ``pooled``, a function (``pooled_loss``) of routing statistics (``balance_stats``)
+    summed over every MoE layer of the model, as Hugging Face's Mixtral pools the router
+    logits of all layers before the product. ``forward`` then returns the statistics.
     """
 
+    pooled: ClassVar[bool] = False
     num_experts: int
     top_k: int
     router: nn.Module
@@ -107,6 +116,20 @@ class MoELayer(nn.Module, ABC):
     def aux_loss(self, routing: Routing) -> torch.Tensor:
         """The load-balancing loss of one routing (a scalar)."""
 
+    def balance_stats(self, routing: Routing) -> torch.Tensor:
+        """A ``pooled`` layer's routing statistics: a 1-D float32 tensor of
+        ``stats_size`` values, additive over layers and over a pipeline's stages."""
+        raise NotImplementedError
+
+    def pooled_loss(self, stats: torch.Tensor) -> torch.Tensor:
+        """A ``pooled`` layer's loss of statistics summed over the model's MoE layers."""
+        raise NotImplementedError
+
+    @property
+    def stats_size(self) -> int:
+        """Length of ``balance_stats`` (a pipeline stage allocates it before receiving)."""
+        raise NotImplementedError
+
     @abstractmethod
     def new_expert(self) -> nn.Module:
         """A fresh expert of this layer's shape (its values are transferred in)."""
@@ -123,7 +146,8 @@ class MoELayer(nn.Module, ABC):
         shared = self.shared_output(tokens)
         if shared is not None:
             out = out + shared
-        return out.reshape(shape), self.aux_loss(routing)
+        balance = self.balance_stats(routing) if self.pooled else self.aux_loss(routing)
+        return out.reshape(shape), balance
 
 
 class CausalLM(nn.Module, ABC):
@@ -157,6 +181,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def moe_layers(self) -> dict[int, MoELayer]:
         """Block index (0-based) -> that block's MoE layer, for the MoE blocks."""
+
+    def aux_pool(self) -> MoELayer | None:
+        """The MoE layer whose ``pooled_loss`` turns the statistics summed over every MoE
+        layer into the auxiliary loss (``None``: the loss is a sum of per-layer losses)."""
+        return next((m for m in self.moe_layers().values() if m.pooled), None)
 
     @abstractmethod
     def moe_path(self, block: int) -> str:

@@ -252,7 +252,7 @@ def plan(
     """Show the pipeline templates, pipelines, expert placement and failure plan of a job."""
     try:
         job = load_job(job_file)
-        cfg = train_config(job.spec)
+        cfg, sizes_note = _plan_config(job.spec)
     except (ManifestError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     spec = job.spec
@@ -267,6 +267,8 @@ def plan(
     )
     console = Console()
     out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
+    if sizes_note:
+        console.print(f"[yellow]{sizes_note}[/yellow]")
     pods = [f"w{i}" for i in range(spec.workers)]
 
     def ranks_of(workers: list[str]) -> list[str]:  # each pod's G processes, by rank
@@ -300,6 +302,13 @@ def plan(
         console.print(templates_table(templates))
         chosen = instantiate(templates, _node_names(n), f, microbatches)
         console.print(pipelines_table(chosen, f"{len(chosen.pipelines)} pipelines on {n} nodes"))
+        need = max(s.memory_bytes for p in chosen.pipelines for s in p.template.stages)
+        console.print(
+            f"Fits: the most loaded GPU needs {need / GIB:.1f} GiB (training state and "
+            f"activations) of {gpu.usable_memory_bytes / GIB:.1f} GiB usable "
+            f"({gpu_memory_gb:g} GiB GPUs, {gpus_per_node} per node)"
+        )
+        out["memory"] = {"maxBytesPerGpu": need, "usableBytesPerGpu": gpu.usable_memory_bytes}
         out |= {"templates": templates.to_dict(), "plan": chosen.to_dict()}
         lost = list(chosen.pipelines[0].nodes[:fail])
         if fail:
@@ -322,6 +331,29 @@ def plan(
     if json_out:
         json_out.write_text(json.dumps(out, indent=2))
         console.print(f"wrote {json_out}")
+
+
+def _plan_config(spec: Any) -> tuple[TrainConfig, str | None]:
+    """The job's config and a note when its sizes come from the spec alone: a pretrained
+    checkpoint not mounted here (e.g. on the cluster's PVC) is planned from the spec's
+    explicit sizes, which the job checks against the checkpoint's config.json at start."""
+    model = spec.trainer.model
+    pretrained = model.pretrained
+    if pretrained is None or (Path(pretrained.path) / "config.json").is_file():
+        return train_config(spec), None
+    if not {"d_model", "n_layers"} <= model.model_fields_set:
+        raise ValueError(
+            f"spec.trainer.model.pretrained.path: {pretrained.path}/config.json is not readable "
+            "here; run plan where it is mounted, or give the model's sizes in the spec"
+        )
+    trainer = spec.trainer.model_copy(
+        update={"model": model.model_copy(update={"pretrained": None})}
+    )
+    note = (
+        f"{pretrained.path}/config.json is not readable here: planning the sizes the spec "
+        "gives (the job checks them against config.json when it starts)"
+    )
+    return train_config(spec.model_copy(update={"trainer": trainer})), note
 
 
 def _experts(
