@@ -28,7 +28,8 @@ def test_one_asd_server_is_detected_and_blamed_with_train_only_thresholds(omi2):
     train, test, labels = omi2
     segments = read_segments(asd_path().parent / "interpretation_label" / "omi-2.txt")
     detector = MultivariateDetector().fit(train)
-    assert set(detector.thresholds) == {"knn", "forecast"}
+    assert set(detector.thresholds) == {"knn", "forecast", "seasonal"}
+    assert detector.period == 288  # a day of 5-minute samples, found in the training data
     assert len(detector.train_scores["knn"]) == len(train)
     # each alarm level is a high tail of its cross-fitted training scores (risk 1 % shared)
     for name, level in detector.thresholds.items():
@@ -42,6 +43,7 @@ def test_one_asd_server_is_detected_and_blamed_with_train_only_thresholds(omi2):
 def test_streaming_observe_matches_batch_run(omi2):
     train, test = omi2[0][:3000], omi2[1][:400]
     detector = MultivariateDetector(update_every=50).fit(train)
+    assert detector.period is not None  # all three scores stream
     batch = detector.run(test)
     streamed = [detector.observe(row) for row in test]
     assert np.allclose([s.score for s in streamed], batch.scores)
