@@ -12,13 +12,14 @@ single-sample spikes are noise.
 
 The alarm levels come from training data only. Each score is cross-fitted on the training
 series (every block scored by a model fitted on the others), so the training scores look
-like those of new healthy data; each alarm level is the score those healthy points exceed
-with probability ``risk / len(scorers)`` (so that the combination alarms on healthy data
-with probability at most ``risk``): by default read from a generalised Pareto fit of their
-tail (peaks over threshold, ``threshold.py``), which also extrapolates beyond the largest
-score a short warm-up has seen; ``tail="quantile"`` takes the empirical quantile instead.
-A point's score is the largest of its scores, each divided by its alarm level: it is
-flagged above 1.
+like those of new healthy data. By default (``levels="joint"``) each score is put in units
+of its median healthy value and the alarm level is what the largest of them exceeds on
+those healthy points with probability ``risk``: one tail for the combination, exact
+whatever the scores' correlation (``levels="each"`` gives each score its own level at
+``risk / len(scorers)``, a union bound). The tail is a generalised Pareto fit (peaks over
+threshold, ``threshold.py``), which also extrapolates beyond the largest score a short
+warm-up has seen; ``tail="quantile"`` takes the empirical quantile instead. A point's score
+is the largest of its scores, each divided by its alarm level: it is flagged above 1.
 
 Attribution: each metric's share of a score is its squared difference (from the mean of the
 nearest neighbours, from its forecast or from its seasonal baseline), smoothed over the same
@@ -62,6 +63,7 @@ class DetectorParams:
     smooth: int = 6
     scale_floor: float = 0.03
     folds: int = 5  # cross-fitting blocks of the training series
+    levels: Literal["joint", "each"] = "joint"
     tail: Literal["pot", "quantile"] = "pot"
     risk: float = 0.01  # the probability that a healthy point is flagged
     initial_quantile: float = 0.98  # where the fitted tail starts (``tail="pot"``)
@@ -75,6 +77,8 @@ class DetectorParams:
             raise ValueError(f"season_strength must be in (0, 1), got {self.season_strength}")
         if self.folds < 2:
             raise ValueError(f"cross-fitting needs folds >= 2, got {self.folds}")
+        if self.levels not in ("joint", "each"):
+            raise ValueError(f"levels must be 'joint' or 'each', got {self.levels!r}")
         if self.tail not in ("pot", "quantile"):
             raise ValueError(f"tail must be 'pot' or 'quantile', got {self.tail!r}")
         if not 0.0 < self.risk < 1.0:
@@ -145,6 +149,25 @@ def tail_threshold(scores: np.ndarray, risk: float, params: DetectorParams) -> f
     return pot_threshold(scores, risk, params.initial_quantile)
 
 
+def alarm_levels(train_scores: dict[str, np.ndarray], params: DetectorParams) -> dict[str, float]:
+    """Each score's alarm level from its cross-fitted training scores (all end at the last
+    training point; some start later).
+
+    ``levels="joint"``: every score in units of its median healthy value, one tail over the
+    largest of them at ``risk``: the combination alarms on healthy training data with
+    probability ``risk``, whatever the scores' correlation. ``levels="each"``: each score
+    its own tail at ``risk / n``, which bounds the union by ``risk`` (conservative when the
+    scores move together)."""
+    if params.levels == "each":
+        risk = params.risk / len(train_scores)
+        return {name: tail_threshold(s, risk, params) for name, s in train_scores.items()}
+    units = {name: max(float(np.median(s)), 1e-12) for name, s in train_scores.items()}
+    common = min(len(s) for s in train_scores.values())
+    largest = np.max([s[-common:] / units[name] for name, s in train_scores.items()], axis=0)
+    level = tail_threshold(largest, params.risk, params)
+    return {name: unit * level for name, unit in units.items()}
+
+
 class MultivariateDetector:
     """``fit(train[T, D]) -> self``; ``run(test[T, D]) -> Run``; ``predict(test) -> flags``;
     ``observe(x[D]) -> Observation``."""
@@ -193,12 +216,10 @@ class MultivariateDetector:
             )
         self._scorers = [made[name]() for name in names]
         self.thresholds, self.train_scores = {}, {}
-        risk = p.risk / len(self._scorers)  # the union of the alarms stays within ``risk``
         for scorer in self._scorers:
             raw, _ = scorer.cross_fit(points, p.folds)
-            smoothed = _trailing_mean(raw, p.smooth, np.empty(0))
-            self.train_scores[scorer.name] = smoothed
-            self.thresholds[scorer.name] = tail_threshold(smoothed, risk, p)
+            self.train_scores[scorer.name] = _trailing_mean(raw, p.smooth, np.empty(0))
+        self.thresholds = alarm_levels(self.train_scores, p)
         self._session = None
         return self
 

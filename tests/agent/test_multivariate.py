@@ -2,11 +2,14 @@
 evaluation measures (point-wise F1 without point adjustment, oracle F1, HitRate@P%).
 Fast: one ASD series and synthetic data; the full 12-series evaluation is bench/agent.py."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from agent_helpers import asd_path
 
 from bulkhead.agent.detect import MultivariateDetector
+from bulkhead.agent.detect.multivariate import DetectorParams, alarm_levels
 from bulkhead.agent.evaluate import (
     Segment,
     hit_rates,
@@ -155,3 +158,24 @@ def test_hit_rates_count_blamed_metrics_in_the_top_of_the_ranking(tmp_path):
     labels.write_text("7:1\n")
     with pytest.raises(ValueError, match=r"s\.txt:1"):
         read_segments(labels)
+
+
+def test_joint_alarm_levels_are_exact_for_scores_that_move_together():
+    healthy = np.random.default_rng(5).gamma(2.0, 1.0, 5000)
+    params = DetectorParams(risk=0.01, tail="quantile")
+    alone = alarm_levels({"a": healthy}, params)["a"]
+    # the same score twice (the other in other units): the combination is the score itself
+    joint = alarm_levels({"a": healthy, "b": 3 * healthy[100:]}, params)
+    assert joint["a"] == pytest.approx(alone, rel=0.02)
+    assert joint["b"] == pytest.approx(3 * joint["a"], rel=0.01)  # medians of both units
+    # a union bound over the two splits the risk: needlessly high levels here
+    each = alarm_levels({"a": healthy, "b": 3 * healthy}, replace(params, levels="each"))
+    assert each["a"] > alone * 1.1
+    # independent scores: the combination flags healthy data at about ``risk`` either way
+    other = np.random.default_rng(6).gamma(2.0, 1.0, 5000)
+    for levels in ("joint", "each"):
+        got = alarm_levels({"a": healthy, "b": other}, replace(params, levels=levels))
+        flagged = (healthy > got["a"]) | (other > got["b"])
+        assert 0.005 <= flagged.mean() <= 0.011
+    with pytest.raises(ValueError, match="levels"):
+        DetectorParams(levels="mean")
