@@ -68,6 +68,13 @@ def residuals(series: np.ndarray, start: int, period: int, seasons: int) -> np.n
     return series[start:] - np.nanmedian(np.stack(lagged), axis=0)
 
 
+def _median(rows: np.ndarray) -> np.ndarray:
+    """The per-column median of a few rows (np.median costs ten times more on 5 x 43)."""
+    ordered = np.sort(rows, axis=0)
+    middle = len(rows) // 2
+    return ordered[middle] if len(rows) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 class SeasonalScorer:
     name = "seasonal"
 
@@ -101,18 +108,26 @@ class SeasonalScorer:
 
 
 class SeasonalStream:
-    """The last ``seasons`` periods of points: the baseline of the next ones."""
+    """The last ``seasons`` periods of points, in a ring: the baseline of the next ones."""
 
     def __init__(self, scorer: SeasonalScorer, tail: np.ndarray) -> None:
         self._scorer = scorer
-        self._history = tail
+        span = scorer.period * scorer.seasons
+        self._ring = np.full((span, tail.shape[1]), np.nan)
+        self._ring[: len(tail)] = tail
+        self._written = len(tail)  # points written so far; the next goes to written % span
+        self._back = scorer.period * np.arange(1, scorer.seasons + 1)
 
     def score(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s = self._scorer
-        series = np.vstack([self._history, block])
-        diffs = residuals(series, len(self._history), s.period, s.seasons)
-        self._history = series[-s.period * s.seasons :]
-        return s._normalised(diffs)
+        span = len(self._ring)
+        diffs = np.empty_like(block)
+        for i, point in enumerate(block):  # one point per tick in the agent: no copies
+            past = self._ring[(self._written - self._back) % span]
+            whole = self._written >= span  # else some periods are not there yet (NaN)
+            diffs[i] = point - (_median(past) if whole else np.nanmedian(past, axis=0))
+            self._ring[self._written % span] = point
+            self._written += 1
+        return self._scorer._normalised(diffs)
 
     def learn(self, block: np.ndarray, flags: np.ndarray) -> None:
         """Every point joins the history: the median of several periods already ignores

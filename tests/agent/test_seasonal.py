@@ -72,3 +72,16 @@ def test_without_a_period_the_detector_runs_the_other_scores():
     assert forced.period == 50 and len(forced.train_scores["seasonal"]) == len(noise) - 50
     with pytest.raises(ValueError, match="period must be >= 2"):
         MultivariateDetector(period=1)
+
+
+@pytest.mark.parametrize(("train", "seasons"), [(500, 4), (500, 5), (100, 5)])
+def test_the_stream_scores_as_the_series_residuals_do(train, seasons):
+    # (100, 5): fewer than 5 periods of history at first, the baseline uses those there are
+    data = periodic(700, 30, seed=7)
+    scorer = SeasonalScorer(30, seasons)
+    scorer.cross_fit(data[:train], 5)
+    expected = scorer._normalised(residuals(data, train, 30, seasons))[0]
+    one_by_one = scorer.start()
+    streamed = np.concatenate([one_by_one.score(data[i : i + 1])[0] for i in range(train, 700)])
+    assert np.allclose(streamed, expected)
+    assert np.allclose(scorer.start().score(data[train:])[0], expected)
