@@ -60,6 +60,9 @@ def metric_kind(name: str) -> str:
 # Thresholds from a 10-minute warm-up at 1 s: a healthy smoothed score passes the alarm
 # level once in 10^4 ticks by the fitted tail (the empirical quantile there does not exist
 # in 600 ticks); the tail starts at the 95 % quantile so that 30 peaks describe it.
+# The seasonal score looks for a period in the warm-up (at most 600 / 6 = 100 ticks with
+# its 5 seasons: a job's evaluation or checkpoint cycle); without one the agent runs the
+# kNN and the forecast.
 AGENT_PARAMS = DetectorParams(smooth=10, update_every=300, risk=1e-4, initial_quantile=0.95)
 
 
@@ -94,9 +97,11 @@ class MetricAnomalyDetector:
                 self._detector = MultivariateDetector(self._params).fit(np.array(self._healthy))
                 self._healthy = []
                 log.info(
-                    "multivariate detector fitted on %d healthy ticks (alarm levels %s)",
+                    "multivariate detector fitted on %d healthy ticks (alarm levels %s, "
+                    "period %s ticks)",
                     self._warmup,
                     {name: round(level, 3) for name, level in self._detector.thresholds.items()},
+                    self._detector.period or "none",
                 )
             return []
         seen = self._detector.observe(vector)

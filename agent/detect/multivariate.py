@@ -1,26 +1,29 @@
-"""The multivariate detector: a kNN distance and a forecast error, each with a train-only
-alarm level, combined online.
+"""The multivariate detector: a kNN distance, a forecast error and a seasonal residual,
+each with a train-only alarm level, combined online.
 
 Fitted on healthy data only (metrics standardised with the training mean and a floored
-standard deviation, so near-constant metrics do not explode). Two scores (``scorers.py``):
-the distance of a point to its nearest healthy neighbours (an unusual *state*) and the error
-of a linear forecast from the points before it (an unusual *move*). Each is averaged over
-the last ``smooth`` points, because real faults last several samples while single-sample
-spikes are noise.
+standard deviation, so near-constant metrics do not explode). Three scores: the distance of
+a point to its nearest healthy neighbours (an unusual *state*, ``scorers.py``), the error of
+a linear forecast from the points before it (an unusual *move*, ``scorers.py``), and the
+difference from the same phase of the last periods (an unusual *time* for a state,
+``seasonal.py``; only when the training data has a period, found by autocorrelation). Each
+is averaged over the last ``smooth`` points, because real faults last several samples while
+single-sample spikes are noise.
 
 The alarm levels come from training data only. Each score is cross-fitted on the training
 series (every block scored by a model fitted on the others), so the training scores look
-like those of new healthy data; each alarm level is the score those healthy points exceed
-with probability ``risk / len(scorers)`` (so that the combination alarms on healthy data
-with probability at most ``risk``): by default read from a generalised Pareto fit of their
-tail (peaks over threshold, ``threshold.py``), which also extrapolates beyond the largest
-score a short warm-up has seen; ``tail="quantile"`` takes the empirical quantile instead.
-A point's score is the largest of its scores, each divided by its alarm level: it is
-flagged above 1.
+like those of new healthy data. By default (``levels="joint"``) each score is put in units
+of its median healthy value and the alarm level is what the largest of them exceeds on
+those healthy points with probability ``risk``: one tail for the combination, exact
+whatever the scores' correlation (``levels="each"`` gives each score its own level at
+``risk / len(scorers)``, a union bound). The tail is a generalised Pareto fit (peaks over
+threshold, ``threshold.py``), which also extrapolates beyond the largest score a short
+warm-up has seen; ``tail="quantile"`` takes the empirical quantile instead. A point's score
+is the largest of its scores, each divided by its alarm level: it is flagged above 1.
 
 Attribution: each metric's share of a score is its squared difference (from the mean of the
-nearest neighbours, or from its forecast), smoothed over the same window; the shares of the
-two scores are weighted by how far each is over its alarm level.
+nearest neighbours, from its forecast or from its seasonal baseline), smoothed over the same
+window; the shares of the scores are weighted by how far each is over its alarm level.
 
 The kNN reference grows online with the points that were *not* flagged, every
 ``update_every`` points, so drift is learned but a lasting fault is not. The batch ``run``
@@ -29,6 +32,7 @@ and the streaming ``observe`` go through the same session and give the same resu
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -36,9 +40,13 @@ from typing import Literal
 import numpy as np
 
 from bulkhead.agent.detect.scorers import ForecastScorer, KnnScorer
+from bulkhead.agent.detect.seasonal import SeasonalScorer, find_period
 from bulkhead.agent.detect.threshold import pot_threshold
 
-SCORERS = ("knn", "forecast")
+log = logging.getLogger(__name__)
+
+SCORERS = ("knn", "forecast", "seasonal")
+Scorer = KnnScorer | ForecastScorer | SeasonalScorer
 
 
 @dataclass(frozen=True)
@@ -49,18 +57,28 @@ class DetectorParams:
     update_every: int = 288  # learn unflagged points this often (knn)
     max_learned: int = 8640  # learned reference points kept (knn)
     lags: int = 3  # past points a forecast reads (forecast)
+    seasons: int = 5  # past periods the baseline reads (seasonal)
+    period: int | None = None  # in samples (seasonal); None: found in the training data
+    season_strength: float = 0.5  # the autocorrelation a found period needs (seasonal)
     smooth: int = 6
     scale_floor: float = 0.03
     folds: int = 5  # cross-fitting blocks of the training series
+    levels: Literal["joint", "each"] = "joint"
     tail: Literal["pot", "quantile"] = "pot"
     risk: float = 0.01  # the probability that a healthy point is flagged
     initial_quantile: float = 0.98  # where the fitted tail starts (``tail="pot"``)
 
     def __post_init__(self) -> None:
-        if min(self.k, self.smooth, self.stride, self.update_every, self.lags) < 1:
-            raise ValueError("k, smooth, stride, update_every and lags must be >= 1")
+        if min(self.k, self.smooth, self.stride, self.update_every, self.lags, self.seasons) < 1:
+            raise ValueError("k, smooth, stride, update_every, lags and seasons must be >= 1")
+        if self.period is not None and self.period < 2:
+            raise ValueError(f"period must be >= 2 samples (or None to find it), got {self.period}")
+        if not 0.0 < self.season_strength < 1.0:
+            raise ValueError(f"season_strength must be in (0, 1), got {self.season_strength}")
         if self.folds < 2:
             raise ValueError(f"cross-fitting needs folds >= 2, got {self.folds}")
+        if self.levels not in ("joint", "each"):
+            raise ValueError(f"levels must be 'joint' or 'each', got {self.levels!r}")
         if self.tail not in ("pot", "quantile"):
             raise ValueError(f"tail must be 'pot' or 'quantile', got {self.tail!r}")
         if not 0.0 < self.risk < 1.0:
@@ -131,6 +149,25 @@ def tail_threshold(scores: np.ndarray, risk: float, params: DetectorParams) -> f
     return pot_threshold(scores, risk, params.initial_quantile)
 
 
+def alarm_levels(train_scores: dict[str, np.ndarray], params: DetectorParams) -> dict[str, float]:
+    """Each score's alarm level from its cross-fitted training scores (all end at the last
+    training point; some start later).
+
+    ``levels="joint"``: every score in units of its median healthy value, one tail over the
+    largest of them at ``risk``: the combination alarms on healthy training data with
+    probability ``risk``, whatever the scores' correlation. ``levels="each"``: each score
+    its own tail at ``risk / n``, which bounds the union by ``risk`` (conservative when the
+    scores move together)."""
+    if params.levels == "each":
+        risk = params.risk / len(train_scores)
+        return {name: tail_threshold(s, risk, params) for name, s in train_scores.items()}
+    units = {name: max(float(np.median(s)), 1e-12) for name, s in train_scores.items()}
+    common = min(len(s) for s in train_scores.values())
+    largest = np.max([s[-common:] / units[name] for name, s in train_scores.items()], axis=0)
+    level = tail_threshold(largest, params.risk, params)
+    return {name: unit * level for name, unit in units.items()}
+
+
 class MultivariateDetector:
     """``fit(train[T, D]) -> self``; ``run(test[T, D]) -> Run``; ``predict(test) -> flags``;
     ``observe(x[D]) -> Observation``."""
@@ -144,7 +181,8 @@ class MultivariateDetector:
         self.params = DetectorParams(**{**base.__dict__, **overrides})  # type: ignore[arg-type]
         self.thresholds: dict[str, float] = {}  # per scorer, in its own units
         self.train_scores: dict[str, np.ndarray] = {}  # cross-fitted, smoothed
-        self._scorers: list[KnnScorer | ForecastScorer] = []
+        self._scorers: list[Scorer] = []
+        self.period: int | None = None  # the seasonal score's period (None: not used)
         self._mean: np.ndarray | None = None
         self._scale: np.ndarray | None = None
         self._session: _Session | None = None
@@ -159,17 +197,29 @@ class MultivariateDetector:
         self._mean = data.mean(axis=0)
         self._scale = np.maximum(data.std(axis=0), p.scale_floor)
         points = self._standardise(data)
+        self.period = None
+        if "seasonal" in p.scorers:
+            self.period = p.period or find_period(points, p.seasons, p.season_strength)
+            if self.period is None:
+                log.info("no period in %d training points: no seasonal score", len(points))
         made = {
             "knn": lambda: KnnScorer(p.k, p.stride, p.max_learned),
             "forecast": lambda: ForecastScorer(p.lags),
+            "seasonal": lambda: SeasonalScorer(self.period, p.seasons),  # type: ignore[arg-type]
         }
-        self._scorers = [made[name]() for name in p.scorers]
-        risk = p.risk / len(self._scorers)  # the union of the alarms stays within ``risk``
+        names = [n for n in p.scorers if n != "seasonal" or self.period is not None]
+        if not names:
+            raise ValueError(
+                f"no period in the {len(points)} training points for the seasonal score alone "
+                f"(autocorrelation below season_strength {p.season_strength}): set period or "
+                "add another scorer"
+            )
+        self._scorers = [made[name]() for name in names]
+        self.thresholds, self.train_scores = {}, {}
         for scorer in self._scorers:
             raw, _ = scorer.cross_fit(points, p.folds)
-            smoothed = _trailing_mean(raw, p.smooth, np.empty(0))
-            self.train_scores[scorer.name] = smoothed
-            self.thresholds[scorer.name] = tail_threshold(smoothed, risk, p)
+            self.train_scores[scorer.name] = _trailing_mean(raw, p.smooth, np.empty(0))
+        self.thresholds = alarm_levels(self.train_scores, p)
         self._session = None
         return self
 

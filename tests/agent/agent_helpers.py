@@ -56,8 +56,9 @@ def planted_dataset(folder: Path, series: int = 2, seed: int = 0) -> Path:
     labels.mkdir(parents=True)
     for s in range(1, series + 1):
 
-        def part(length: int) -> np.ndarray:
-            load = 0.5 + 0.2 * np.sin(np.arange(length) / 30.0)
+        def part(start: int, length: int) -> np.ndarray:
+            # the test part follows the train part in time, as in ASD (its cycle goes on)
+            load = 0.5 + 0.2 * np.sin(np.arange(start, start + length) / 30.0)
             return np.clip(
                 np.stack([load, 1 - load, load * 0.8, load * 0.5, rng.random(length) * 0.1], 1)
                 + rng.normal(0, 0.01, (length, 5)),
@@ -65,7 +66,7 @@ def planted_dataset(folder: Path, series: int = 2, seed: int = 0) -> Path:
                 1,
             ).astype(np.float32)
 
-        train, test = part(1500), part(600)
+        train, test = part(0, 1500), part(1500, 600)
         label = np.zeros(600, dtype=np.int64)
         test[300:340, 2] += 0.3
         test[300:340, 3] -= 0.2

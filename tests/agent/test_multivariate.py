@@ -2,11 +2,14 @@
 evaluation measures (point-wise F1 without point adjustment, oracle F1, HitRate@P%).
 Fast: one ASD series and synthetic data; the full 12-series evaluation is bench/agent.py."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from agent_helpers import asd_path
 
 from bulkhead.agent.detect import MultivariateDetector
+from bulkhead.agent.detect.multivariate import DetectorParams, alarm_levels
 from bulkhead.agent.evaluate import (
     Segment,
     hit_rates,
@@ -28,7 +31,8 @@ def test_one_asd_server_is_detected_and_blamed_with_train_only_thresholds(omi2):
     train, test, labels = omi2
     segments = read_segments(asd_path().parent / "interpretation_label" / "omi-2.txt")
     detector = MultivariateDetector().fit(train)
-    assert set(detector.thresholds) == {"knn", "forecast"}
+    assert set(detector.thresholds) == {"knn", "forecast", "seasonal"}
+    assert detector.period == 288  # a day of 5-minute samples, found in the training data
     assert len(detector.train_scores["knn"]) == len(train)
     # each alarm level is a high tail of its cross-fitted training scores (risk 1 % shared)
     for name, level in detector.thresholds.items():
@@ -42,6 +46,7 @@ def test_one_asd_server_is_detected_and_blamed_with_train_only_thresholds(omi2):
 def test_streaming_observe_matches_batch_run(omi2):
     train, test = omi2[0][:3000], omi2[1][:400]
     detector = MultivariateDetector(update_every=50).fit(train)
+    assert detector.period is not None  # all three scores stream
     batch = detector.run(test)
     streamed = [detector.observe(row) for row in test]
     assert np.allclose([s.score for s in streamed], batch.scores)
@@ -153,3 +158,24 @@ def test_hit_rates_count_blamed_metrics_in_the_top_of_the_ranking(tmp_path):
     labels.write_text("7:1\n")
     with pytest.raises(ValueError, match=r"s\.txt:1"):
         read_segments(labels)
+
+
+def test_joint_alarm_levels_are_exact_for_scores_that_move_together():
+    healthy = np.random.default_rng(5).gamma(2.0, 1.0, 5000)
+    params = DetectorParams(risk=0.01, tail="quantile")
+    alone = alarm_levels({"a": healthy}, params)["a"]
+    # the same score twice (the other in other units): the combination is the score itself
+    joint = alarm_levels({"a": healthy, "b": 3 * healthy[100:]}, params)
+    assert joint["a"] == pytest.approx(alone, rel=0.02)
+    assert joint["b"] == pytest.approx(3 * joint["a"], rel=0.01)  # medians of both units
+    # a union bound over the two splits the risk: needlessly high levels here
+    each = alarm_levels({"a": healthy, "b": 3 * healthy}, replace(params, levels="each"))
+    assert each["a"] > alone * 1.1
+    # independent scores: the combination flags healthy data at about ``risk`` either way
+    other = np.random.default_rng(6).gamma(2.0, 1.0, 5000)
+    for levels in ("joint", "each"):
+        got = alarm_levels({"a": healthy, "b": other}, replace(params, levels=levels))
+        flagged = (healthy > got["a"]) | (other > got["b"])
+        assert 0.005 <= flagged.mean() <= 0.011
+    with pytest.raises(ValueError, match="levels"):
+        DetectorParams(levels="mean")
