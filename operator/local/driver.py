@@ -40,6 +40,7 @@ from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.trainer.pod.launcher import die_with_parent
 
@@ -139,6 +140,7 @@ class LocalDriver:
             env.update(await self.sidecars.start(worker))
         log_file = (self.run_dir / "logs" / f"{worker.id}.log").open("ab")
         process = await self._spawn(env, log_file)
+        children.track(process.pid)  # its session's group ends with this process
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
         wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
@@ -253,6 +255,7 @@ class LocalDriver:
     async def _watch(self, wp: WorkerProcess) -> None:
         code = await wp.process.wait()
         _killpg(wp.process.pid, signal.SIGKILL)  # leftovers of a crashed worker
+        children.untrack(wp.process.pid)
         wp.log_file.close()
         if self.sidecars is not None:
             with contextlib.suppress(Exception):
