@@ -59,7 +59,9 @@ def end_children() -> None:
         _killpg(pgid, signal.SIGCONT)
     left = children()
     for pid in left:
-        _kill(pid, signal.SIGTERM)
+        # One that ignores SIGTERM (multiprocessing's resource tracker) would only make
+        # the wait last the whole grace period: it is killed at once.
+        _kill(pid, signal.SIGKILL if _ignores_sigterm(pid) else signal.SIGTERM)
         _kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + float(_state["grace_s"])  # type: ignore[arg-type]
     while (left or _tracked_alive()) and time.monotonic() < deadline:
@@ -119,6 +121,17 @@ def _process_table() -> dict[int, tuple[int, int]]:
         if fields[0] != "Z":
             out[int(entry.name)] = (int(fields[1]), int(fields[2]))
     return out
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 def _tracked_alive() -> bool:
