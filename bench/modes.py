@@ -36,8 +36,9 @@ for its ``maxFailures + 1`` copies over what the baseline keeps, for the rank ho
 Each run's losses are kept: both sides must start from the same loss and stay finite.
 
 Rounds (``--rounds``, default 2) run every row's two sides one after the other, the
-baseline first in even rounds and bulkhead first in odd ones, so machine drift hits both
-sides of a ratio alike; figures are medians over rounds of the per-round values.
+baseline first in every other row and round (bulkhead first in the rest), so machine
+drift hits both sides of a ratio alike; figures are medians over rounds of the per-round
+values.
 
 On a machine with CUDA each process takes one GPU (NCCL) and rows get ``tflops_per_gpu``
 (6 x active parameters x tokens per step) and ``mfu`` (with ``--peak-tflops``). bf16 is
@@ -465,9 +466,10 @@ def measure(
 ) -> list[RowRuns]:
     results = [RowRuns(r) for r in rows]
     for index in range(rounds):
-        sides = ("baseline", "bulkhead") if index % 2 == 0 else ("bulkhead", "baseline")
-        for rr in results:
-            for side in sides:
+        for position, rr in enumerate(results):
+            # Which side runs first alternates from row to row and from round to round.
+            first = (index + position) % 2 == 0
+            for side in ("baseline", "bulkhead") if first else ("bulkhead", "baseline"):
                 got = run(rr.row, side, sizes, root, profile if index == 0 else None)
                 rr.runs[side].append(got)
                 print(

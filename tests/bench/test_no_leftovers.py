@@ -39,6 +39,7 @@ def _alive(pid: int) -> bool:
     return state[state.rindex(")") + 2] != "Z"
 
 
+@pytest.mark.timeout(600)  # a bench's start under a heavy load takes minutes
 @pytest.mark.parametrize("bench", BENCHES)
 def test_sigterm_leaves_nothing(bench: str, tmp_path: Path) -> None:
     proc = subprocess.Popen(
