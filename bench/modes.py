@@ -462,15 +462,19 @@ class RowRuns:
 
 
 def measure(
-    rows: list[Row], sizes: Sizes, rounds: int, root: Path, profile: Path | None = None
+    rows: list[Row],
+    sizes: Sizes,
+    rounds: range,
+    root: Path,
+    profile: Path | None = None,
 ) -> list[RowRuns]:
     results = [RowRuns(r) for r in rows]
-    for index in range(rounds):
+    for index in rounds:
         for position, rr in enumerate(results):
             # Which side runs first alternates from row to row and from round to round.
             first = (index + position) % 2 == 0
             for side in ("baseline", "bulkhead") if first else ("bulkhead", "baseline"):
-                got = run(rr.row, side, sizes, root, profile if index == 0 else None)
+                got = run(rr.row, side, sizes, root, profile if index == rounds[0] else None)
                 rr.runs[side].append(got)
                 print(
                     f"  round {index} {rr.row.name:16} {side:8} {got['steps_per_s']:7.3f} steps/s "
@@ -560,6 +564,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 round, 2 timed steps")
     parser.add_argument("--rounds", type=int, default=None, help="default 2 (--quick: 1)")
+    parser.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="index of the first round (which side runs first follows it): to add rounds later",
+    )
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="a GPU's peak, for MFU")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
@@ -578,13 +588,15 @@ def main() -> None:
         rows = [r for r in ROWS if r.name in wanted]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
-        measured = measure(rows, sizes, rounds, Path(tmp), args.profile)
+        indices = range(args.first_round, args.first_round + rounds)
+        measured = measure(rows, sizes, indices, Path(tmp), args.profile)
     out_rows = [figures(rr, sizes, args.peak_tflops) for rr in measured]
     results = {
         "rows": out_rows,
         "pipeline_prediction": pipeline_prediction(out_rows),
         "sizes": sizes.__dict__,
         "rounds": rounds,
+        "first_round": args.first_round,
         "quick": args.quick,
         "dtype": "float32 (bf16 is pending in the trainer)",
         "load_average": os.getloadavg(),
