@@ -63,6 +63,7 @@ from bulkhead.agent.replay import ReplayGpuSource, ReplayLineSource, SimClock, r
 from bulkhead.agent.service import Sources, build
 from bulkhead.agent.settings import AgentSettings
 from bulkhead.api.protocol import job_report_token
+from bulkhead.operator.local.children import end_children_on_exit
 
 BUDGET_CORE_FRACTION = 0.01
 BUDGET_RSS_MB = 100.0
@@ -343,6 +344,7 @@ def detector_cost(
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short run (smoke test)")
     parser.add_argument("--seconds", type=float, help="measurement window per process")

@@ -67,6 +67,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.operator.local.sidecars import CheckpointSidecars, default_sidecar_command
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
 from bulkhead.trainer.checkpoint.checksum import checksum_parallel
@@ -404,6 +405,7 @@ def _target_line(key: str, ratio: float, target: float, ceiling: float) -> str:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~50 MB state, 5 repeats")
     parser.add_argument("--size-gb", type=float, default=None, help="state size (default 1.1)")

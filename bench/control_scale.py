@@ -49,6 +49,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from bulkhead.operator.local.children import end_children_on_exit
+
 JOB = "scale"
 TOKEN = "bench-token"
 HANG_S = 120.0  # the default hangTimeoutSeconds: polls are capped at 30 s
@@ -592,6 +594,7 @@ EXTRAPOLATION_MODEL = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,024 workers only")
     parser.add_argument("--sizes", default="1024,4096,16384")

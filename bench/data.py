@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.data.index import (
     INDEX_FILE,
     ShardEntry,
@@ -227,6 +228,7 @@ def memory(tmp: Path, quick: bool) -> dict[str, Any]:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small corpora (smoke test)")
     parser.add_argument("--workers", type=int, default=2, help="tokenizer processes per side")

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
@@ -227,6 +228,7 @@ def survival(trials: int, seed: int = 0) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")

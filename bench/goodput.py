@@ -64,6 +64,7 @@ from typing import Any
 import yaml
 
 from bulkhead.api.manifest import load_job
+from bulkhead.operator.local.children import end_children_on_exit
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "goodput-job.yaml"
@@ -418,6 +419,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a kill every 15 s, 3 per window")
     parser.add_argument(

@@ -49,6 +49,7 @@ from _gpu_one_process import check_one_process
 from _gpu_options import Options
 from _gpu_snapshot import check_snapshot
 
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.engine.device import DeviceChoice, activate
 
 SHARED_RANKS = 4  # 2 replicas x 2 shards for ZeRO-3 with maxFailures 1
@@ -255,6 +256,7 @@ def timed_check(name: str, action: Callable[[], dict[str, Any]], device: torch.d
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
     parser.add_argument("--quick", action="store_true", help="Fewer steps and repeats.")

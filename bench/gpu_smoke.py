@@ -41,10 +41,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_engine_runs.py
 from _engine_runs import Scenario, compare, engine_config, run
 
+from bulkhead.operator.local.children import end_children_on_exit
+
 SLEEP_CYCLES = 50_000_000  # tens of milliseconds on current GPUs
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
     parser.add_argument("--quick", action="store_true", help="Fewer steps.")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.models.hf import ReadStats, read_params
 from bulkhead.trainer.models.hf_export import export_hf
 from bulkhead.trainer.models.llama import Llama
@@ -184,6 +185,7 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float]:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--out", help="write the figures as JSON here")

@@ -55,6 +55,7 @@ from bulkhead.operator.k8s.kube import (  # noqa: E402
     load_credentials,
     tj_path,
 )
+from bulkhead.operator.local.children import end_children_on_exit  # noqa: E402
 
 STRATEGIC = "application/strategic-merge-patch+json"
 # Object metadata only (no spec/status): polling a thousand pods stays cheap for the API
@@ -489,6 +490,7 @@ def _print(rows: list[dict[str, float]]) -> None:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10,100,1000", help="comma-separated node counts")
     parser.add_argument("--quick", action="store_true", help="10 nodes only (smoke test)")

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from bulkhead.api.spec import ModelConfig
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
 from bulkhead.trainer.planning.experts import (
@@ -187,6 +188,7 @@ def bench_placement(experts: int, nodes: int, slots: int, failures: int, skew: f
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--out", help="write the figures as JSON here")

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkhead.api.spec import TrainingJob
+from bulkhead.operator.local.children import end_children_on_exit
 
 MODEL = {"preset": "tiny-moe"}
 BATCH = {"globalBatchSize": 12, "microBatchSize": 4}
@@ -449,6 +450,7 @@ def scaling(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
     parser.add_argument("--quick", action="store_true", help="One kill, few steps.")

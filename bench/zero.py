@@ -63,6 +63,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
@@ -376,6 +377,7 @@ def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
     parser.add_argument("--quick", action="store_true", help="A model under 1M parameters.")

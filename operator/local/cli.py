@@ -11,6 +11,7 @@ from rich.console import Console
 
 from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.operator.local.chaos import ChaosError, parse_chaos
+from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.operator.local.runner import RunOptions, RunResult, effective_spec, run_local
 
 
@@ -70,6 +71,7 @@ def run(
     except (ChaosError, ManifestError) as exc:
         raise click.UsageError(str(exc)) from None
     assert options.run_dir is not None
+    end_children_on_exit()  # workers and sidecars end with this process, however it ends
     options.run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         filename=options.run_dir / "supervisor.log",

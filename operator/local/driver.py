@@ -46,6 +46,7 @@ from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.trainer.pod.launcher import die_with_parent
 
@@ -169,7 +170,7 @@ class LocalDriver:
     async def _spawn(self, env: dict[str, str], log_file: IO[bytes]) -> asyncio.subprocess.Process:
         """A worker process in a session of its own (its group is killed as one), logging
         to ``log_file`` and dying with the supervisor."""
-        return await asyncio.create_subprocess_exec(
+        process = await asyncio.create_subprocess_exec(
             *self.command,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
@@ -178,6 +179,8 @@ class LocalDriver:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
+        children.track(process.pid)  # its session's group ends with this process
+        return process
 
     async def _take_prestarted(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
         """A pre-started worker given ``env`` (None when none is ready)."""
@@ -216,6 +219,7 @@ class LocalDriver:
                         start_new_session=True,
                         preexec_fn=die_with_parent,
                     )
+                children.track(process.pid)
                 self._ready.append(process)
                 if self._closing:  # shutdown began meanwhile: it kills what it finds
                     _killpg(process.pid, signal.SIGKILL)
@@ -325,6 +329,7 @@ class LocalDriver:
     async def _watch(self, wp: WorkerProcess) -> None:
         code = await wp.process.wait()
         _killpg(wp.process.pid, signal.SIGKILL)  # leftovers of a crashed worker
+        children.untrack(wp.process.pid)
         wp.log_file.close()
         if self.sidecars is not None:
             with contextlib.suppress(Exception):
@@ -340,11 +345,11 @@ class LocalDriver:
 def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
     """The pid of a pod launcher's trainer process ``local_rank`` (from its environment)."""
     try:
-        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+        kids = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
     except OSError:
         return None
     wanted = f"{LOCAL_RANK_ENV}={local_rank}".encode()
-    for pid in children:
+    for pid in kids:
         with contextlib.suppress(OSError):
             if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 return int(pid)

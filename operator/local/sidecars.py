@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local import children
 from bulkhead.trainer.checkpoint.paths import default_socket, local_rank_shm_dir
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class CheckpointSidecars:
                 start_new_session=True,
             )
         self._procs[worker.slot] = process
+        children.track(process.pid)  # its session's group ends with this process
         deadline = time.monotonic() + self.ready_timeout_s
         while not all(socket_path.exists() for socket_path in sockets):
             if process.returncode is not None:
@@ -135,5 +137,6 @@ class CheckpointSidecars:
                 log.warning("checkpoint sidecar of slot %d did not drain; killing it", slot)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
+        children.untrack(process.pid)
         await process.wait()
         shutil.rmtree(self.shm_dir(slot), ignore_errors=True)

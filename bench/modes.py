@@ -1,0 +1,615 @@
+"""What each parallel mode costs when nothing fails: bulkhead's engine vs plain PyTorch.
+
+For every row below, the same model (Llama for the dense modes, Mixtral for the experts),
+data, global batch, micro-batches and number of processes train twice, each on fresh
+processes: once with bulkhead's engine exactly as a worker runs it (``open_world`` ->
+``make_plan`` -> ``build_engine`` -> ``adopt`` -> ``step``), once with the plain PyTorch
+loop of ``bench/_modes_baselines.py``. Nothing fails in either run.
+
+- ``data-parallel``: ZeRO-0, maxFailures 1 | DDP;
+- ``zero-1``/``-2``/``-3``: HSDP, 2 replica groups x 2 shards (maxFailures 1) | a
+  ``fully_shard`` loop over all 4 ranks (one copy), same stage;
+- ``hpz``: ZeRO-3 over 4 shards with hpZ h = 2 (maxFailures 0: h must be smaller than the
+  shard group) | ``fully_shard(reshard_after_forward=2)``;
+- ``pipelines``: 2 pipelines of 2 stages (maxFailures 1) | ``Schedule1F1B`` on the same
+  stages and micro-batches;
+- ``pipelines-3+2``: 3 + 2 stages on 5 processes (the layout after losing one of 6) |
+  ``Schedule1F1B`` on the same 3 + 2 stages;
+- ``experts-uniform``/``-skewed``: Lazarus, >= 2 replicas of every expert, 5 slots per
+  worker, rebalanced after the warm-up | every expert once, all-to-all dispatch;
+- ``composed``: 2 worker pods of 2 processes, one pipeline of 2 stages, each stage ZeRO-3
+  sharded and its experts spread over its pod (maxFailures 0: one copy, as 4 processes
+  allow) | ``Schedule1F1B`` x ``fully_shard`` x every expert once, the same pods.
+
+``experts-skewed`` adds a bias to two experts' router logits (experts 0 and 4: on different
+ranks of the baseline, its best case) so that they take most of the tokens.
+
+Per row: ``bulkhead_steps_per_s`` and ``baseline_steps_per_s`` (rank 0, timed steps after
+the warm-up, between two barriers); ``*_peak_bytes_per_rank``: the largest over ranks of the
+peak memory above what the process held after forming its process group (on the CPU the
+RSS high-water mark, Linux VmHWM reset through /proc/self/clear_refs; on a GPU
+``torch.cuda.max_memory_allocated``), so parameters, gradients, optimizer state,
+activations and communication buffers, not the interpreter; ``ratio`` and
+``memory_ratio`` (bulkhead / baseline); ``expected_memory_ratio``: the per-rank state bytes
+(fp32 parameters, gradients, AdamW's two slots: the ZeRO accounting) bulkhead's plan keeps
+for its ``maxFailures + 1`` copies over what the baseline keeps, for the rank holding most.
+Each run's losses are kept: both sides must start from the same loss and stay finite.
+
+Rounds (``--rounds``, default 2) run every row's two sides one after the other, the
+baseline first in every other row and round (bulkhead first in the rest), so machine
+drift hits both sides of a ratio alike; figures are medians over rounds of the per-round
+values.
+
+On a machine with CUDA each process takes one GPU (NCCL) and rows get ``tflops_per_gpu``
+(6 x active parameters x tokens per step) and ``mfu`` (with ``--peak-tflops``). bf16 is
+pending in the trainer, so both sides run fp32 (``dtype`` in the JSON says so).
+
+Run: ``python -P bench/modes.py [--quick] [--rows a,b] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import math
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's own helpers
+
+from _engine_runs import peak_memory, process_context, reset_peak_memory
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.operator.local.children import end_children_on_exit
+from bulkhead.trainer.config import TrainConfig, train_config
+from bulkhead.trainer.data import open_dataset
+from bulkhead.trainer.engine.device import DeviceChoice, activate, pick_device
+from bulkhead.trainer.models.protocol import build_meta
+from bulkhead.trainer.parallel.plan import (
+    ParallelPlan,
+    ZeroPlan,
+    make_plan,
+    state_bytes_per_rank,
+)
+
+HOT_EXPERTS = (0, 4)
+HOT_BIAS = 2.0  # added to the hot experts' router logits: most tokens pick them
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW's two slots
+RUN_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    family: str  # "llama" | "mixtral"
+    processes: int
+    parallelism: dict[str, Any]
+    max_failures: int
+    baseline: str
+    skew: bool = False
+    per_worker: int = 1  # processes per worker pod
+
+
+ROWS = (
+    Row("data-parallel", "llama", 4, {}, 1, "DDP"),
+    *(
+        Row(f"zero-{s}", "llama", 4, {"zero": {"stage": s}}, 1, f"fully_shard over 4, ZeRO-{s}")
+        for s in (1, 2, 3)
+    ),
+    Row(
+        "hpz",
+        "llama",
+        4,
+        {"zero": {"stage": 3, "hpzPartitionSize": 2}},
+        0,
+        "fully_shard over 4, reshard_after_forward=2",
+    ),
+    Row(
+        "pipelines",
+        "llama",
+        4,
+        {"pipeline": {"minStages": 2, "maxStages": 2}},
+        1,
+        "Schedule1F1B, 2 pipelines x 2 stages",
+    ),
+    Row(
+        "pipelines-3+2",
+        "llama",
+        5,
+        {"pipeline": {"minStages": 2}},
+        1,
+        "Schedule1F1B, the same 3+2 stages",
+    ),
+    *(
+        Row(
+            f"experts-{kind}",
+            "mixtral",
+            4,
+            {"experts": {"slotsPerWorker": 5, "rebalanceIntervalSteps": 0}},
+            1,
+            "every expert once, all-to-all dispatch",
+            skew=kind == "skewed",
+        )
+        for kind in ("uniform", "skewed")
+    ),
+    Row(
+        "composed",
+        "mixtral",
+        4,
+        {"pipeline": {"minStages": 2}, "experts": {}, "zero": {"stage": 3}},
+        0,
+        "Schedule1F1B x fully_shard x every expert once",
+        per_worker=2,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    d_model: int
+    n_layers: int
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    warmup: int
+    steps: int
+
+
+QUICK = Sizes(d_model=32, n_layers=4, seq_len=16, global_batch=16, micro_batch=2, warmup=1, steps=2)
+FULL = Sizes(d_model=128, n_layers=4, seq_len=64, global_batch=16, micro_batch=2, warmup=2, steps=6)
+
+
+def config(row: Row, sizes: Sizes) -> TrainConfig:
+    model: dict[str, Any] = {
+        "family": row.family,
+        "dModel": sizes.d_model,
+        "nLayers": sizes.n_layers,
+        "nHeads": 4,
+        "seqLen": sizes.seq_len,
+    }
+    if row.family == "mixtral":
+        model["moe"] = {"numExperts": 8, "topK": 2, "every": 1}
+    spec = TrainingJobSpec.model_validate(
+        {
+            "workers": row.processes // row.per_worker,
+            "processesPerWorker": row.per_worker,
+            "trainer": {
+                "model": model,
+                "batch": {
+                    "globalBatchSize": sizes.global_batch,
+                    "microBatchSize": sizes.micro_batch,
+                },
+                "steps": 1000,
+                "parallelism": row.parallelism,
+            },
+            "faultTolerance": {"maxFailures": row.max_failures, "collectiveTimeoutSeconds": 120},
+        }
+    )
+    return train_config(spec)
+
+
+def plan_of(cfg: TrainConfig, processes: int) -> ParallelPlan:
+    g = cfg.parallelism.processes_per_worker
+    names = [f"w{r // g}" for r in range(processes)]
+    return make_plan(1, names, names, cfg)
+
+
+# -- one rank -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    row: Row
+    side: str  # "bulkhead" | "baseline"
+    sizes: Sizes
+    port: int
+    out_dir: str
+    profile: str | None = None  # rank 0 writes its timed steps' cProfile top here
+
+
+def _current_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _skew(model: torch.nn.Module) -> None:
+    """Bias the router logits of ``HOT_EXPERTS`` in every MoE layer (both sides alike)."""
+    for layer in model.moe_layers().values():  # type: ignore[operator]
+        bias = torch.zeros(layer.num_experts)
+        bias[list(HOT_EXPERTS)] = HOT_BIAS
+        layer.router.register_forward_hook(lambda _m, _i, out, b=bias: out + b.to(out.device))
+
+
+class BulkheadSide:
+    def __init__(
+        self, cfg: TrainConfig, rank: int, processes: int, store: dist.Store, device: DeviceChoice
+    ) -> None:
+        from bulkhead.trainer.engine.parallelize import build_engine
+        from bulkhead.trainer.engine.world import open_world
+
+        g = cfg.parallelism.processes_per_worker
+        names = [f"w{r // g}" for r in range(processes)]
+        self.world = open_world(1, rank, names, names, store, device, 120)
+        self.build = lambda: build_engine(plan_of(cfg, processes), self.world, cfg)
+
+    def start(self) -> torch.nn.Module:
+        self.engine = self.build()
+        self.engine.adopt(None)
+        return self.engine.model
+
+    def step(self, dataset: Any, step: int) -> float:
+        return self.engine.step(dataset).loss
+
+    def after_warmup(self) -> None:
+        if hasattr(self.engine, "rebalance"):  # Lazarus: replicas follow the measured load
+            self.engine.rebalance()
+
+
+class BaselineSide:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        row: Row,
+        rank: int,
+        processes: int,
+        store: dist.Store,
+        device: DeviceChoice,
+    ) -> None:
+        dist.init_process_group(
+            device.backend,
+            store=dist.PrefixStore("baseline", store),
+            rank=rank,
+            world_size=processes,
+            timeout=timedelta(seconds=120),
+        )
+        self.cfg, self.row, self.rank, self.device = cfg, row, rank, device.device
+
+    def start(self) -> torch.nn.Module:
+        import _modes_baselines as b
+
+        from bulkhead.trainer.models.protocol import build_seeded
+
+        cfg, row, device = self.cfg, self.row, self.device
+        plan = plan_of(cfg, row.processes)
+        if plan.pipelines is not None and plan.processes_per_worker > 1:
+            self.trainer: b.Baseline = b.ComposedBaseline(cfg, plan.pipelines, self.rank, device)
+        elif plan.pipelines is not None:
+            self.trainer = b.PipelineBaseline(cfg, plan.pipelines, self.rank, device)
+        else:
+            model = build_seeded(cfg.family, cfg.model, cfg.seed).to(device)
+            if plan.experts is not None:
+                self.trainer = b.ExpertBaseline(cfg, model, device)
+            elif cfg.parallelism.zero_stage > 0:
+                stage, hpz = cfg.parallelism.zero_stage, cfg.parallelism.hpz
+                self.trainer = b.FSDPBaseline(cfg, model, device, stage, hpz)
+            else:
+                self.trainer = b.DDPBaseline(cfg, model, device)
+        return self.trainer.model
+
+    def step(self, dataset: Any, step: int) -> float:
+        return self.trainer.step(dataset, step)
+
+    def after_warmup(self) -> None:
+        pass
+
+
+def _rank(slot: int, job: Job) -> None:
+    torch.set_num_threads(1)
+    device = pick_device(slot)
+    activate(device)
+    cfg = config(job.row, job.sizes)
+    store = dist.TCPStore("127.0.0.1", job.port, None, False, timedelta(seconds=120))
+    dataset = open_dataset(cfg)
+    n = job.row.processes
+    side = (
+        BulkheadSide(cfg, slot, n, store, device)
+        if job.side == "bulkhead"
+        else BaselineSide(cfg, job.row, slot, n, store, device)
+    )
+    reset_peak_memory(device.device)
+    base = torch.cuda.memory_allocated(device.device) if device.is_cuda else _current_rss()
+    model = side.start()
+    if job.row.skew:
+        _skew(model)
+    losses = [side.step(dataset, i) for i in range(job.sizes.warmup)]
+    side.after_warmup()
+    dist.barrier()
+    profiler = cProfile.Profile() if job.profile and slot == 0 else None
+    started = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    for i in range(job.sizes.warmup, job.sizes.warmup + job.sizes.steps):
+        losses.append(side.step(dataset, i))
+    if profiler is not None:
+        profiler.disable()
+        with open(job.profile, "a") as out:  # type: ignore[arg-type]
+            out.write(f"== {job.row.name} {job.side}\n")
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    if device.is_cuda:
+        torch.cuda.synchronize(device.device)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    peak = peak_memory(device.device)
+    record = {
+        "slot": slot,
+        "losses": losses,
+        "seconds": seconds,
+        "peak_bytes": peak["bytes"] - base,
+        "peak_what": peak["what"],
+        "device": device.describe(),
+    }
+    Path(job.out_dir, f"rank{slot}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(
+    row: Row, side: str, sizes: Sizes, root: Path, profile: Path | None = None
+) -> dict[str, Any]:
+    """One side of one row on fresh processes: rank 0's rate, every rank's peak, losses."""
+    out_dir = root / f"{row.name}-{side}-{time.monotonic_ns()}"
+    out_dir.mkdir(parents=True)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
+    ctx = process_context()
+    job = Job(row, side, sizes, store.port, str(out_dir), str(profile) if profile else None)
+    procs = [ctx.Process(target=_rank, args=(s, job)) for s in range(row.processes)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{row.name} ({side}): ranks exited with {codes}; see {out_dir}")
+    records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(row.processes)]
+    return {
+        "steps_per_s": sizes.steps / records[0]["seconds"],
+        "peak_bytes_per_rank": max(r["peak_bytes"] for r in records),
+        "peak_bytes": [r["peak_bytes"] for r in records],
+        "peak_what": records[0]["peak_what"],
+        "device": records[0]["device"],
+        "losses": records[0]["losses"],
+    }
+
+
+# -- expectations from the plan -------------------------------------------------------
+
+
+def _param_counts(cfg: TrainConfig) -> tuple[dict[int, int], int, int]:
+    """(parameters per unit without the experts, parameters of one expert, experts per
+    MoE layer)."""
+    model = build_meta(cfg.family, cfg.model)
+    per_unit: dict[int, int] = {}
+    expert = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            if ".experts.0." in name and ".layers.0." in name:
+                expert += p.numel()
+            continue
+        unit = model.unit_of(name)
+        per_unit[unit] = per_unit.get(unit, 0) + p.numel()
+    moe = cfg.model.moe
+    return per_unit, expert, moe.num_experts if moe else 0
+
+
+def state_bytes(cfg: TrainConfig, plan: ParallelPlan, baseline: bool) -> int:
+    """Model-state bytes of the rank holding most, by the ZeRO accounting."""
+    per_unit, expert, experts = _param_counts(cfg)
+    ranks = plan.world_size
+    moe_layers = sum(cfg.model.moe is not None for _ in range(cfg.model.n_layers))
+    if plan.pipelines is not None:
+        layout = plan.pipelines
+        return (
+            max(sum(per_unit[u] for u in layout.units(r)) for r in range(ranks))
+            * STATE_BYTES_PER_PARAM
+        )
+    dense = sum(per_unit.values())
+    if plan.experts is not None:
+        hosted = (
+            max(sum(len(e) for e in plan.experts.hosted(r).values()) for r in range(ranks))
+            if not baseline
+            else moe_layers * experts // ranks
+        )
+        return (dense + hosted * expert) * STATE_BYTES_PER_PARAM
+    zero = plan.zero
+    if baseline and zero.stage > 0:
+        zero = ZeroPlan(stage=zero.stage, shard_size=ranks, replicas=1, hpz=zero.hpz)
+    return state_bytes_per_rank(zero, dense).total
+
+
+def expected_memory_ratio(row: Row, sizes: Sizes) -> float:
+    cfg = config(row, sizes)
+    plan = plan_of(cfg, row.processes)
+    return state_bytes(cfg, plan, baseline=False) / state_bytes(cfg, plan, baseline=True)
+
+
+def active_params(cfg: TrainConfig) -> int:
+    per_unit, expert, _ = _param_counts(cfg)
+    moe = cfg.model.moe
+    routed = cfg.model.n_layers * moe.top_k * expert if moe else 0
+    return sum(per_unit.values()) + routed
+
+
+# -- rounds and figures ---------------------------------------------------------------
+
+
+@dataclass
+class RowRuns:
+    row: Row
+    runs: dict[str, list[dict[str, Any]]] = field(
+        default_factory=lambda: {"bulkhead": [], "baseline": []}
+    )
+
+
+def measure(
+    rows: list[Row],
+    sizes: Sizes,
+    rounds: range,
+    root: Path,
+    profile: Path | None = None,
+) -> list[RowRuns]:
+    results = [RowRuns(r) for r in rows]
+    for index in rounds:
+        for position, rr in enumerate(results):
+            # Which side runs first alternates from row to row and from round to round.
+            first = (index + position) % 2 == 0
+            for side in ("baseline", "bulkhead") if first else ("bulkhead", "baseline"):
+                got = run(rr.row, side, sizes, root, profile if index == rounds[0] else None)
+                rr.runs[side].append(got)
+                print(
+                    f"  round {index} {rr.row.name:16} {side:8} {got['steps_per_s']:7.3f} steps/s "
+                    f"peak {got['peak_bytes_per_rank'] / 2**20:7.1f} MiB/rank",
+                    flush=True,
+                )
+    return results
+
+
+def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, Any]:
+    b, p = rr.runs["bulkhead"], rr.runs["baseline"]
+    ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(b, p, strict=True)]
+    mem = [x["peak_bytes_per_rank"] / y["peak_bytes_per_rank"] for x, y in zip(b, p, strict=True)]
+    cfg = config(rr.row, sizes)
+    out: dict[str, Any] = {
+        "mode": rr.row.name,
+        "baseline": rr.row.baseline,
+        "family": rr.row.family,
+        "processes": rr.row.processes,
+        "max_failures": rr.row.max_failures,
+        "bulkhead_steps_per_s": statistics.median(x["steps_per_s"] for x in b),
+        "baseline_steps_per_s": statistics.median(x["steps_per_s"] for x in p),
+        "ratio": statistics.median(ratios),
+        "round_ratios": ratios,
+        "bulkhead_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in b)),
+        "baseline_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in p)),
+        "memory_ratio": statistics.median(mem),
+        "round_memory_ratios": mem,
+        "expected_memory_ratio": expected_memory_ratio(rr.row, sizes),
+        "plan": plan_of(cfg, rr.row.processes).describe(),
+        "bulkhead_losses": [x["losses"] for x in b],
+        "baseline_losses": [x["losses"] for x in p],
+        "peak_bytes_by_rank": {"bulkhead": b[-1]["peak_bytes"], "baseline": p[-1]["peak_bytes"]},
+        "peak_memory_measure": b[0]["peak_what"],
+        "device": b[0]["device"],
+    }
+    layout = plan_of(cfg, rr.row.processes).pipelines
+    if layout is not None:
+        out["planner_predicted_iteration_s"] = layout.predicted_iteration_s
+    if "cuda" in out["device"]:
+        flops = 6 * active_params(cfg) * cfg.global_batch_size * cfg.model.seq_len
+        for side, rate in (
+            ("bulkhead", out["bulkhead_steps_per_s"]),
+            ("baseline", out["baseline_steps_per_s"]),
+        ):
+            tflops = flops * rate / rr.row.processes / 1e12
+            out[f"{side}_tflops_per_gpu"] = tflops
+            if peak_tflops:
+                out[f"{side}_mfu"] = tflops / peak_tflops
+    return out
+
+
+def pipeline_prediction(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Measured vs predicted iteration time of the 3+2 layout, relative to the 2+2 one
+    (the planner's costs are relative: its ratio between two layouts is what it predicts)."""
+    by = {r["mode"]: r for r in rows}
+    if "pipelines" not in by or "pipelines-3+2" not in by:
+        return None
+    homo, hetero = by["pipelines"], by["pipelines-3+2"]
+    predicted = hetero["planner_predicted_iteration_s"] / homo["planner_predicted_iteration_s"]
+    measured = homo["bulkhead_steps_per_s"] / hetero["bulkhead_steps_per_s"]
+    return {
+        "predicted_ratio_3+2_over_2+2": predicted,
+        "measured_ratio_3+2_over_2+2": measured,
+        "measured_over_predicted": measured / predicted,
+    }
+
+
+def report(results: dict[str, Any]) -> None:
+    print(
+        f"{'mode':16} {'bulkhead':>9} {'baseline':>9} {'ratio':>6} "
+        f"{'MiB/rank b':>10} {'MiB/rank p':>10} {'mem':>5} {'exp.':>5}"
+    )
+    for r in results["rows"]:
+        print(
+            f"{r['mode']:16} {r['bulkhead_steps_per_s']:9.3f} {r['baseline_steps_per_s']:9.3f} "
+            f"{r['ratio']:6.3f} {r['bulkhead_peak_bytes_per_rank'] / 2**20:10.1f} "
+            f"{r['baseline_peak_bytes_per_rank'] / 2**20:10.1f} {r['memory_ratio']:5.2f} "
+            f"{r['expected_memory_ratio']:5.2f}"
+        )
+    if results.get("pipeline_prediction"):
+        print(f"3+2 vs 2+2 iteration time: {results['pipeline_prediction']}")
+
+
+def main() -> None:
+    end_children_on_exit()  # no process of this bench outlives it (SIGTERM, SIGINT, exit)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 round, 2 timed steps")
+    parser.add_argument("--rounds", type=int, default=None, help="default 2 (--quick: 1)")
+    parser.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="index of the first round (which side runs first follows it): to add rounds later",
+    )
+    parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="a GPU's peak, for MFU")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="append rank 0's cProfile of round 0 here"
+    )
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    rounds = args.rounds or (1 if args.quick else 2)
+    rows = list(ROWS)
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = set(wanted) - {r.name for r in ROWS}
+        if unknown:
+            parser.error(f"--rows: unknown {sorted(unknown)}; known: {[r.name for r in ROWS]}")
+        rows = [r for r in ROWS if r.name in wanted]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
+        indices = range(args.first_round, args.first_round + rounds)
+        measured = measure(rows, sizes, indices, Path(tmp), args.profile)
+    out_rows = [figures(rr, sizes, args.peak_tflops) for rr in measured]
+    results = {
+        "rows": out_rows,
+        "pipeline_prediction": pipeline_prediction(out_rows),
+        "sizes": sizes.__dict__,
+        "rounds": rounds,
+        "first_round": args.first_round,
+        "quick": args.quick,
+        "dtype": "float32 (bf16 is pending in the trainer)",
+        "load_average": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    report(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not all(math.isfinite(x) for r in out_rows for ls in r["bulkhead_losses"] for x in ls):
+        sys.exit("a bulkhead run produced a non-finite loss")
+
+
+if __name__ == "__main__":
+    main()
