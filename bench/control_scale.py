@@ -423,9 +423,15 @@ def measure(workers: int, processes: int, steady_s: float) -> dict[str, Any]:
             },
         }
     finally:
-        for conn in [*clients, ours]:
+        for conn, proc in zip([*clients, ours], [*procs, endpoint], strict=True):
+            # Only a live child is asked: one already ended (SIGTERM's end_children) never
+            # answers, and this process still holds its end of the pipe (no EOF either).
+            if not proc.is_alive():
+                continue
             with contextlib.suppress(EOFError, OSError):
-                _ask(conn, ("stop",))
+                conn.send(("stop",))
+                if conn.poll(10):
+                    conn.recv()
         for proc in [*procs, endpoint]:
             proc.join(10)
             if proc.is_alive():
