@@ -335,6 +335,18 @@ def _proc_stat(pid: int) -> ProcStat:
     return ProcStat(cpu, rss, peak)
 
 
+def _stop_child(conn: Connection, proc: Any) -> None:
+    """Ask a child process to stop, if it is alive: one already ended (SIGTERM's
+    end_children) never answers, and this process still holds its end of the pipe, so a
+    plain recv would wait for ever (no EOF either)."""
+    if not proc.is_alive():
+        return
+    with contextlib.suppress(EOFError, OSError):
+        conn.send(("stop",))
+        if conn.poll(10):
+            conn.recv()
+
+
 def _ask(conn: Connection, command: tuple[Any, ...]) -> Any:
     conn.send(command)
     return conn.recv()
@@ -424,14 +436,7 @@ def measure(workers: int, processes: int, steady_s: float) -> dict[str, Any]:
         }
     finally:
         for conn, proc in zip([*clients, ours], [*procs, endpoint], strict=True):
-            # Only a live child is asked: one already ended (SIGTERM's end_children) never
-            # answers, and this process still holds its end of the pipe (no EOF either).
-            if not proc.is_alive():
-                continue
-            with contextlib.suppress(EOFError, OSError):
-                conn.send(("stop",))
-                if conn.poll(10):
-                    conn.recv()
+            _stop_child(conn, proc)
         for proc in [*procs, endpoint]:
             proc.join(10)
             if proc.is_alive():
@@ -554,8 +559,7 @@ def relay_fanout(processes: int, rounds: int) -> list[float]:
     finally:
         stop.set()
         serving.stop()
-        with contextlib.suppress(EOFError, OSError):
-            _ask(ours, ("stop",))
+        _stop_child(ours, endpoint)
         endpoint.join(10)
         if endpoint.is_alive():
             endpoint.kill()
