@@ -10,7 +10,8 @@ killed as one). They get SIGTERM (and SIGCONT, for a stopped one), ``grace_s`` t
 then SIGKILL. A bench ended by a timeout thus leaves no trainer running behind it.
 
 After ending the children a signal ends the process as it would have: SIGINT raises
-``KeyboardInterrupt`` and SIGTERM ``SystemExit(143)``, so ``finally`` blocks still run.
+``KeyboardInterrupt`` and SIGTERM ``SystemExit(143)``, so ``finally`` blocks still run,
+within ``EXIT_DEADLINE_S``: a cleanup that waits on an ended child cannot hang the exit.
 Linux only (it reads ``/proc``). No torch here: the operator imports it.
 """
 
@@ -20,11 +21,13 @@ import atexit
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from types import FrameType
 
 _state: dict[str, object] = {"pid": None, "grace_s": 5.0}
+EXIT_DEADLINE_S = 15.0  # after a signal, cleanup may take this long before the process exits
 _tracked: set[int] = set()  # process group ids of children in sessions of their own
 
 
@@ -101,6 +104,12 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
         os.kill(os.getpid(), signum)
         return
     end_children()
+    # The exception below runs the program's finally blocks and exit handlers; one of them
+    # may wait for a child just ended (multiprocessing.Pool's terminate waits on a queue
+    # lock a killed worker held, for ever). A deadline bounds that wait.
+    watchdog = threading.Timer(EXIT_DEADLINE_S, os._exit, (128 + signum,))
+    watchdog.daemon = True
+    watchdog.start()
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)
