@@ -132,7 +132,7 @@ def _stage_passes(engine: PipelineEngine, dataset: TokenDataset, batches: int) -
                 batch = dataset.batch([positions[j] for j in samples])
             x = batch.inputs.to(device) if inbox is None else inbox.take(i)
             targets = batch.targets.to(device) if stage.last and batch is not None else None
-            out, _, lm = engine._stage_forward(stage, x, targets)
+            out, _, lm, _ = engine._stage_forward(stage, x, targets)  # no balance loss
             if lm is not None:
                 lm_sum += lm.item() * len(samples)
                 count += len(samples)
