@@ -154,6 +154,9 @@ def test_job_runs_survives_a_bad_node_and_a_lost_pod_then_cleans_up(
     wait_until(lambda: victim not in job.running_pods(), "the lost worker's pod deleted")
     newcomer = FakeWorker(operator.url, job, job.token(), replacement)
     newcomer.register()
+    # A replacement that registers while the survivors recover joins once they have
+    # trained a step in their generation (the deferred join).
+    survivor.progress(shrunk["generation"], step=1)
     grown = wait_until(
         lambda: (
             (v := survivor.membership(shrunk["generation"]))
