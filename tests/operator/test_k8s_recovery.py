@@ -166,7 +166,10 @@ def test_operator_killed_mid_recovery_converges(k8s_cluster, k8s_namespace, node
         return None
 
     newcomer = wait_until(register_replacement, "a replacement accepted by the new operator")
-    after = shrunk["membership"]["generation"]
+    # The survivors train a step in their generation; then the deferred replacement joins.
+    after = survivor.membership(0)["generation"]
+    assert after >= shrunk["membership"]["generation"]
+    survivor.progress(after, step=1)
     grown = wait_until(
         lambda: (
             (v := survivor.membership(after)) and members(v) == {survivor.id, newcomer.id} and v
@@ -178,8 +181,8 @@ def test_operator_killed_mid_recovery_converges(k8s_cluster, k8s_namespace, node
     for worker in (survivor, newcomer):
         assert worker.progress(grown["generation"], step=5)["action"] == "continue"
     status = wait_until(
-        lambda: (s := job.status()) and s["phase"] == "Running" and s,
-        "status to converge to Running",
+        lambda: (s := job.status()) and s["phase"] == "Running" and s.get("step") == 5 and s,
+        "status to converge to Running at step 5",
     )
     assert status["membership"]["generation"] == grown["generation"]
     assert status["step"] == 5
