@@ -167,13 +167,19 @@ class LocalDriver:
         log.info("started %s (pid %d)", worker.id, process.pid)
         self._observe(WorkerRunning(worker.id, node))
 
-    async def _spawn(self, env: dict[str, str], log_file: IO[bytes]) -> asyncio.subprocess.Process:
-        """A worker process in a session of its own (its group is killed as one), logging
-        to ``log_file`` and dying with the supervisor."""
+    async def _spawn(
+        self,
+        env: dict[str, str],
+        log_file: IO[bytes],
+        command: list[str] | None = None,
+        stdin: int = asyncio.subprocess.DEVNULL,
+    ) -> asyncio.subprocess.Process:
+        """A worker process (``command``, default the worker's) in a session of its own
+        (its group is killed as one), logging to ``log_file`` and dying with the supervisor."""
         process = await asyncio.create_subprocess_exec(
-            *self.command,
+            *(command or self.command),
             env=env,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=stdin,
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
@@ -210,16 +216,9 @@ class LocalDriver:
                 env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
                        "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
                 with (logs / "prestarted.log").open("ab") as log_file:
-                    process = await asyncio.create_subprocess_exec(
-                        *self.prestarted_command,
-                        env=env,
-                        stdin=asyncio.subprocess.PIPE,
-                        stdout=log_file,
-                        stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True,
-                        preexec_fn=die_with_parent,
+                    process = await self._spawn(
+                        env, log_file, self.prestarted_command, asyncio.subprocess.PIPE
                     )
-                children.track(process.pid)
                 self._ready.append(process)
                 if self._closing:  # shutdown began meanwhile: it kills what it finds
                     _killpg(process.pid, signal.SIGKILL)
