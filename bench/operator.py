@@ -7,8 +7,10 @@ workers are played over the control protocol; then a node gets ``BulkheadAnomaly
 - ``to_generation_s``: condition set -> a survivor's long poll returns the new generation;
 - ``to_replacement_running_s``: condition set -> the replacement pod Running on a spare node;
 - ``job_running_s``: job applied -> all pods Running, workers registered, phase Running
-  (``pods_running_s``: the part until the scheduler and KWOK have every pod Running;
-  ``registered_s``: until every worker's registration was answered).
+  (``pods_running_s``: until the scheduler and KWOK have every pod Running;
+  ``registered_s``: until every worker's registration was answered). Each played worker
+  registers as soon as its own pod is Running, as a real one does when its container
+  starts, so registrations overlap the creation and scheduling of the other pods.
 
 Baseline, same run: creating the same number of pods one at a time (what an operator that
 creates pods sequentially needs before any worker can even start): ``baseline_create_s``.
@@ -55,13 +57,10 @@ from bulkhead.operator.k8s.kube import (  # noqa: E402
     load_credentials,
     tj_path,
 )
+from bulkhead.operator.k8s.watch import CollectionWatch  # noqa: E402
 from bulkhead.operator.local.children import end_children_on_exit  # noqa: E402
 
 STRATEGIC = "application/strategic-merge-patch+json"
-# Object metadata only (no spec/status): polling a thousand pods stays cheap for the API
-# server and for this process, which share the machine with what is being measured.
-METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
-RUNNING = "status.phase=Running"
 REGISTER_CONCURRENCY = 64  # workers registering at the same time
 
 
@@ -123,6 +122,66 @@ def _kube_requests(metrics_text: str) -> dict[str, float]:
     return out
 
 
+class PlayedWorkers:
+    """The job's workers as they start on a real cluster: each registers over the control
+    protocol as soon as its own pod is Running, while other pods are still being created
+    and scheduled. Pods are followed by a watch, as the operator follows them, not by
+    listing the whole job again and again (which would cost the API server more than what
+    is measured)."""
+
+    def __init__(self, http: httpx.AsyncClient, n: int, started: float) -> None:
+        self.http = http
+        self.n = n
+        self.started = started
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.registrations: list[asyncio.Task[None]] = []
+        # At most as many in flight as connections: a thousand requests queued inside
+        # httpx's pool cost this process more than the operator spends answering them.
+        self.limit = asyncio.Semaphore(REGISTER_CONCURRENCY)
+        self.running = asyncio.Event()
+        self.newcomer = asyncio.Event()  # a pod Running after all n were (a replacement)
+        self.all_running_s = 0.0
+        self.all_registered_s = 0.0
+
+    async def on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        if kind == "DELETED" or pod["metadata"].get("deletionTimestamp") or name in self.pods:
+            return
+        if (pod.get("status") or {}).get("phase") != "Running":
+            return
+        if self.running.is_set():
+            self.newcomer.set()  # not registered: the measurement ends when it runs
+            return
+        self.pods[name] = pod
+        self.registrations.append(asyncio.create_task(self._register(pod)))
+        if len(self.pods) >= self.n and not self.running.is_set():
+            self.all_running_s = time.perf_counter() - self.started
+            self.running.set()
+
+    async def all_registered(self) -> None:
+        await self.running.wait()
+        await asyncio.gather(*self.registrations)
+        self.all_registered_s = time.perf_counter() - self.started
+
+    async def _register(self, pod: dict[str, Any]) -> None:
+        body = {
+            "worker": pod["metadata"]["name"],
+            "node": pod["spec"]["nodeName"],
+            "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
+        }
+        async with self.limit:
+            for attempt in range(3):
+                try:
+                    (await self.http.post("/register", json=body)).raise_for_status()
+                    return
+                except httpx.TransportError:
+                    # A keep-alive connection the endpoint closed as it was reused (both
+                    # processes starved on a loaded machine): a repeated registration of
+                    # the same worker and address is accepted.
+                    if attempt == 2:
+                        raise
+
+
 class Bench:
     def __init__(self, kube: KubeClient, operator_url: str, operator_pid: int) -> None:
         self.kube = kube
@@ -148,28 +207,6 @@ class Bench:
             return set(names) <= ready
 
         await _until(all_ready, f"{len(names)} nodes Ready", 120, 0.3)
-
-    async def running_pods(self, ns: str, job: str) -> dict[str, dict[str, Any]]:
-        pods = await self.kube.list(core_path("pods", ns), f"bulkhead.dev/job={job}")
-        return {
-            p["metadata"]["name"]: p
-            for p in pods
-            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
-        }
-
-    async def running_names(self, ns: str, job: str) -> set[str]:
-        """Names of the job's Running, not deleted pods (the phase is filtered by the server)."""
-        listed = await self.kube.request(
-            "GET",
-            core_path("pods", ns),
-            params={"labelSelector": f"bulkhead.dev/job={job}", "fieldSelector": RUNNING},
-            accept=METADATA_ONLY,
-        )
-        return {
-            m["metadata"]["name"]
-            for m in listed.get("items") or []
-            if not m["metadata"].get("deletionTimestamp")
-        }
 
     async def baseline_create(self, ns: str, n: int) -> float:
         """n pods created one at a time (unschedulable on purpose, deleted afterwards)."""
@@ -253,10 +290,9 @@ class Bench:
         before_start = await self._operator_counters()
         started = time.perf_counter()
         await self.kube.create(tj_path(ns), manifest)
-        await _until(lambda: self._all_running(ns, job, n), f"{n} pods Running", 600, every)
-        pods_running = time.perf_counter() - started
-        pods = await self.running_pods(ns, job)
-        secret = await self.kube.get(core_path("secrets", ns, f"{job}-control"))
+        secret = await _until(
+            lambda: self._secret(ns, f"{job}-control"), "the job's Secret", 120, every
+        )
         token = base64.b64decode(secret["data"]["token"]).decode()
         http = httpx.AsyncClient(
             base_url=f"{self.url}/v1/jobs/{ns}.{job}",
@@ -264,15 +300,21 @@ class Bench:
             timeout=120,
             limits=httpx.Limits(max_connections=REGISTER_CONCURRENCY),
         )
+        workers = PlayedWorkers(http, n, started)
+        feed = CollectionWatch(
+            self.kube,
+            core_path("pods", ns),
+            workers.on_pod,
+            label_selector=f"bulkhead.dev/job={job}",
+        )
+        feeding = asyncio.create_task(feed.run())
         try:
-            # At most as many in flight as connections: a thousand requests queued inside
-            # httpx's pool cost this process more than the operator spends answering them.
-            limit = asyncio.Semaphore(REGISTER_CONCURRENCY)
-            await asyncio.gather(*(self._register(http, p, limit) for p in pods.values()))
-            registered = time.perf_counter() - started
+            async with asyncio.timeout(600):
+                await workers.all_registered()
             tj = await _until(lambda: self._phase(ns, job, "Running"), "phase Running", 600, every)
             job_running = time.perf_counter() - started
             after_start = await self._operator_counters()
+            pods = dict(workers.pods)
             generation = tj["status"]["membership"]["generation"]
 
             await self.nodes(zone, [f"{zone}-spare"], offset + n)
@@ -289,7 +331,7 @@ class Bench:
             t0 = time.perf_counter()
             await self._set_anomaly(bad_node)
             taint_task = asyncio.create_task(self._tainted(bad_node, t0))
-            replacement_task = asyncio.create_task(self._replacement(ns, job, set(pods), t0))
+            replacement_task = asyncio.create_task(self._replacement(workers, t0))
             view = (await poll).json()
             to_generation = time.perf_counter() - t0
             if view["generation"] <= generation:
@@ -299,8 +341,8 @@ class Bench:
                 "to_generation_s": to_generation,
                 "to_replacement_running_s": await replacement_task,
                 "job_running_s": job_running,
-                "pods_running_s": pods_running,
-                "registered_s": registered,
+                "pods_running_s": workers.all_running_s,
+                "registered_s": workers.all_registered_s,
             }
             after_recovery = await self._operator_counters()
             # What the operator spent: CPU and API requests (by lane) from the job's
@@ -313,30 +355,16 @@ class Bench:
                     row[f"operator_{phase}_{key}"] = b.get(key, 0.0) - a.get(key, 0.0)
             return row
         finally:
+            feeding.cancel()
+            with suppress(asyncio.CancelledError):
+                await feeding
             await http.aclose()
 
-    async def _all_running(self, ns: str, job: str, n: int) -> bool:
-        return len(await self.running_names(ns, job)) >= n
-
-    async def _register(
-        self, http: httpx.AsyncClient, pod: dict[str, Any], limit: asyncio.Semaphore
-    ) -> None:
-        body = {
-            "worker": pod["metadata"]["name"],
-            "node": pod["spec"]["nodeName"],
-            "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
-        }
-        async with limit:
-            for attempt in range(3):
-                try:
-                    (await http.post("/register", json=body)).raise_for_status()
-                    return
-                except httpx.TransportError:
-                    # A keep-alive connection the endpoint closed as it was reused (both
-                    # processes starved on a loaded machine): a repeated registration of
-                    # the same worker and address is accepted.
-                    if attempt == 2:
-                        raise
+    async def _secret(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.kube.get(core_path("secrets", ns, name))
+        except KubeError:
+            return None
 
     async def _phase(self, ns: str, job: str, phase: str) -> dict[str, Any] | None:
         tj = await self.kube.get(tj_path(ns, job))
@@ -368,11 +396,9 @@ class Bench:
         await _until(check, f"{node} tainted", 120, 0.02)
         return time.perf_counter() - t0
 
-    async def _replacement(self, ns: str, job: str, old: set[str], t0: float) -> float:
-        async def check() -> bool:
-            return any(name not in old for name in await self.running_names(ns, job))
-
-        await _until(check, "replacement Running", 300, 0.05)
+    async def _replacement(self, workers: PlayedWorkers, t0: float) -> float:
+        async with asyncio.timeout(300):
+            await workers.newcomer.wait()
         return time.perf_counter() - t0
 
 

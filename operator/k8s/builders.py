@@ -208,9 +208,25 @@ def _memory_limit(container: dict[str, Any]) -> str | None:
     return str(value) if value is not None else None
 
 
-def _checkpoint_sidecar(
-    ctx: JobContext, worker_id: str, incarnation: int, trainer_memory: str | None
-) -> dict[str, Any]:
+def _sidecar_env(ctx: JobContext) -> list[dict[str, Any]]:
+    """What the sidecar reads (``bulkhead-checkpointd``'s flags): its shared memory, its
+    socket or the number of trainer processes, the replica token, its metrics port. Not
+    the whole launch contract: the job's spec and endpoints are the trainer's, and every
+    byte of a pod is stored, sent to every watcher and decoded a thousand times a job."""
+    contract = {e["name"]: e for e in _contract_env(ctx, "", 0)}
+    wanted = (
+        protocol.SHM_DIR_ENV,
+        protocol.CHECKPOINT_SOCKET_ENV,
+        protocol.CHECKPOINT_LOCAL_RANKS_ENV,
+        protocol.TOKEN_ENV,
+    )
+    return [
+        *(contract[name] for name in wanted if name in contract),
+        _env_var(protocol.CHECKPOINT_METRICS_PORT_ENV, str(protocol.CHECKPOINT_METRICS_PORT)),
+    ]
+
+
+def _checkpoint_sidecar(ctx: JobContext, trainer_memory: str | None) -> dict[str, Any]:
     """The TCE sidecar as a native sidecar (init container that keeps running)."""
     return {
         "name": names.CHECKPOINT_CONTAINER,
@@ -223,10 +239,7 @@ def _checkpoint_sidecar(
         # restartPolicy Always on an init container = a sidecar: started before the trainer,
         # stopped after it, and the pod phase follows the trainer alone.
         "restartPolicy": "Always",
-        "env": [
-            *_contract_env(ctx, worker_id, incarnation),
-            _env_var(protocol.CHECKPOINT_METRICS_PORT_ENV, str(protocol.CHECKPOINT_METRICS_PORT)),
-        ],
+        "env": _sidecar_env(ctx),
         "ports": [
             # Peers' sidecars push and fetch replicas here (the pod IP is in the membership):
             # one port per trainer process, from CHECKPOINT_REPLICA_PORT up.
@@ -331,7 +344,7 @@ def build_worker_pod(
     pod_spec["containers"] = [_secure(trainer), *map(_secure, others)]
     init = [_secure(c) for c in init]
     trainer_memory = _memory_limit(trainer)
-    sidecar = _secure(_checkpoint_sidecar(ctx, worker_id, incarnation, trainer_memory))
+    sidecar = _secure(_checkpoint_sidecar(ctx, trainer_memory))
     pod_spec["initContainers"] = [*init, sidecar]
     security = pod_spec.setdefault("securityContext", {})
     for key, value in POD_SECURITY.items():

@@ -60,6 +60,11 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     ]
     sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert sidecar_env[protocol.CHECKPOINT_METRICS_PORT_ENV] == "29699"  # what the port serves
+    # The sidecar gets what bulkhead-checkpointd reads, not the trainer's launch contract.
+    needed = {protocol.SHM_DIR_ENV, protocol.CHECKPOINT_SOCKET_ENV, protocol.TOKEN_ENV}
+    assert needed <= set(sidecar_env)
+    trainers_only = {protocol.JOB_SPEC_ENV, protocol.ENDPOINT_ENV, protocol.WORKER_ENV}
+    assert not trainers_only & set(sidecar_env)
     shm = next(v for v in spec["volumes"] if v["name"] == names.SHM_VOLUME)
     assert shm["emptyDir"]["medium"] == "Memory"
     for container in (trainer, sidecar):
