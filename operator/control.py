@@ -7,10 +7,12 @@ registration go on to FastAPI, which validates them.
 Routes and models are the control protocol of ``bulkhead.api.protocol``. Every job route
 needs ``Authorization: Bearer <job token>``, checked before a byte of the body is read;
 an unknown job and a wrong token get the same answer (no probing of job names), and a
-body over ``MAX_BODY_BYTES`` is refused (413) before it is parsed. Bad input gets a 4xx
-with a JSON body ``{"error": <one line>, "details": [<field: problem>, ...]}``; the server
-never answers a worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus)
-need no token.
+body over ``MAX_BODY_BYTES`` is refused (413) before it is parsed. Reports, and polls that
+name a worker, also need that worker's member credential (``MEMBER_HEADER``, issued at
+registration; ``session.credentials``): 401 without one, 403 with another member's.
+Bad input gets a 4xx with a JSON body
+``{"error": <one line>, "details": [<field: problem>, ...]}``; the server never answers a
+worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus) need no token.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from bulkhead.api.protocol import (
     API_PREFIX,
     DELTA_BASE_HEADER,
+    MEMBER_HEADER,
     CompletionReport,
     Directive,
     FaultReport,
@@ -141,6 +144,8 @@ async def serve_membership(
     """
     try:
         after, timeout, worker = _membership_query(scope.get("query_string", b""))
+        if worker is not None:  # a poll naming a worker keeps it alive: only its own may
+            session.authenticate(worker, headers.get(MEMBER_HEADER.lower()), "membership poll")
         encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
     except SessionError as exc:
         await _error(exc.status_code, exc.message)(scope, _no_body, send)
@@ -275,6 +280,7 @@ async def _session_for(
 
 
 Session = Annotated[JobSession, Depends(_session_for)]
+Credential = Annotated[str | None, Header(alias=MEMBER_HEADER)]
 
 
 def create_control_app(
@@ -298,21 +304,32 @@ def create_control_app(
         return _error(exc.status_code, str(exc.detail))
 
     @app.post(API_PREFIX + "/{job}/register", response_model=RegisterResponse)
-    async def register(req: RegisterRequest, session: Session) -> RegisterResponse:
-        return await session.register(req)
+    async def register(
+        req: RegisterRequest, session: Session, credential: Credential = None
+    ) -> RegisterResponse:
+        return await session.register(req, credential)
 
     # GET {job}/membership is served by ControlApp (serve_membership), before FastAPI.
 
     @app.post(API_PREFIX + "/{job}/progress", response_model=Directive)
-    async def progress(report: ProgressReport, session: Session) -> Directive:
+    async def progress(
+        report: ProgressReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, "progress")
         return await session.progress(report)
 
     @app.post(API_PREFIX + "/{job}/faults", response_model=Directive)
-    async def faults(report: FaultReport, session: Session) -> Directive:
+    async def faults(
+        report: FaultReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, f"{report.kind} fault")
         return await session.fault(report)
 
     @app.post(API_PREFIX + "/{job}/complete", response_model=Directive)
-    async def complete(report: CompletionReport, session: Session) -> Directive:
+    async def complete(
+        report: CompletionReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, "completion")
         return await session.complete(report)
 
     @app.get("/healthz")

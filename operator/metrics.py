@@ -57,6 +57,13 @@ CONTROL_REQUESTS = Counter(
     ["route", "code"],
     registry=REGISTRY,
 )
+IGNORED_REPORTS = Counter(
+    "bulkhead_control_ignored_reports_total",
+    "Reports and polls refused or ignored: without a member credential, with another "
+    "member's, or from a member already declared dead.",
+    ["reason"],
+    registry=REGISTRY,
+)
 CONTROL_LATENCY = Histogram(
     "bulkhead_control_request_duration_seconds",
     "Control endpoint request handling time (long polls included), by route.",

@@ -1,11 +1,12 @@
-"""Pure helpers for adopting a TrainingJob: its invalid-spec status, the token in its
-Secret, and which worker incarnations a previous operator started (see ``names``)."""
+"""Pure helpers for adopting a TrainingJob: its invalid-spec status, the token and member
+key in its Secret, and which worker incarnations a previous operator started (see ``names``)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -35,8 +36,18 @@ def incarnations_of(meta: dict[str, Any]) -> dict[int, int]:
         return {}
 
 
-def decode_token(secret: dict[str, Any]) -> str:
+@dataclass(frozen=True)
+class JobSecrets:
+    token: str
+    member_key: str | None  # None in a Secret written before member credentials existed
+
+
+def decode_secret(secret: dict[str, Any]) -> JobSecrets:
     data = secret.get("data") or {}
     if names.TOKEN_KEY not in data:
         raise RuntimeError(f"Secret {secret['metadata']['name']} has no {names.TOKEN_KEY!r}")
-    return base64.b64decode(data[names.TOKEN_KEY]).decode()
+    member_key = data.get(names.MEMBER_KEY_KEY)
+    return JobSecrets(
+        base64.b64decode(data[names.TOKEN_KEY]).decode(),
+        base64.b64decode(member_key).decode() if member_key else None,
+    )

@@ -77,8 +77,9 @@ def _metadata(
     }
 
 
-def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
-    """The Secret with the job's control token (workers read it through secretKeyRef)."""
+def build_secret(ctx: JobContext, token: str, member_key: str) -> dict[str, Any]:
+    """The Secret with the job's control token (workers read it through secretKeyRef) and
+    the key of its member credentials (never referenced by a pod: the operator's alone)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -86,6 +87,7 @@ def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
         "type": "Opaque",
         "stringData": {
             names.TOKEN_KEY: token,
+            names.MEMBER_KEY_KEY: member_key,
             **(
                 {
                     names.AGENT_TOKEN_KEY: protocol.job_report_token(

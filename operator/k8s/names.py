@@ -47,6 +47,8 @@ TMP_MOUNT = "/tmp"
 RUN_AS_USER = 10001  # the image's user (Dockerfile)
 CHECKPOINT_MOUNT = protocol.CHECKPOINT_PVC_MOUNT
 TOKEN_KEY = "token"
+# Signs the member credentials (``session.credentials``); no pod mounts it.
+MEMBER_KEY_KEY = "member-key"
 AGENT_TOKEN_KEY = "agent-token"
 
 

@@ -38,7 +38,8 @@ from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
 from bulkhead.operator.k8s.admission import refusals, storage_warning
 from bulkhead.operator.k8s.adopt import (
-    decode_token,
+    JobSecrets,
+    decode_secret,
     incarnations_of,
     invalid_status,
 )
@@ -52,6 +53,7 @@ from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.k8s.watch import CollectionWatch
 from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
+from bulkhead.operator.session.credentials import new_member_key
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,7 @@ class OperatorRuntime:
             agent_port=self.settings.agent_port,
             agent_report_token=self.settings.agent_report_token,
         )
-        token = await self._ensure_secret(ctx)
+        job_secrets = await self._ensure_secret(ctx)
         await self.client.create(core_path("services", namespace), builders.build_service(ctx))
         incarnations = incarnations_of(meta)
         pods = await live_pods(self.client, ctx)
@@ -167,7 +169,13 @@ class OperatorRuntime:
                 incarnations=incarnations,
             )
 
-        session = JobSession(opening, token, make_driver, namespace=namespace)
+        session = JobSession(
+            opening,
+            job_secrets.token,
+            make_driver,
+            namespace=namespace,
+            member_key=job_secrets.member_key,
+        )
         handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle
         self.registry.add(session)
@@ -205,23 +213,30 @@ class OperatorRuntime:
             return None
         return status
 
-    async def _ensure_secret(self, ctx: JobContext) -> str:
-        """The job's control token: read from its Secret, created on first start."""
+    async def _ensure_secret(self, ctx: JobContext) -> JobSecrets:
+        """The job's control token and member key: read from its Secret, created on first
+        start (a Secret from before member credentials gets its key added)."""
         path = core_path("secrets", ctx.namespace, names.secret_name(ctx.name))
         for _ in range(3):
             try:
-                secret = await self.client.get(path)
+                found = decode_secret(await self.client.get(path))
             except KubeError as exc:
                 if exc.status != 404:
                     raise
             else:
-                return decode_token(secret)
-            token = secrets.token_urlsafe(32)
+                if found.member_key is not None:
+                    return found
+                member_key = new_member_key()
+                patch = {"stringData": {names.MEMBER_KEY_KEY: member_key}}
+                await self.client.merge_patch(path, patch)
+                return JobSecrets(found.token, member_key)
+            job_secrets = JobSecrets(secrets.token_urlsafe(32), new_member_key())
             created = await self.client.create(
-                core_path("secrets", ctx.namespace), builders.build_secret(ctx, token)
+                core_path("secrets", ctx.namespace),
+                builders.build_secret(ctx, job_secrets.token, job_secrets.member_key or ""),
             )
             if created:
-                return token
+                return job_secrets
         raise RuntimeError(f"cannot read or create Secret {path}")
 
     async def spec_changed(self, body: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import hmac
 import json
 import logging
 import random
@@ -55,6 +56,7 @@ from bulkhead.operator.lifecycle.types import (
     WorkerRunning,
 )
 from bulkhead.operator.lifecycle.workers import parse_worker_id
+from bulkhead.operator.session.credentials import MemberCredentials
 from bulkhead.operator.session.effects import DriverWork, EffectRunner, count
 from bulkhead.operator.session.status import StatusView
 
@@ -193,15 +195,20 @@ class JobSession(Generic[D]):
         tick_seconds: float = 0.5,
         max_poll_seconds: float | None = None,
         namespace: str = "",
+        member_key: str | None = None,
     ) -> None:
         """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
         must be the clock it was opened with). ``make_driver`` builds the driver, given the
         session's one inbox, ``observe``. ``namespace`` labels the job's metrics (the job
         label is the name without the ``namespace.`` prefix of the protocol's job key).
+        ``member_key`` signs the member credentials (``credentials``); default: a new one,
+        for a session whose workers never outlive it (local mode, tests).
         """
         self.job_name = opening.state.job
         self.spec = opening.spec
         self.token = token
+        self.credentials = MemberCredentials(self.job_name, member_key)
+        self._claims: dict[str, str | None] = {}  # worker -> the claim it registered with
         self._clock = clock
         self._tick_s = tick_seconds
         hang = opening.spec.fault_tolerance.hang_timeout_seconds
@@ -280,14 +287,43 @@ class JobSession(Generic[D]):
 
     # ------------------------------------------------------------ protocol handlers
 
-    async def register(self, req: RegisterRequest) -> RegisterResponse:
+    async def register(
+        self, req: RegisterRequest, credential: str | None = None
+    ) -> RegisterResponse:
+        """Registers ``req.worker`` and answers with its member credential. A worker
+        registered already is answered again only for the same ``claim`` (its answer was
+        lost) or its own ``credential``: the job token alone never gets a member's."""
         self._check_known(req.worker)
         if self._state.terminal:
             raise SessionError(409, f"job {self.job_name} is {self._state.phase.lower()}")
         self._check_claim(req)
+        self._check_retry(req, credential)
         self._touch(req.worker)
         self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
-        return RegisterResponse(worker=req.worker, generation=self._state.generation)
+        return RegisterResponse(
+            worker=req.worker,
+            generation=self._state.generation,
+            credential=self.credentials.issue(req.worker),
+        )
+
+    def authenticate(self, worker: str, credential: str | None, route: str) -> None:
+        """Refuses (401 without a credential, 403 with another's) a report or poll in the
+        name of ``worker`` that does not carry ``worker``'s member credential; logged and
+        counted (``bulkhead_control_ignored_reports_total``)."""
+        refusal = self.credentials.check(worker, credential)
+        if refusal is None:
+            return
+        metrics.IGNORED_REPORTS.labels(reason=refusal).inc()
+        log.warning(
+            "job %s: refused %s in the name of %s: %s",
+            self.job_name,
+            route,
+            worker,
+            "no member credential" if refusal == "no_credential" else "another member's credential",
+        )
+        if refusal == "no_credential":
+            raise SessionError(401, f"{route} for {worker} needs its member credential")
+        raise SessionError(403, f"the member credential is not {worker}'s")
 
     async def wait_membership(
         self, after: int, timeout: float, worker: str | None = None
@@ -343,7 +379,7 @@ class JobSession(Generic[D]):
         return self._recent.get(etag)
 
     async def progress(self, report: ProgressReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
+        early = self._report_directive(report.worker, report.generation, "progress")
         if early is not None:
             return early
         total = self._state.config.total_steps
@@ -364,14 +400,14 @@ class JobSession(Generic[D]):
         return self._directive(report.generation)
 
     async def fault(self, report: FaultReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
-        if early is not None and report.kind != "user_error":
+        early = self._report_directive(report.worker, report.generation, f"{report.kind} fault")
+        if early is not None:
             return early
         self._apply(FaultReported(report))
         return self._directive(report.generation)
 
     async def complete(self, report: CompletionReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
+        early = self._report_directive(report.worker, report.generation, "completion")
         if early is not None:
             return early
         self._apply(CompletionReported(report))
@@ -384,6 +420,7 @@ class JobSession(Generic[D]):
         a worker running, a worker exited (a failed start included), a node anomaly."""
         if isinstance(event, WorkerExited):
             self._last_seen.pop(event.worker, None)
+            self._claims.pop(event.worker, None)
         self._apply(event)
 
     # ------------------------------------------------------------ status
@@ -435,9 +472,38 @@ class JobSession(Generic[D]):
                 raise SessionError(409, f"address {req.address} belongs to another worker")
         self._address_owner[req.address] = req.worker
 
-    def _report_directive(self, worker: str, generation: int) -> Directive | None:
+    def _check_retry(self, req: RegisterRequest, credential: str | None) -> None:
+        """A second registration of a registered worker is a retry only with the first
+        one's claim or the worker's credential (a restarted manager knows no claims)."""
+        slot = self._state.slot_of(req.worker)
+        if slot is None or slot.status != "registered":
+            self._claims[req.worker] = req.claim
+            return
+        first = self._claims.get(req.worker)
+        if first is not None and req.claim is not None and hmac.compare_digest(first, req.claim):
+            return
+        if self.credentials.check(req.worker, credential) is None:
+            return
+        log.warning(
+            "job %s: refused a second registration of %s without its claim or credential",
+            self.job_name,
+            req.worker,
+        )
+        raise SessionError(409, f"worker {req.worker} is registered already")
+
+    def _report_directive(
+        self, worker: str, generation: int, route: str = "report"
+    ) -> Directive | None:
         current = self._state.generation
-        if worker in self._state.dead or self._state.terminal:
+        if worker in self._state.dead:
+            # Declared dead (and replaced): whatever it says now is about a job it left.
+            metrics.IGNORED_REPORTS.labels(reason="dead_member").inc()
+            log.warning(
+                "job %s: ignored %s of %s: it was declared dead", self.job_name, route, worker
+            )
+            why = f"worker {worker} is no longer part of the job"
+            return Directive(action="stop", generation=current, reason=why)
+        if self._state.terminal:
             why = self._state.message or f"worker {worker} is no longer part of the job"
             return Directive(action="stop", generation=current, reason=why)
         self._check_known(worker)

@@ -13,6 +13,7 @@ from typing import Any
 
 from waiting import wait_until
 
+from bulkhead.api.client import ControlClient, MemberCredential
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.control import ControlServer, create_control_app
@@ -60,6 +61,13 @@ class Harness:
         self.server = ControlServer(create_control_app(self.registry))
         self.url = self.server.url
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._members: dict[str, MemberCredential] = {}
+
+    def client(self, worker: str | None = None, **kwargs: Any) -> ControlClient:
+        """A client of ``worker``, holding the credential its registration got (one per
+        worker, as one worker process's clients share theirs)."""
+        member = self._members.setdefault(worker, MemberCredential()) if worker else None
+        return ControlClient(self.url, self.token, self.job, worker, member=member, **kwargs)
 
     def __enter__(self) -> Harness:
         self._thread.start()
