@@ -364,6 +364,15 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "a fall back to an older complete step (the newest persisted one corrupt)",
+        "lastPersistedStep and its metric report the step the job fell back to, not the "
+        "higher one that cannot be restored",
+        (
+            "tests/control/test_session_recovery.py::"
+            "test_after_a_fall_back_to_an_older_step_the_status_reports_that_step",
+        ),
+    ),
+    Fault(
         "absurd timeouts (1e-300 s) and relative or '..' storage paths",
         "refused by the CRD (real API server) and by bulkhead validate, naming the field",
         (

@@ -260,16 +260,23 @@ class _Policy(PolicyActions):
     def on_persist_report(self, r: ProgressReport | CompletionReport) -> None:
         """Storage progress from a rank that persists, whether or not its step is news.
 
-        ``persisted_step`` is the newest step every shard has on storage (the sidecar
-        checks), so the newest report of it is the job's. Failures are kept per worker:
-        one shard failing while others persist is one failure, not an Event per report.
+        ``persisted_step`` is the newest complete step on storage (the sidecar checks),
+        so a newer generation's report of it is the job's, lower or not: after a fall back
+        to an older step the corrupt newer one is no longer there to restore. Within one
+        generation it only moves forward (ranks' reports may cross on the way). Failures
+        are kept per worker: one shard failing while others persist is one failure, not an
+        Event per report.
         """
         if r.persisted_step is None and r.persist_error is None:
             return  # not a persisting rank
         s = self.state
-        persisted = s.last_persisted_step
+        persisted, persisted_generation = s.last_persisted_step, s.persisted_generation
         if r.persisted_step is not None:
-            persisted = max(persisted or 0, r.persisted_step)
+            if r.generation > persisted_generation or persisted is None:
+                persisted = r.persisted_step
+            else:
+                persisted = max(persisted, r.persisted_step)
+            persisted_generation = max(persisted_generation, r.generation)
         members = s.member_ids()
         errors = {w: e for w, e in s.persist_errors if w in members and w != r.worker}
         if r.persist_error:
@@ -288,7 +295,10 @@ class _Policy(PolicyActions):
                 f"checkpoints persist again (step {persisted} on storage)",
             )
         self.state = replace(
-            s, last_persisted_step=persisted, persist_errors=tuple(sorted(errors.items()))
+            s,
+            last_persisted_step=persisted,
+            persisted_generation=persisted_generation,
+            persist_errors=tuple(sorted(errors.items())),
         )
 
     def on_plan_report(self, r: ProgressReport) -> None:
