@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from bulkhead.api.status import Phase
-from bulkhead.operator.local.throughput import JobThroughput
+from bulkhead.operator.throughput import JobThroughput
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
