@@ -140,6 +140,7 @@ async def _endpoint(conn: Connection, workers: int, max_failures: int) -> None:
     from bulkhead.operator.control import ControlServer, create_control_app
     from bulkhead.operator.lifecycle.types import WorkerExited
     from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
+    from bulkhead.operator.view_encoding import EncodedView
 
     spec = TrainingJobSpec.model_validate(
         {
@@ -179,7 +180,7 @@ async def _endpoint(conn: Connection, workers: int, max_failures: int) -> None:
             case ("requests",):
                 conn.send(_requests_answered())
             case ("view_sizes",):
-                encoded = session.encoded_membership
+                encoded = EncodedView(session.state.membership)
                 conn.send((len(encoded.body), len(encoded.gzipped)))
             case ("stop",):
                 break

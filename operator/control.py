@@ -50,7 +50,8 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.operator import metrics
 from bulkhead.operator.connections import GuardedHttpProtocol, connection_cap
-from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
+from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
+from bulkhead.operator.view_encoding import ViewEncodings
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,11 @@ async def _send_bytes(
 
 
 async def serve_membership(
-    session: JobSession, scope: dict[str, Any], headers: dict[str, str], send: Any
+    session: JobSession,
+    encodings: ViewEncodings,
+    scope: dict[str, Any],
+    headers: dict[str, str],
+    send: Any,
 ) -> None:
     """The membership long poll, answered from the view's shared encoding.
 
@@ -146,17 +151,18 @@ async def serve_membership(
         after, timeout, worker = _membership_query(scope.get("query_string", b""))
         if worker is not None:  # a poll naming a worker keeps it alive: only its own may
             session.authenticate(worker, headers.get(MEMBER_HEADER.lower()), "membership poll")
-        encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
+        view = await session.wait_membership(after, timeout, worker)
     except SessionError as exc:
         await _error(exc.status_code, exc.message)(scope, _no_body, send)
         return
+    encoded = encodings.encoded(session, view)
     common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding, if-none-match")]
     held = headers.get("if-none-match")
     if held == encoded.etag:
         await _send_bytes(send, 304, common, b"")
         return
     gzipped = "gzip" in headers.get("accept-encoding", "")
-    base = session.recent_view(held) if held and gzipped else None
+    base = encodings.recent(session, held) if held and gzipped else None
     if base is not None:
         # The client holds a recent view: send what changed (a few hundred bytes for a
         # one-member change instead of the whole list), encoded once per base.
@@ -197,6 +203,7 @@ class ControlApp:
         self.api = api
         self.registry = registry
         self.max_body = max_body_bytes
+        self.encodings = ViewEncodings()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -237,7 +244,7 @@ class ControlApp:
             return
         if scope["method"] == "GET" and scope["path"] == f"{prefix}{job}/membership":
             scope["bulkhead.route"] = MEMBERSHIP_ROUTE
-            await serve_membership(session, scope, headers, send)
+            await serve_membership(session, self.encodings, scope, headers, send)
             return
         if declared > self.max_body:
             await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import hmac
-import json
 import logging
 import random
 import time
@@ -30,7 +28,6 @@ from bulkhead.api.protocol import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
-    membership_delta,
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Recovery, TrainingJobStatus
@@ -132,47 +129,6 @@ def open_resumed(
     return Opening(spec, state, tuple(decisions), wall_offset_s, closed)
 
 
-# Views a client may still hold and get a delta against: a worker that missed a few
-# generations (busy in a long step) still gets a delta, an older one the full view.
-RECENT_VIEWS = 3
-
-
-def view_etag(view: MembershipView) -> str:
-    return f'"g{view.generation}-{view.state}"'
-
-
-class EncodedView:
-    """One published view encoded once, for every poller: JSON bytes, gzip on demand.
-
-    At 16,384 members the JSON is ~1.7 MB; encoding it per request made a membership
-    change cost workers x members. ``etag`` names the view (generation and state: a
-    generation number never names two memberships, and within one only the state moves).
-    """
-
-    def __init__(self, view: MembershipView) -> None:
-        self.view = view
-        self.etag = view_etag(view)
-        self.body = view.model_dump_json(by_alias=True).encode()
-        self._gzipped: bytes | None = None
-        self._deltas: dict[str, bytes] = {}  # base ETag -> gzipped delta
-
-    def delta_from(self, base: MembershipView) -> bytes:
-        """This view as a gzipped delta against ``base``, made once per base."""
-        key = view_etag(base)
-        if key not in self._deltas:
-            delta = json.dumps(membership_delta(base, self.view), separators=(",", ":"))
-            self._deltas[key] = gzip.compress(delta.encode(), compresslevel=1, mtime=0)
-        return self._deltas[key]
-
-    @property
-    def gzipped(self) -> bytes:
-        if self._gzipped is None:
-            # Level 1: member lists are repetitive, so even the fastest level shrinks them
-            # ~8x, in a few ms once per view.
-            self._gzipped = gzip.compress(self.body, compresslevel=1, mtime=0)
-        return self._gzipped
-
-
 class SessionError(Exception):
     """A request the session refuses; ``status_code`` is the HTTP status to answer with."""
 
@@ -224,8 +180,6 @@ class JobSession(Generic[D]):
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
         self._address_owner: dict[str, str] = {}  # address -> the worker that registered it
-        self._encoded: EncodedView | None = None  # the current view, encoded once
-        self._recent: dict[str, MembershipView] = {}  # ETag -> a view published lately
         self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
         self._progress_listeners: list[ProgressListener] = []
         self._watched_step: Callable[[], int | None] = lambda: None
@@ -328,13 +282,8 @@ class JobSession(Generic[D]):
     async def wait_membership(
         self, after: int, timeout: float, worker: str | None = None
     ) -> MembershipView:
-        """The current generation as soon as it is newer than ``after``, or after ``timeout``."""
-        return (await self.wait_encoded(after, timeout, worker)).view
-
-    async def wait_encoded(
-        self, after: int, timeout: float, worker: str | None = None
-    ) -> EncodedView:
-        """``wait_membership``, answered with the view's shared encoding (the endpoint's)."""
+        """The current generation as soon as it is newer than ``after``, or after ``timeout``
+        (the same view object for every poller: the endpoint encodes it once)."""
         if worker is not None:
             self._check_known(worker)
             self._touch(worker)
@@ -354,29 +303,13 @@ class JobSession(Generic[D]):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await changed.wait()
-            return self.encoded_membership
+            return self._state.membership
         finally:
             if worker is not None:
                 self._polling[worker] -= 1
                 if self._polling[worker] <= 0:
                     del self._polling[worker]
                 self._touch(worker)
-
-    @property
-    def encoded_membership(self) -> EncodedView:
-        """The current view's encoding, made once per view however many workers ask."""
-        view = self._state.membership
-        if self._encoded is None or self._encoded.view is not view:
-            if self._encoded is not None:
-                self._recent[self._encoded.etag] = self._encoded.view
-                while len(self._recent) > RECENT_VIEWS:
-                    del self._recent[next(iter(self._recent))]
-            self._encoded = EncodedView(view)
-        return self._encoded
-
-    def recent_view(self, etag: str) -> MembershipView | None:
-        """A view published lately, by its ETag (a delta's base), if still kept."""
-        return self._recent.get(etag)
 
     async def progress(self, report: ProgressReport) -> Directive:
         early = self._report_directive(report.worker, report.generation, "progress")

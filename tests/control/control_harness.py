@@ -58,7 +58,8 @@ class Harness:
         )
         self.registry = SessionRegistry()
         self.registry.add(self.session)
-        self.server = ControlServer(create_control_app(self.registry))
+        self.app = create_control_app(self.registry)
+        self.server = ControlServer(self.app)
         self.url = self.server.url
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._members: dict[str, MemberCredential] = {}

@@ -73,9 +73,10 @@ def test_one_encoding_per_view_gzip_when_accepted(harness: Harness) -> None:
     assert zipped.content == plain.content
     view = MembershipView.model_validate(json.loads(plain.content))
     assert view.generation == 1 and len(view.members) == WORKERS
-    # Both answers came from one encoding the session keeps until the view changes.
-    encoded = harness.session.encoded_membership
-    assert encoded.view is harness.session.state.membership
+    # Both answers came from one encoding the endpoint keeps until the view changes.
+    session = harness.session
+    encoded = harness.app.encodings.encoded(session, session.state.membership)
+    assert encoded is harness.app.encodings.encoded(session, session.state.membership)
     assert gzip.decompress(encoded.gzipped) == encoded.body == plain.content
 
 
