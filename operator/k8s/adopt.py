@@ -1,5 +1,5 @@
-"""Pure helpers for adopting a TrainingJob: its invalid-spec status, the token and member
-key in its Secret, and which worker incarnations a previous operator started (see ``names``)."""
+"""Pure helpers for adopting a TrainingJob: the token and member key in its Secret, and
+which worker incarnations a previous operator started (see ``names``)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,11 @@ import base64
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from bulkhead.api.node_problems import rfc3339
-from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.k8s import names
-from bulkhead.operator.session.conditions import spec_invalid
 
 log = logging.getLogger(__name__)
-
-
-def invalid_status(errors: str, now: datetime) -> TrainingJobStatus:
-    """Status of a job whose spec passed the schema but not the semantic checks."""
-    return TrainingJobStatus(
-        phase="Failed",
-        conditions=[spec_invalid(errors, rfc3339(now))],
-        message=f"invalid spec: {errors}",
-    )
 
 
 def incarnations_of(meta: dict[str, Any]) -> dict[int, int]:

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bulkhead.api.manifest import ManifestError, parse_spec
-from bulkhead.api.node_problems import may_evict, narrow_evictions
+from bulkhead.api.node_problems import may_evict, narrow_evictions, rfc3339
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
@@ -41,7 +41,6 @@ from bulkhead.operator.k8s.adopt import (
     JobSecrets,
     decode_secret,
     incarnations_of,
-    invalid_status,
 )
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.driver import KubernetesDriver, live_pods
@@ -55,6 +54,7 @@ from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerR
 from bulkhead.operator.metrics import EVICTIONS
 from bulkhead.operator.session.credentials import new_member_key
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
+from bulkhead.operator.session.status import invalid_spec_status
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class OperatorRuntime:
             log.warning("job %s/%s: %s", namespace, name, warning)
         if errors:  # Failed once, with the reason: never retried until the spec changes
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
-            status = invalid_status(errors, datetime.now(UTC))
+            status = invalid_spec_status(errors, datetime.now(UTC))
             await StatusWriter(self.client, namespace, name).write_now(status)
             return
         spec, refused = narrow_evictions(asked, self.settings.evict_severities)
@@ -175,6 +175,7 @@ class OperatorRuntime:
             make_driver,
             namespace=namespace,
             member_key=job_secrets.member_key,
+            valid_since=rfc3339(datetime.now(UTC)),
         )
         handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle
@@ -302,7 +303,7 @@ class OperatorRuntime:
         """Tell the session what a pod shows, once per change."""
         worker = pod["metadata"]["name"]
         seen = classify.classify_pod(pod, deleted=deleted)
-        handle.driver.note_scheduling(
+        handle.session.note_scheduling(
             worker, None if deleted else classify.unschedulable_message(pod)
         )
         if seen.state == "pending" or handle.reported.get(worker, ("", ""))[0] == "exited":

@@ -152,13 +152,16 @@ class JobSession(Generic[D]):
         max_poll_seconds: float | None = None,
         namespace: str = "",
         member_key: str | None = None,
+        valid_since: str | None = None,
     ) -> None:
         """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
         must be the clock it was opened with). ``make_driver`` builds the driver, given the
         session's one inbox, ``observe``. ``namespace`` labels the job's metrics (the job
         label is the name without the ``namespace.`` prefix of the protocol's job key).
         ``member_key`` signs the member credentials (``credentials``); default: a new one,
-        for a session whose workers never outlive it (local mode, tests).
+        for a session whose workers never outlive it (local mode, tests). ``valid_since``:
+        the status says ``Valid=True`` since then (Kubernetes, where a spec is checked
+        after the API server accepted it).
         """
         self.job_name = opening.state.job
         self.spec = opening.spec
@@ -180,7 +183,9 @@ class JobSession(Generic[D]):
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
         self._address_owner: dict[str, str] = {}  # address -> the worker that registered it
-        self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
+        self._status_view = StatusView(
+            opening.wall_offset_s, list(opening.closed_recoveries), valid_since
+        )
         self._progress_listeners: list[ProgressListener] = []
         self._watched_step: Callable[[], int | None] = lambda: None
         self._started = False
@@ -357,6 +362,18 @@ class JobSession(Generic[D]):
         self._apply(event)
 
     # ------------------------------------------------------------ status
+
+    def note_scheduling(self, worker: str, unschedulable: str | None) -> None:
+        """Whether the scheduler can place ``worker`` (None: it can, or it is gone); the
+        status says why while it cannot."""
+        book = self._status_view.unschedulable
+        before = book.get(worker)
+        if unschedulable is None:
+            book.pop(worker, None)
+        else:
+            book[worker] = unschedulable
+        if book.get(worker) != before:
+            self._effects.status_changed()
 
     @property
     def status(self) -> TrainingJobStatus:
