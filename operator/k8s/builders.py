@@ -77,9 +77,21 @@ def _metadata(
     }
 
 
-def build_secret(ctx: JobContext, token: str, member_key: str) -> dict[str, Any]:
-    """The Secret with the job's control token (workers read it through secretKeyRef) and
-    the key of its member credentials (never referenced by a pod: the operator's alone)."""
+def build_member_secret(ctx: JobContext, member_key: str) -> dict[str, Any]:
+    """The Secret with the key of the job's member credentials: no pod references it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(
+            ctx, names.member_secret_name(ctx.name), {names.LABEL_COMPONENT: "control"}
+        ),
+        "type": "Opaque",
+        "stringData": {names.MEMBER_KEY_KEY: member_key},
+    }
+
+
+def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
+    """The Secret with the job's control token (workers read it through secretKeyRef)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -87,7 +99,6 @@ def build_secret(ctx: JobContext, token: str, member_key: str) -> dict[str, Any]
         "type": "Opaque",
         "stringData": {
             names.TOKEN_KEY: token,
-            names.MEMBER_KEY_KEY: member_key,
             **(
                 {
                     names.AGENT_TOKEN_KEY: protocol.job_report_token(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -38,8 +39,7 @@ from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
 from bulkhead.operator.k8s.admission import refusals, storage_warning
 from bulkhead.operator.k8s.adopt import (
-    JobSecrets,
-    decode_secret,
+    decode_secret_value,
     incarnations_of,
 )
 from bulkhead.operator.k8s.builders import JobContext
@@ -52,7 +52,6 @@ from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.k8s.watch import CollectionWatch
 from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
-from bulkhead.operator.session.credentials import new_member_key
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
 from bulkhead.operator.session.status import invalid_spec_status
 
@@ -142,7 +141,15 @@ class OperatorRuntime:
             agent_port=self.settings.agent_port,
             agent_report_token=self.settings.agent_report_token,
         )
-        job_secrets = await self._ensure_secret(ctx)
+        token = await self._ensure_secret(
+            ctx, names.secret_name(name), names.TOKEN_KEY, lambda v: builders.build_secret(ctx, v)
+        )
+        member_key = await self._ensure_secret(
+            ctx,
+            names.member_secret_name(name),
+            names.MEMBER_KEY_KEY,
+            lambda v: builders.build_member_secret(ctx, v),
+        )
         await self.client.create(core_path("services", namespace), builders.build_service(ctx))
         incarnations = incarnations_of(meta)
         pods = await live_pods(self.client, ctx)
@@ -171,10 +178,10 @@ class OperatorRuntime:
 
         session = JobSession(
             opening,
-            job_secrets.token,
+            token,
             make_driver,
             namespace=namespace,
-            member_key=job_secrets.member_key,
+            member_key=member_key,
             valid_since=rfc3339(datetime.now(UTC)),
         )
         handle = JobHandle(ctx, session)
@@ -214,30 +221,21 @@ class OperatorRuntime:
             return None
         return status
 
-    async def _ensure_secret(self, ctx: JobContext) -> JobSecrets:
-        """The job's control token and member key: read from its Secret, created on first
-        start (a Secret from before member credentials gets its key added)."""
-        path = core_path("secrets", ctx.namespace, names.secret_name(ctx.name))
+    async def _ensure_secret(
+        self, ctx: JobContext, name: str, key: str, build: Callable[[str], dict[str, Any]]
+    ) -> str:
+        """The value under ``key`` of the job's Secret ``name``: read, or (first start) a
+        new random value in a Secret made by ``build``."""
+        path = core_path("secrets", ctx.namespace, name)
         for _ in range(3):
             try:
-                found = decode_secret(await self.client.get(path))
+                return decode_secret_value(await self.client.get(path), key)
             except KubeError as exc:
                 if exc.status != 404:
                     raise
-            else:
-                if found.member_key is not None:
-                    return found
-                member_key = new_member_key()
-                patch = {"stringData": {names.MEMBER_KEY_KEY: member_key}}
-                await self.client.merge_patch(path, patch)
-                return JobSecrets(found.token, member_key)
-            job_secrets = JobSecrets(secrets.token_urlsafe(32), new_member_key())
-            created = await self.client.create(
-                core_path("secrets", ctx.namespace),
-                builders.build_secret(ctx, job_secrets.token, job_secrets.member_key or ""),
-            )
-            if created:
-                return job_secrets
+            value = secrets.token_urlsafe(32)
+            if await self.client.create(core_path("secrets", ctx.namespace), build(value)):
+                return value
         raise RuntimeError(f"cannot read or create Secret {path}")
 
     async def spec_changed(self, body: dict[str, Any]) -> None:

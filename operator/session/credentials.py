@@ -7,7 +7,8 @@ with its own credential, ``HMAC(member key, job, worker id)``, and every report 
 naming a worker must carry the credential of that worker.
 
 Stateless on purpose: the member key is the only secret. The Kubernetes operator keeps it
-in the job's Secret under a key no pod mounts, so a restarted operator or a new leader
+in a Secret of the job's that no pod references (``<job>-members``), so a restarted
+operator or a new leader
 checks the credentials an old one issued; local mode keeps it in memory. A worker id names
 one incarnation of a slot, so a replaced worker's credential never speaks for its
 replacement.

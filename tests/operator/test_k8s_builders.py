@@ -136,24 +136,26 @@ def test_service_and_secret():
     service = builders.build_service(ctx)
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == names.job_selector("llm")
-    secret = builders.build_secret(ctx, "s3cret", "k3y")
+    secret = builders.build_secret(ctx, "s3cret")
     assert secret["metadata"]["name"] == "llm-control"
-    assert secret["stringData"] == {"token": "s3cret", "member-key": "k3y"}
+    assert secret["stringData"] == {"token": "s3cret"}
+    members = builders.build_member_secret(ctx, "k3y")
+    assert members["metadata"]["name"] == "llm-members"
+    assert members["stringData"] == {"member-key": "k3y"}
     # With the agents' token configured, workers get their job's own report token (never
     # the agents' token itself) from the same Secret.
     with_agent = replace(ctx, agent_report_token="agent-t0ken", agent_port=9500)
     job_token = protocol.job_report_token("agent-t0ken", names.job_key(ctx.namespace, "llm"))
-    assert builders.build_secret(with_agent, "s3cret", "k3y")["stringData"] == {
+    assert builders.build_secret(with_agent, "s3cret")["stringData"] == {
         "token": "s3cret",
-        "member-key": "k3y",
         "agent-token": job_token,
     }
     assert job_token != protocol.job_report_token("agent-t0ken", "other-namespace.llm")
     pod = builders.build_worker_pod(with_agent, "llm-w0-0", slot=0, incarnation=0)
     # The member key signs the workers' credentials: no pod may read it.
-    assert names.MEMBER_KEY_KEY not in json.dumps(pod)
+    assert names.member_secret_name("llm") not in json.dumps(pod)
     assert _env(pod["spec"]["containers"][0])[protocol.AGENT_URL_ENV].endswith(":9500")
-    for obj in (service, secret):
+    for obj in (service, secret, members):
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm"
 
 
