@@ -88,8 +88,7 @@ class OperatorRuntime:
         self.jobs: dict[JobId, JobHandle] = {}
         self._job_locks: dict[JobId, asyncio.Lock] = {}
         self._pod_node: dict[tuple[str, str], tuple[JobId, str]] = {}  # pod -> (job, node)
-        self._node_reported: dict[str, tuple[str, str]] = {}  # node -> (reason, severity)
-        self._node_seen: dict[str, tuple[Any, ...]] = {}  # node -> classify.node_signature
+        self._node_news = classify.NodeNewsFilter()
         self._tainted: set[str] = set()  # nodes carrying our taint, for the untaint policy
 
     def _lock(self, job: JobId) -> asyncio.Lock:
@@ -345,22 +344,16 @@ class OperatorRuntime:
 
     async def on_node_event(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
-        signature = classify.node_signature(node)
-        if self._node_seen.get(name) == signature:
-            return  # a heartbeat, new images, labels...: nothing bulkhead reads changed
-        self._node_seen[name] = signature
-        if classify.has_our_taint(node):
+        news = self._node_news.read(node)
+        if news is None:
+            return
+        if news.tainted:
             self._tainted.add(name)
         else:
             self._tainted.discard(name)
-        problems = classify.node_problems(node)
-        if not problems:
-            self._node_reported.pop(name, None)
+        if news.problem is None:
             return
-        top = problems[0]
-        if self._node_reported.get(name) == (top.reason, top.severity):
-            return  # heartbeats repeat the condition; each problem is told once
-        self._node_reported[name] = (top.reason, top.severity)
+        top = news.problem
         jobs = self._jobs_on(name)
         log.warning(
             "node %s: %s (%s) %s; jobs on it: %s",
@@ -383,14 +376,12 @@ class OperatorRuntime:
                 EVICTIONS.labels(reason=top.reason).inc()
         except Exception:
             RECONCILE_ERRORS.labels(handler="node").inc()
-            self._node_reported.pop(name, None)  # retried on the next event
-            self._node_seen.pop(name, None)
+            self._node_news.forget(name)  # retried on the next event
             raise
 
     def node_deleted(self, name: str) -> None:
         """Forget a deleted node (a new node of that name starts afresh)."""
-        self._node_seen.pop(name, None)
-        self._node_reported.pop(name, None)
+        self._node_news.forget(name)
 
     async def untaint_loop(self) -> None:
         """The optional untaint policy (see ``nodes``): a healthy node sends no more events,
