@@ -50,6 +50,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.operator import metrics
 from bulkhead.operator.connections import GuardedHttpProtocol, connection_cap
+from bulkhead.operator.session.credentials import Admission
 from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
 from bulkhead.operator.view_encoding import ViewEncodings
 
@@ -78,19 +79,51 @@ def _bearer(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def authorized(registry: SessionRegistry, job: str, authorization: str | None) -> JobSession:
-    """The job's session if ``authorization`` carries its token; SessionError otherwise."""
+def authorized(
+    registry: SessionRegistry, job: str, authorization: str | None
+) -> tuple[JobSession, Admission]:
+    """The job's session if ``authorization`` carries its token, current or replaced by a
+    rotation (``JobTokens``: which one is the second value); SessionError otherwise."""
     if authorization is None:
         raise SessionError(401, "missing Authorization header (Bearer <job token>)")
     token = _bearer(authorization)
     if token is None:
         raise SessionError(401, "Authorization must be 'Bearer <job token>'")
     session = registry.get(job)
-    # Compare even for an unknown job, so both cases cost the same and read the same.
-    expected = session.token if session is not None else "\0" * len(token)
-    if not hmac.compare_digest(token.encode(), expected.encode()) or session is None:
+    if session is None:
+        # Compare all the same, so an unknown job and a wrong token cost and read the same.
+        hmac.compare_digest(token.encode(), b"\0" * len(token))
         raise SessionError(401, _REFUSED)
+    admission = session.tokens.admits(token)
+    if admission is None:
+        raise SessionError(401, _REFUSED)
+    return session, admission
+
+
+async def admitted(
+    registry: SessionRegistry, job: str, authorization: str | None, route: str, query: bytes
+) -> JobSession:
+    """``authorized``, after re-reading a job's token that a request does not match (it may
+    have been rotated); a replaced token admits only requests on ``route`` (with ``query``)
+    that must carry a member's credential too (``_credentialed``)."""
+    try:
+        session, admission = authorized(registry, job, authorization)
+    except SessionError as exc:
+        known = registry.get(job)
+        if exc.message != _REFUSED or known is None or not await known.tokens.refresh():
+            raise
+        session, admission = authorized(registry, job, authorization)
+    if admission == "previous" and not _credentialed(route, query):
+        raise SessionError(401, "this job token was replaced: register with the current one")
     return session
+
+
+def _credentialed(route: str, query: bytes) -> bool:
+    """Whether a request on ``route`` must carry a member's credential (reports, and polls
+    naming a worker)."""
+    if route in ("progress", "faults", "complete"):
+        return True
+    return route == "membership" and "worker" in parse_qs(query.decode("latin-1"))
 
 
 MEMBERSHIP_ROUTE = API_PREFIX + "/{job}/membership"
@@ -231,10 +264,16 @@ class ControlApp:
         if not scope["path"].startswith(prefix):
             await self.api(scope, receive, send)
             return
-        job = scope["path"][len(prefix) :].split("/", 1)[0]
+        job, _, route = scope["path"][len(prefix) :].partition("/")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            session = authorized(self.registry, job, headers.get("authorization"))
+            session = await admitted(
+                self.registry,
+                job,
+                headers.get("authorization"),
+                route,
+                scope.get("query_string", b""),
+            )
             declared = int(headers.get("content-length") or 0)
         except SessionError as exc:
             await _error(exc.status_code, exc.message)(scope, receive, send)
@@ -283,7 +322,7 @@ async def _session_for(
     authorization: Annotated[str | None, Header()] = None,
 ) -> JobSession:
     """The job's session (the token was checked by ``ControlApp`` already)."""
-    return authorized(request.app.state.registry, job, authorization)
+    return authorized(request.app.state.registry, job, authorization)[0]
 
 
 Session = Annotated[JobSession, Depends(_session_for)]

@@ -175,6 +175,11 @@ class OperatorRuntime:
                 incarnations=incarnations,
             )
 
+        token_path = core_path("secrets", namespace, names.secret_name(name))
+
+        async def read_token() -> str:  # a rotated token is picked up (JobTokens)
+            return decode_secret_value(await self.client.get(token_path), names.TOKEN_KEY)
+
         session = JobSession(
             opening,
             token,
@@ -182,6 +187,7 @@ class OperatorRuntime:
             namespace=namespace,
             member_key=member_key,
             valid_since=rfc3339(datetime.now(UTC)),
+            token_source=read_token,
         )
         handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -53,7 +53,7 @@ from bulkhead.operator.lifecycle.types import (
     WorkerRunning,
 )
 from bulkhead.operator.lifecycle.workers import parse_worker_id
-from bulkhead.operator.session.credentials import MemberCredentials
+from bulkhead.operator.session.credentials import JobTokens, MemberCredentials
 from bulkhead.operator.session.effects import DriverWork, EffectRunner, count
 from bulkhead.operator.session.status import StatusView
 
@@ -153,6 +153,7 @@ class JobSession(Generic[D]):
         namespace: str = "",
         member_key: str | None = None,
         valid_since: str | None = None,
+        token_source: Callable[[], Awaitable[str]] | None = None,
     ) -> None:
         """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
         must be the clock it was opened with). ``make_driver`` builds the driver, given the
@@ -161,11 +162,12 @@ class JobSession(Generic[D]):
         ``member_key`` signs the member credentials (``credentials``); default: a new one,
         for a session whose workers never outlive it (local mode, tests). ``valid_since``:
         the status says ``Valid=True`` since then (Kubernetes, where a spec is checked
-        after the API server accepted it).
+        after the API server accepted it). ``token_source`` re-reads the job token where
+        it is kept, so a rotated one is picked up (``credentials.JobTokens``).
         """
         self.job_name = opening.state.job
         self.spec = opening.spec
-        self.token = token
+        self.tokens = JobTokens(token, token_source, clock, self.job_name)
         self.credentials = MemberCredentials(self.job_name, member_key)
         self._claims: dict[str, str | None] = {}  # worker -> the claim it registered with
         self._clock = clock

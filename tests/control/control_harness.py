@@ -51,10 +51,16 @@ class Harness:
     def __init__(self, job: str, spec: TrainingJobSpec, token: str = "s3cret") -> None:
         self.job = job
         self.token = token
+        self.stored_token = token  # where the session re-reads it (a rotation changes it)
+        self.token_reads = 0
         self.driver = RecordingDriver()
         self.loop = asyncio.new_event_loop()
         self.session = JobSession(
-            open_new(job, spec), token, lambda _: self.driver, tick_seconds=0.1
+            open_new(job, spec),
+            token,
+            lambda _: self.driver,
+            tick_seconds=0.1,
+            token_source=self._read_token,
         )
         self.registry = SessionRegistry()
         self.registry.add(self.session)
@@ -64,11 +70,20 @@ class Harness:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._members: dict[str, MemberCredential] = {}
 
-    def client(self, worker: str | None = None, **kwargs: Any) -> ControlClient:
+    async def _read_token(self) -> str:
+        self.token_reads += 1
+        return self.stored_token
+
+    def client(
+        self, worker: str | None = None, token: str | None = None, **kwargs: Any
+    ) -> ControlClient:
         """A client of ``worker``, holding the credential its registration got (one per
-        worker, as one worker process's clients share theirs)."""
+        worker, as one worker process's clients share theirs), with the job token it was
+        started with (default: the first)."""
         member = self._members.setdefault(worker, MemberCredential()) if worker else None
-        return ControlClient(self.url, self.token, self.job, worker, member=member, **kwargs)
+        return ControlClient(
+            self.url, token or self.token, self.job, worker, member=member, **kwargs
+        )
 
     def __enter__(self) -> Harness:
         self._thread.start()

@@ -179,3 +179,50 @@ def test_a_member_declared_dead_that_comes_back_is_ignored(
     status = h.session.status
     assert status.phase != "Failed" and status.step == 5
     assert W2 not in h.session.state.finished
+
+
+def test_a_rotated_job_token_admits_new_pods_and_keeps_running_members(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The job token is rotated where it is kept while the job runs: pods started since
+    carry the new one, running workers the old one. The endpoint picks the new token up
+    when a request first presents it; the old one goes on admitting only requests that
+    carry a member's credential, and unknown tokens cannot make it re-read more than once
+    per interval."""
+    with Harness(JOB, _spec()) as h:
+        for slot, wid in enumerate((W0, W1)):
+            h.client(wid).register(RegisterRequest(worker=wid, address=f"127.0.0.1:{7300 + slot}"))
+        reads = h.token_reads
+        h.stored_token = "n3w-t0ken"
+        with caplog.at_level(logging.INFO, logger="bulkhead.operator.session.credentials"):
+            # A replacement pod, started after the rotation, registers with the new token.
+            h.client(W2, token="n3w-t0ken").register(
+                RegisterRequest(worker=W2, address="127.0.0.1:7302")
+            )
+        assert h.token_reads == reads + 1
+        assert any("job token rotated" in r.getMessage() for r in caplog.records)
+        h.wait_for(lambda: h.session.state.generation == 1)
+        # Running members, old token and their own credentials: reports and polls go on.
+        old = h.client(W0)
+        assert old.membership(after=0, timeout_s=5).generation == 1
+        assert old.progress(ProgressReport(worker=W0, generation=1, step=2)).action == "continue"
+        # The old token alone admits nothing else: no registration, no anonymous poll.
+        with pytest.raises(ControlRequestError) as err:
+            h.client(f"{JOB}-w0-1").register(RegisterRequest(worker=f"{JOB}-w0-1"))
+        assert err.value.status_code == 401 and "replaced" in err.value.message
+        anonymous = httpx.get(
+            f"{h.url}/v1/jobs/{JOB}/membership",
+            params={"timeout": 0},
+            headers={"Authorization": f"Bearer {h.token}"},
+        )
+        assert anonymous.status_code == 401
+        # Wrong tokens, many: at most one re-read in the interval.
+        before = h.token_reads
+        for _ in range(20):
+            wrong = httpx.get(
+                f"{h.url}/v1/jobs/{JOB}/membership",
+                params={"timeout": 0},
+                headers={"Authorization": "Bearer guess"},
+            )
+            assert wrong.status_code == 401
+        assert h.token_reads - before <= 1
