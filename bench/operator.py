@@ -31,6 +31,7 @@ import asyncio
 import base64
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "hack"))
 
+from bulkhead.api.protocol import MEMBER_HEADER  # noqa: E402
 from bulkhead.operator.k8s.kube import (  # noqa: E402
     KubeClient,
     KubeError,
@@ -268,7 +270,9 @@ class Bench:
             # At most as many in flight as connections: a thousand requests queued inside
             # httpx's pool cost this process more than the operator spends answering them.
             limit = asyncio.Semaphore(REGISTER_CONCURRENCY)
-            await asyncio.gather(*(self._register(http, p, limit) for p in pods.values()))
+            credentials = dict(
+                await asyncio.gather(*(self._register(http, p, limit) for p in pods.values()))
+            )
             registered = time.perf_counter() - started
             tj = await _until(lambda: self._phase(ns, job, "Running"), "phase Running", 600, every)
             job_running = time.perf_counter() - started
@@ -281,7 +285,9 @@ class Bench:
             survivor = sorted(pods)[-1]
             poll = asyncio.create_task(
                 http.get(
-                    "/membership", params={"after": generation, "timeout": 60, "worker": survivor}
+                    "/membership",
+                    params={"after": generation, "timeout": 60, "worker": survivor},
+                    headers={MEMBER_HEADER: credentials[survivor]},  # it names a member
                 )
             )
             await asyncio.sleep(0.2)  # the long poll is parked at the endpoint
@@ -320,23 +326,27 @@ class Bench:
 
     async def _register(
         self, http: httpx.AsyncClient, pod: dict[str, Any], limit: asyncio.Semaphore
-    ) -> None:
+    ) -> tuple[str, str]:
+        """Registers the pod's worker; its id and member credential."""
         body = {
             "worker": pod["metadata"]["name"],
             "node": pod["spec"]["nodeName"],
             "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
+            "claim": secrets.token_urlsafe(24),
         }
         async with limit:
             for attempt in range(3):
                 try:
-                    (await http.post("/register", json=body)).raise_for_status()
-                    return
+                    answer = await http.post("/register", json=body)
+                    answer.raise_for_status()
+                    return body["worker"], answer.json()["credential"]
                 except httpx.TransportError:
                     # A keep-alive connection the endpoint closed as it was reused (both
                     # processes starved on a loaded machine): a repeated registration of
-                    # the same worker and address is accepted.
+                    # the same worker, address and claim is accepted.
                     if attempt == 2:
                         raise
+        raise AssertionError("unreachable")
 
     async def _phase(self, ns: str, job: str, phase: str) -> dict[str, Any] | None:
         tj = await self.kube.get(tj_path(ns, job))

@@ -373,6 +373,18 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "job token rotated mid-job (a new token in the job's Secret)",
+        "the operator re-reads the Secret when a pod presents the new token (at most once "
+        "per 5 s); running workers go on with the old token and their credentials; the old "
+        "token alone registers nobody",
+        (
+            "tests/operator/test_k8s_operator.py::"
+            "test_a_job_token_rotated_mid_job_admits_new_pods_and_keeps_running_members",
+            "tests/control/test_member_credentials.py::"
+            "test_a_rotated_job_token_admits_new_pods_and_keeps_running_members",
+        ),
+    ),
+    Fault(
         "absurd timeouts (1e-300 s) and relative or '..' storage paths",
         "refused by the CRD (real API server) and by bulkhead validate, naming the field",
         (
