@@ -4,13 +4,16 @@ Lives in ``bulkhead.api`` because the trainer may not import the operator. Every
 a timeout; connection failures, 5xx and 429 answers are retried with exponential backoff;
 a 4xx answer raises ``ControlRequestError`` with the server's one-line explanation, since
 retrying a bad request cannot help. An ``httpx.Client`` is not meant to be shared by
-threads that block on it, so give a background membership poller its own ``ControlClient``.
+threads that block on it, so give a background membership poller its own ``ControlClient``,
+sharing the first one's ``MemberCredential``: registration fills it in, and every client
+holding it sends it with each request from then on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -24,6 +27,7 @@ from bulkhead.api.protocol import (
     DELTA_BASE_HEADER,
     ENDPOINT_ENV,
     JOB_ENV,
+    MEMBER_HEADER,
     TOKEN_ENV,
     WORKER_ENV,
     CompletionReport,
@@ -60,6 +64,22 @@ class ControlUnavailable(ControlError):
     """The endpoint did not answer usefully within the retries."""
 
 
+class MemberCredential:
+    """What a member proves itself with, shared by the clients of one worker process.
+
+    ``claim`` is this process's registration secret (a retried registration presents it
+    again); ``credential`` is what the manager answered registration with. Plain attribute
+    writes: a client thread reads either the old or the new value, both usable.
+    """
+
+    def __init__(self) -> None:
+        self.claim = secrets.token_urlsafe(24)
+        self.credential: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {MEMBER_HEADER: self.credential} if self.credential else {}
+
+
 class ControlClient:
     """Talks to the lifecycle manager for one worker of one job."""
 
@@ -75,13 +95,17 @@ class ControlClient:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         transport: httpx.BaseTransport | None = None,
+        member: MemberCredential | None = None,
     ) -> None:
+        """``member`` is shared by the clients of one worker process (default: this
+        client's own)."""
         if not url:
             raise ControlError(f"no control endpoint URL (set {ENDPOINT_ENV})")
         if not job:
             raise ControlError(f"no job name (set {JOB_ENV})")
         self.job = job
         self.worker = worker
+        self.member = member or MemberCredential()
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_initial_s = backoff_initial_s
@@ -119,7 +143,13 @@ class ControlClient:
     # ------------------------------------------------------------ protocol
 
     def register(self, request: RegisterRequest) -> RegisterResponse:
-        return self._call("POST", "register", RegisterResponse, body=request)
+        """Registers, and keeps the member credential the manager answers with."""
+        if request.claim is None:
+            request = request.model_copy(update={"claim": self.member.claim})
+        response = self._call("POST", "register", RegisterResponse, body=request)
+        if response.credential:
+            self.member.credential = response.credential
+        return response
 
     def membership(self, after: int = 0, timeout_s: float = 30.0) -> MembershipView:
         """Long poll: returns once a generation newer than ``after`` exists, or after
@@ -203,6 +233,7 @@ class ControlClient:
     ) -> httpx.Response:
         """The first answer that is not retryable (2xx, 3xx); 4xx raise, the rest retry."""
         url = f"{self._prefix}/{route}"
+        headers = {**self.member.headers(), **(headers or {})}
         payload = body.model_dump(mode="json", by_alias=True) if body is not None else None
         last = ""
         for attempt in range(self.retries + 1):

@@ -2,6 +2,9 @@
 
 The same protocol runs in Kubernetes (the operator serves it) and in local mode (the
 supervisor serves it). Every request carries ``Authorization: Bearer <job token>``.
+Registration answers the worker with its *member credential*; every report and every
+membership poll naming a worker carries it as ``X-Bulkhead-Member: <credential>`` (the job
+token alone cannot speak for a member, so one worker cannot report for another).
 
 Routes (``{job}`` is the TrainingJob name; namespaced jobs use ``namespace.name``):
 
@@ -74,6 +77,8 @@ AGENT_URL_ENV = "BULKHEAD_AGENT_URL"
 AGENT_TOKEN_ENV = "BULKHEAD_AGENT_TOKEN"
 AGENT_PORT = 9402
 AGENT_REPORT_PATH = "/v1/jobs/{job}/report"
+# The header carrying a member's credential (``RegisterResponse.credential``).
+MEMBER_HEADER = "X-Bulkhead-Member"
 
 
 def job_report_token(agents_token: str, job: str) -> str:
@@ -124,11 +129,23 @@ class RegisterRequest(Model):
         ),
     )
     incarnation: int = Field(0, ge=0, description="Restarts of this worker id so far.")
+    claim: str | None = Field(
+        None,
+        min_length=16,
+        max_length=128,
+        description=(
+            "A secret the registering process chose; a retry of the same registration "
+            "(an answer lost on the way) presents it again to get the credential again."
+        ),
+    )
 
 
 class RegisterResponse(Model):
     worker: str
     generation: int = Field(..., ge=0, description="The generation current at registration.")
+    credential: str | None = Field(
+        None, description=f"This member's credential, sent as {MEMBER_HEADER} from now on."
+    )
 
 
 class MembershipView(Membership):

@@ -140,6 +140,7 @@ async def _endpoint(conn: Connection, workers: int, max_failures: int) -> None:
     from bulkhead.operator.control import ControlServer, create_control_app
     from bulkhead.operator.lifecycle.types import WorkerExited
     from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
+    from bulkhead.operator.view_encoding import EncodedView
 
     spec = TrainingJobSpec.model_validate(
         {
@@ -179,7 +180,7 @@ async def _endpoint(conn: Connection, workers: int, max_failures: int) -> None:
             case ("requests",):
                 conn.send(_requests_answered())
             case ("view_sizes",):
-                encoded = session.encoded_membership
+                encoded = EncodedView(session.state.membership)
                 conn.send((len(encoded.body), len(encoded.gzipped)))
             case ("stop",):
                 break
@@ -200,6 +201,8 @@ def _clients_main(conn: Connection, url: str, indices: list[int], reporter: int 
 async def _clients(conn: Connection, url: str, indices: list[int], reporter: int | None) -> None:
     import aiohttp
 
+    from bulkhead.api.protocol import MEMBER_HEADER
+
     prefix = f"{url}/v1/jobs/{JOB}"
     headers = {"Authorization": f"Bearer {TOKEN}", "Accept-Encoding": "gzip"}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -207,6 +210,7 @@ async def _clients(conn: Connection, url: str, indices: list[int], reporter: int
     loop = asyncio.get_running_loop()
     seen: dict[int, dict[str, float]] = {}  # generation -> worker -> when it got it
     gone: set[str] = set()
+    credentials: dict[str, dict[str, str]] = {}  # worker -> its member credential header
     requests = 0
     async with aiohttp.ClientSession(
         headers=headers, connector=connector, timeout=timeout, auto_decompress=False
@@ -224,9 +228,11 @@ async def _clients(conn: Connection, url: str, indices: list[int], reporter: int
             for attempt in range(20):
                 try:
                     async with http.post(f"{prefix}/register", json=body) as reply:
-                        await reply.read()
+                        answer = await reply.read()
                         requests += 1
                         if reply.status == 200:
+                            credential = json.loads(answer)["credential"]
+                            credentials[wid] = {MEMBER_HEADER: credential}
                             return time.time()
                         raise RuntimeError(f"register {wid}: HTTP {reply.status}")
                 except aiohttp.ClientConnectionError:
@@ -239,7 +245,7 @@ async def _clients(conn: Connection, url: str, indices: list[int], reporter: int
             after, etag = 0, None
             while True:
                 params = {"after": str(after), "timeout": str(POLL_S), "worker": wid}
-                extra = {"If-None-Match": etag} if etag else {}
+                extra = {**credentials[wid], **({"If-None-Match": etag} if etag else {})}
                 try:
                     async with http.get(
                         f"{prefix}/membership", params=params, headers=extra
@@ -271,7 +277,9 @@ async def _clients(conn: Connection, url: str, indices: list[int], reporter: int
                 if not generation:
                     continue
                 body = {"worker": wid, "generation": generation, "step": step, "loss": 1.0}
-                async with http.post(f"{prefix}/progress", json=body) as reply:
+                async with http.post(
+                    f"{prefix}/progress", json=body, headers=credentials[wid]
+                ) as reply:
                     await reply.read()
                     requests += 1
                 step += 1

@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -50,6 +51,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "hack"))
 
+from bulkhead.api.protocol import MEMBER_HEADER  # noqa: E402
 from bulkhead.operator.k8s.kube import (  # noqa: E402
     KubeClient,
     KubeError,
@@ -135,6 +137,7 @@ class PlayedWorkers:
         self.started = started
         self.pods: dict[str, dict[str, Any]] = {}
         self.registrations: list[asyncio.Task[None]] = []
+        self.credentials: dict[str, str] = {}  # worker -> its member credential
         # At most as many in flight as connections: a thousand requests queued inside
         # httpx's pool cost this process more than the operator spends answering them.
         self.limit = asyncio.Semaphore(REGISTER_CONCURRENCY)
@@ -168,16 +171,19 @@ class PlayedWorkers:
             "worker": pod["metadata"]["name"],
             "node": pod["spec"]["nodeName"],
             "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
+            "claim": secrets.token_urlsafe(24),
         }
         async with self.limit:
             for attempt in range(3):
                 try:
-                    (await self.http.post("/register", json=body)).raise_for_status()
+                    answer = await self.http.post("/register", json=body)
+                    answer.raise_for_status()
+                    self.credentials[body["worker"]] = answer.json()["credential"]
                     return
                 except httpx.TransportError:
                     # A keep-alive connection the endpoint closed as it was reused (both
                     # processes starved on a loaded machine): a repeated registration of
-                    # the same worker and address is accepted.
+                    # the same worker, address and claim is accepted.
                     if attempt == 2:
                         raise
 
@@ -323,7 +329,9 @@ class Bench:
             survivor = sorted(pods)[-1]
             poll = asyncio.create_task(
                 http.get(
-                    "/membership", params={"after": generation, "timeout": 60, "worker": survivor}
+                    "/membership",
+                    params={"after": generation, "timeout": 60, "worker": survivor},
+                    headers={MEMBER_HEADER: workers.credentials[survivor]},  # it names a member
                 )
             )
             await asyncio.sleep(0.2)  # the long poll is parked at the endpoint

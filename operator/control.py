@@ -7,10 +7,12 @@ registration go on to FastAPI, which validates them.
 Routes and models are the control protocol of ``bulkhead.api.protocol``. Every job route
 needs ``Authorization: Bearer <job token>``, checked before a byte of the body is read;
 an unknown job and a wrong token get the same answer (no probing of job names), and a
-body over ``MAX_BODY_BYTES`` is refused (413) before it is parsed. Bad input gets a 4xx
-with a JSON body ``{"error": <one line>, "details": [<field: problem>, ...]}``; the server
-never answers a worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus)
-need no token.
+body over ``MAX_BODY_BYTES`` is refused (413) before it is parsed. Reports, and polls that
+name a worker, also need that worker's member credential (``MEMBER_HEADER``, issued at
+registration; ``session.credentials``): 401 without one, 403 with another member's.
+Bad input gets a 4xx with a JSON body
+``{"error": <one line>, "details": [<field: problem>, ...]}``; the server never answers a
+worker's mistake with a 500. ``/healthz`` and ``/metrics`` (Prometheus) need no token.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from bulkhead.api.protocol import (
     API_PREFIX,
     DELTA_BASE_HEADER,
+    MEMBER_HEADER,
     CompletionReport,
     Directive,
     FaultReport,
@@ -47,7 +50,9 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.operator import metrics
 from bulkhead.operator.connections import GuardedHttpProtocol, connection_cap
-from bulkhead.operator.session.job import EncodedView, JobSession, SessionError, SessionRegistry
+from bulkhead.operator.session.credentials import Admission
+from bulkhead.operator.session.job import JobSession, SessionError, SessionRegistry
+from bulkhead.operator.view_encoding import ViewEncodings
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +79,51 @@ def _bearer(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def authorized(registry: SessionRegistry, job: str, authorization: str | None) -> JobSession:
-    """The job's session if ``authorization`` carries its token; SessionError otherwise."""
+def authorized(
+    registry: SessionRegistry, job: str, authorization: str | None
+) -> tuple[JobSession, Admission]:
+    """The job's session if ``authorization`` carries its token, current or replaced by a
+    rotation (``JobTokens``: which one is the second value); SessionError otherwise."""
     if authorization is None:
         raise SessionError(401, "missing Authorization header (Bearer <job token>)")
     token = _bearer(authorization)
     if token is None:
         raise SessionError(401, "Authorization must be 'Bearer <job token>'")
     session = registry.get(job)
-    # Compare even for an unknown job, so both cases cost the same and read the same.
-    expected = session.token if session is not None else "\0" * len(token)
-    if not hmac.compare_digest(token.encode(), expected.encode()) or session is None:
+    if session is None:
+        # Compare all the same, so an unknown job and a wrong token cost and read the same.
+        hmac.compare_digest(token.encode(), b"\0" * len(token))
         raise SessionError(401, _REFUSED)
+    admission = session.tokens.admits(token)
+    if admission is None:
+        raise SessionError(401, _REFUSED)
+    return session, admission
+
+
+async def admitted(
+    registry: SessionRegistry, job: str, authorization: str | None, route: str, query: bytes
+) -> JobSession:
+    """``authorized``, after re-reading a job's token that a request does not match (it may
+    have been rotated); a replaced token admits only requests on ``route`` (with ``query``)
+    that must carry a member's credential too (``_credentialed``)."""
+    try:
+        session, admission = authorized(registry, job, authorization)
+    except SessionError as exc:
+        known = registry.get(job)
+        if exc.message != _REFUSED or known is None or not await known.tokens.refresh():
+            raise
+        session, admission = authorized(registry, job, authorization)
+    if admission == "previous" and not _credentialed(route, query):
+        raise SessionError(401, "this job token was replaced: register with the current one")
     return session
+
+
+def _credentialed(route: str, query: bytes) -> bool:
+    """Whether a request on ``route`` must carry a member's credential (reports, and polls
+    naming a worker)."""
+    if route in ("progress", "faults", "complete"):
+        return True
+    return route == "membership" and "worker" in parse_qs(query.decode("latin-1"))
 
 
 MEMBERSHIP_ROUTE = API_PREFIX + "/{job}/membership"
@@ -130,7 +167,11 @@ async def _send_bytes(
 
 
 async def serve_membership(
-    session: JobSession, scope: dict[str, Any], headers: dict[str, str], send: Any
+    session: JobSession,
+    encodings: ViewEncodings,
+    scope: dict[str, Any],
+    headers: dict[str, str],
+    send: Any,
 ) -> None:
     """The membership long poll, answered from the view's shared encoding.
 
@@ -141,17 +182,20 @@ async def serve_membership(
     """
     try:
         after, timeout, worker = _membership_query(scope.get("query_string", b""))
-        encoded: EncodedView = await session.wait_encoded(after, timeout, worker)
+        if worker is not None:  # a poll naming a worker keeps it alive: only its own may
+            session.authenticate(worker, headers.get(MEMBER_HEADER.lower()), "membership poll")
+        view = await session.wait_membership(after, timeout, worker)
     except SessionError as exc:
         await _error(exc.status_code, exc.message)(scope, _no_body, send)
         return
+    encoded = encodings.encoded(session, view)
     common = [(b"etag", encoded.etag.encode()), (b"vary", b"accept-encoding, if-none-match")]
     held = headers.get("if-none-match")
     if held == encoded.etag:
         await _send_bytes(send, 304, common, b"")
         return
     gzipped = "gzip" in headers.get("accept-encoding", "")
-    base = session.recent_view(held) if held and gzipped else None
+    base = encodings.recent(session, held) if held and gzipped else None
     if base is not None:
         # The client holds a recent view: send what changed (a few hundred bytes for a
         # one-member change instead of the whole list), encoded once per base.
@@ -192,6 +236,7 @@ class ControlApp:
         self.api = api
         self.registry = registry
         self.max_body = max_body_bytes
+        self.encodings = ViewEncodings()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -219,10 +264,16 @@ class ControlApp:
         if not scope["path"].startswith(prefix):
             await self.api(scope, receive, send)
             return
-        job = scope["path"][len(prefix) :].split("/", 1)[0]
+        job, _, route = scope["path"][len(prefix) :].partition("/")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            session = authorized(self.registry, job, headers.get("authorization"))
+            session = await admitted(
+                self.registry,
+                job,
+                headers.get("authorization"),
+                route,
+                scope.get("query_string", b""),
+            )
             declared = int(headers.get("content-length") or 0)
         except SessionError as exc:
             await _error(exc.status_code, exc.message)(scope, receive, send)
@@ -232,7 +283,7 @@ class ControlApp:
             return
         if scope["method"] == "GET" and scope["path"] == f"{prefix}{job}/membership":
             scope["bulkhead.route"] = MEMBERSHIP_ROUTE
-            await serve_membership(session, scope, headers, send)
+            await serve_membership(session, self.encodings, scope, headers, send)
             return
         if declared > self.max_body:
             await _error(413, f"body over {self.max_body} bytes")(scope, receive, send)
@@ -271,10 +322,11 @@ async def _session_for(
     authorization: Annotated[str | None, Header()] = None,
 ) -> JobSession:
     """The job's session (the token was checked by ``ControlApp`` already)."""
-    return authorized(request.app.state.registry, job, authorization)
+    return authorized(request.app.state.registry, job, authorization)[0]
 
 
 Session = Annotated[JobSession, Depends(_session_for)]
+Credential = Annotated[str | None, Header(alias=MEMBER_HEADER)]
 
 
 def create_control_app(
@@ -298,21 +350,32 @@ def create_control_app(
         return _error(exc.status_code, str(exc.detail))
 
     @app.post(API_PREFIX + "/{job}/register", response_model=RegisterResponse)
-    async def register(req: RegisterRequest, session: Session) -> RegisterResponse:
-        return await session.register(req)
+    async def register(
+        req: RegisterRequest, session: Session, credential: Credential = None
+    ) -> RegisterResponse:
+        return await session.register(req, credential)
 
     # GET {job}/membership is served by ControlApp (serve_membership), before FastAPI.
 
     @app.post(API_PREFIX + "/{job}/progress", response_model=Directive)
-    async def progress(report: ProgressReport, session: Session) -> Directive:
+    async def progress(
+        report: ProgressReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, "progress")
         return await session.progress(report)
 
     @app.post(API_PREFIX + "/{job}/faults", response_model=Directive)
-    async def faults(report: FaultReport, session: Session) -> Directive:
+    async def faults(
+        report: FaultReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, f"{report.kind} fault")
         return await session.fault(report)
 
     @app.post(API_PREFIX + "/{job}/complete", response_model=Directive)
-    async def complete(report: CompletionReport, session: Session) -> Directive:
+    async def complete(
+        report: CompletionReport, session: Session, credential: Credential = None
+    ) -> Directive:
+        session.authenticate(report.worker, credential, "completion")
         return await session.complete(report)
 
     @app.get("/healthz")

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from bulkhead.api.status import Phase
-from bulkhead.operator.local.throughput import JobThroughput
+from bulkhead.operator.throughput import JobThroughput
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -55,6 +55,13 @@ CONTROL_REQUESTS = Counter(
     "bulkhead_control_requests_total",
     "Requests to the control endpoint, by route and HTTP status code.",
     ["route", "code"],
+    registry=REGISTRY,
+)
+IGNORED_REPORTS = Counter(
+    "bulkhead_control_ignored_reports_total",
+    "Reports and polls refused or ignored: without a member credential, with another "
+    "member's, or from a member already declared dead.",
+    ["reason"],
     registry=REGISTRY,
 )
 CONTROL_LATENCY = Histogram(

@@ -331,6 +331,60 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "forged complete and progress reports (a worker reporting for other members with "
+        "the job token)",
+        "refused: 401 without the member's credential, 403 with another member's; logged and "
+        "counted; a registered identity's credential is never handed out again; the job "
+        "runs every step",
+        (
+            "tests/local/test_bad_members.py::"
+            "test_a_worker_cannot_report_progress_or_completion_for_the_others",
+            "tests/control/test_member_credentials.py::"
+            "test_one_members_credential_cannot_report_for_another",
+            "tests/control/test_member_credentials.py::"
+            "test_forged_reports_without_a_credential_are_refused_and_logged",
+            "tests/control/test_member_credentials.py::"
+            "test_a_second_registration_does_not_hand_out_the_credential",
+        ),
+    ),
+    Fault(
+        "a member declared dead that comes back and reports (user_error, complete, progress)",
+        "ignored and told to stop, logged and counted; the job goes on without it",
+        (
+            "tests/control/test_member_credentials.py::"
+            "test_a_member_declared_dead_that_comes_back_is_ignored",
+        ),
+    ),
+    Fault(
+        "a wedged training thread while the membership poll thread stays alive",
+        "no progress for hangTimeoutSeconds: the generation re-forms, then the job restarts "
+        "(SIGSTOP stops both threads and is caught as silence instead)",
+        (
+            "tests/local/test_bad_members.py::test_a_wedged_training_thread_with_a_live_poller_is_caught",
+        ),
+    ),
+    Fault(
+        "a fall back to an older complete step (the newest persisted one corrupt)",
+        "lastPersistedStep and its metric report the step the job fell back to, not the "
+        "higher one that cannot be restored",
+        (
+            "tests/control/test_session_recovery.py::"
+            "test_after_a_fall_back_to_an_older_step_the_status_reports_that_step",
+        ),
+    ),
+    Fault(
+        "job token rotated mid-job (a new token in the job's Secret)",
+        "the operator re-reads the Secret when a pod presents the new token (at most once "
+        "per 5 s); running workers go on with the old token and their credentials; the old "
+        "token alone registers nobody",
+        (
+            "tests/operator/test_k8s_operator.py::"
+            "test_a_job_token_rotated_mid_job_admits_new_pods_and_keeps_running_members",
+            "tests/control/test_member_credentials.py::"
+            "test_a_rotated_job_token_admits_new_pods_and_keeps_running_members",
+        ),
+    ),
+    Fault(
         "absurd timeouts (1e-300 s) and relative or '..' storage paths",
         "refused by the CRD (real API server) and by bulkhead validate, naming the field",
         (

@@ -127,11 +127,18 @@ def run(env: Mapping[str, str]) -> int:
         launch.worker if launch.local_rank is None else f"{launch.worker}/{launch.local_rank}"
     )
     from bulkhead.api.client import ControlClient as HttpControlClient
-    from bulkhead.api.client import ControlError
+    from bulkhead.api.client import ControlError, MemberCredential
+
+    member = MemberCredential()  # registration fills it in for every client of this process
 
     def connect(retries: int = 5) -> ControlClient:
         return HttpControlClient(
-            launch.control_url, launch.token, launch.job, launch.worker, retries=retries
+            launch.control_url,
+            launch.token,
+            launch.job,
+            launch.worker,
+            retries=retries,
+            member=member,
         )
 
     def user_error(exc: Exception, generation: int = 0, trace: bool = False) -> int:
@@ -188,7 +195,12 @@ def run(env: Mapping[str, str]) -> int:
         return WorkerExit.DONE
     except DataError as exc:
         return user_error(exc)
-    except (ValueError, TypeError) as exc:  # raised by the model or data code on bad sizes
+    except (ValueError, TypeError) as exc:
+        if raised_inside(exc, _package_dir(torch)):
+            # Not the user's settings or code failing a check: torch itself, on whatever
+            # this machine did to it. Replaced (and bounded by maxRestarts), not failed.
+            log.exception("error inside torch; exiting for a replacement")
+            return EXIT_INFRASTRUCTURE
         generation = trainer.watcher.generation if trainer is not None else 0
         return user_error(exc, generation, trace=True)
     except Stopped as exc:
@@ -200,6 +212,22 @@ def run(env: Mapping[str, str]) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + signal.SIGINT
+
+
+def _package_dir(module: object) -> Path:
+    return Path(getattr(module, "__file__", "")).resolve().parent
+
+
+def raised_inside(exc: BaseException, package: Path) -> bool:
+    """Whether ``exc`` was raised by code under ``package`` (the frame it came from, the
+    innermost of its traceback): a ValueError from our config checks, a model's size
+    checks or user code is a user error; one from deep inside torch is not, by itself."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
 
 
 def _run_pod_launcher(

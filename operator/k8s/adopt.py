@@ -1,29 +1,16 @@
-"""Pure helpers for adopting a TrainingJob: its invalid-spec status, the token in its
-Secret, and which worker incarnations a previous operator started (see ``names``)."""
+"""Pure helpers for adopting a TrainingJob: the values in its Secrets, and which worker
+incarnations a previous operator started (see ``names``)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import logging
-from datetime import datetime
 from typing import Any
 
-from bulkhead.api.node_problems import rfc3339
-from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.k8s import names
-from bulkhead.operator.session.conditions import spec_invalid
 
 log = logging.getLogger(__name__)
-
-
-def invalid_status(errors: str, now: datetime) -> TrainingJobStatus:
-    """Status of a job whose spec passed the schema but not the semantic checks."""
-    return TrainingJobStatus(
-        phase="Failed",
-        conditions=[spec_invalid(errors, rfc3339(now))],
-        message=f"invalid spec: {errors}",
-    )
 
 
 def incarnations_of(meta: dict[str, Any]) -> dict[int, int]:
@@ -35,8 +22,8 @@ def incarnations_of(meta: dict[str, Any]) -> dict[int, int]:
         return {}
 
 
-def decode_token(secret: dict[str, Any]) -> str:
+def decode_secret_value(secret: dict[str, Any], key: str) -> str:
     data = secret.get("data") or {}
-    if names.TOKEN_KEY not in data:
-        raise RuntimeError(f"Secret {secret['metadata']['name']} has no {names.TOKEN_KEY!r}")
-    return base64.b64decode(data[names.TOKEN_KEY]).decode()
+    if key not in data:
+        raise RuntimeError(f"Secret {secret['metadata']['name']} has no {key!r}")
+    return base64.b64decode(data[key]).decode()

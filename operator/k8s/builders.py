@@ -77,6 +77,19 @@ def _metadata(
     }
 
 
+def build_member_secret(ctx: JobContext, member_key: str) -> dict[str, Any]:
+    """The Secret with the key of the job's member credentials: no pod references it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(
+            ctx, names.member_secret_name(ctx.name), {names.LABEL_COMPONENT: "control"}
+        ),
+        "type": "Opaque",
+        "stringData": {names.MEMBER_KEY_KEY: member_key},
+    }
+
+
 def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
     """The Secret with the job's control token (workers read it through secretKeyRef)."""
     return {

@@ -139,6 +139,50 @@ def node_signature(node: dict[str, Any]) -> tuple[Any, ...]:
     return has_our_taint(node), conditions
 
 
+@dataclass(frozen=True)
+class NodeNews:
+    """What a node event tells that was not told before."""
+
+    tainted: bool  # the node carries our taint
+    problem: NodeProblem | None  # its most severe problem, if not told already
+
+
+class NodeNewsFilter:
+    """Node events to news, each piece once: the one place node news is de-duplicated.
+
+    A heartbeat (or new images, labels...) changes nothing bulkhead reads
+    (``node_signature``): no news. A problem is told once while it holds, however often the
+    condition repeats; a node that recovers and falls ill again is told again.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[Any, ...]] = {}  # node -> node_signature
+        self._told: dict[str, tuple[str, str]] = {}  # node -> (reason, severity) told
+
+    def read(self, node: dict[str, Any]) -> NodeNews | None:
+        """The news of ``node`` (None: nothing bulkhead reads changed)."""
+        name = node["metadata"]["name"]
+        signature = node_signature(node)
+        if self._seen.get(name) == signature:
+            return None
+        self._seen[name] = signature
+        problems = node_problems(node)
+        top = problems[0] if problems else None
+        if top is None:
+            self._told.pop(name, None)
+        elif self._told.get(name) == (top.reason, top.severity):
+            top = None
+        else:
+            self._told[name] = (top.reason, top.severity)
+        return NodeNews(has_our_taint(node), top)
+
+    def forget(self, name: str) -> None:
+        """Tell the node's state afresh at its next event (it was deleted, or acting on
+        its news failed and must be retried)."""
+        self._seen.pop(name, None)
+        self._told.pop(name, None)
+
+
 def has_our_taint(node: dict[str, Any]) -> bool:
     taints = (node.get("spec") or {}).get("taints") or []
     return any(t.get("key") == names.TAINT_UNHEALTHY for t in taints)

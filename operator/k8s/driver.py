@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
-from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.protocol import WorkerExit
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
@@ -33,7 +32,6 @@ from bulkhead.operator.k8s.kube import KubeClient, KubeError, Lane, core_path, t
 from bulkhead.operator.k8s.nodes import NodeActions, build_event
 from bulkhead.operator.k8s.status_writer import StatusWriter
 from bulkhead.operator.lifecycle.types import WorkerExited
-from bulkhead.operator.session.conditions import spec_valid, with_unschedulable
 
 T = TypeVar("T")
 # Backoff of pod creates and deletes the API server could not take (down, 5xx, 429).
@@ -45,21 +43,6 @@ if TYPE_CHECKING:
     from bulkhead.operator.lifecycle.workers import WorkerRef
 
 log = logging.getLogger(__name__)
-
-
-def decorate_status(
-    status: TrainingJobStatus, valid_since: str, unschedulable: dict[str, str]
-) -> TrainingJobStatus:
-    """Adds what only Kubernetes knows: the spec passed validation (``Valid=True``), and
-    why workers are not running when the scheduler cannot place them."""
-    conditions = [c for c in status.conditions if c.type != "Valid"]
-    update: dict[str, Any] = {"conditions": [spec_valid(valid_since), *conditions]}
-    if unschedulable and status.phase in ("Pending", "Recovering"):
-        pod, why = sorted(unschedulable.items())[0]
-        message = f"{len(unschedulable)} worker pod(s) cannot be scheduled ({pod}: {why})"
-        update["conditions"] = with_unschedulable(update["conditions"], message)
-        update["message"] = message
-    return status.model_copy(update=update)
 
 
 class KubernetesDriver:
@@ -82,9 +65,6 @@ class KubernetesDriver:
         self._grace = stop_grace_period_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._observe = observe
-        self._valid_since = rfc3339(datetime.now(UTC))
-        self._last_status: TrainingJobStatus | None = None
-        self._unschedulable: dict[str, str] = {}
         self._incarnations = dict(incarnations or {})
         self._incarnations_lock = asyncio.Lock()
         self._labels = GenerationLabels(client, ctx.namespace)
@@ -204,21 +184,9 @@ class KubernetesDriver:
         )
 
     async def publish_status(self, status: TrainingJobStatus) -> None:
-        self._last_status = status
-        self._status.publish(decorate_status(status, self._valid_since, self._unschedulable))
+        """Writes the session's status (rate-limited by the writer) as it is."""
+        self._status.publish(status)
         self._labels.follow(status.membership)
-
-    def note_scheduling(self, pod: str, unschedulable: str | None) -> None:
-        """Record whether the scheduler can place ``pod``; the status says so if not."""
-        before = dict(self._unschedulable)
-        if unschedulable is None:
-            self._unschedulable.pop(pod, None)
-        else:
-            self._unschedulable[pod] = unschedulable
-        if before != self._unschedulable and self._last_status is not None:
-            self._status.publish(
-                decorate_status(self._last_status, self._valid_since, self._unschedulable)
-            )
 
     async def live_pods(self) -> list[dict[str, Any]]:
         """The job's worker pods as they are in the cluster now."""

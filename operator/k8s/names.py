@@ -47,12 +47,19 @@ TMP_MOUNT = "/tmp"
 RUN_AS_USER = 10001  # the image's user (Dockerfile)
 CHECKPOINT_MOUNT = protocol.CHECKPOINT_PVC_MOUNT
 TOKEN_KEY = "token"
+MEMBER_KEY_KEY = "member-key"
 AGENT_TOKEN_KEY = "agent-token"
 
 
 def secret_name(job: str) -> str:
     """The Secret holding a job's control token."""
     return f"{job}-control"
+
+
+def member_secret_name(job: str) -> str:
+    """The Secret holding the key of a job's member credentials (``session.credentials``):
+    the operator's alone, referenced by no pod."""
+    return f"{job}-members"
 
 
 def service_name(job: str) -> str:

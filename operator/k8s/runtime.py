@@ -27,20 +27,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from bulkhead.api.manifest import ManifestError, parse_spec
-from bulkhead.api.node_problems import may_evict, narrow_evictions
+from bulkhead.api.node_problems import may_evict, narrow_evictions, rfc3339
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.driver import Observe
 from bulkhead.operator.k8s import builders, classify, names
 from bulkhead.operator.k8s.admission import refusals, storage_warning
 from bulkhead.operator.k8s.adopt import (
-    decode_token,
+    decode_secret_value,
     incarnations_of,
-    invalid_status,
 )
 from bulkhead.operator.k8s.builders import JobContext
 from bulkhead.operator.k8s.driver import KubernetesDriver, live_pods
@@ -53,6 +53,7 @@ from bulkhead.operator.k8s.watch import CollectionWatch
 from bulkhead.operator.lifecycle.types import NodeAnomaly, WorkerExited, WorkerRunning
 from bulkhead.operator.metrics import EVICTIONS
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new, open_resumed
+from bulkhead.operator.session.status import invalid_spec_status
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class OperatorRuntime:
         self.jobs: dict[JobId, JobHandle] = {}
         self._job_locks: dict[JobId, asyncio.Lock] = {}
         self._pod_node: dict[tuple[str, str], tuple[JobId, str]] = {}  # pod -> (job, node)
-        self._node_reported: dict[str, tuple[str, str]] = {}  # node -> (reason, severity)
-        self._node_seen: dict[str, tuple[Any, ...]] = {}  # node -> classify.node_signature
+        self._node_news = classify.NodeNewsFilter()
         self._tainted: set[str] = set()  # nodes carrying our taint, for the untaint policy
 
     def _lock(self, job: JobId) -> asyncio.Lock:
@@ -121,7 +121,7 @@ class OperatorRuntime:
             log.warning("job %s/%s: %s", namespace, name, warning)
         if errors:  # Failed once, with the reason: never retried until the spec changes
             log.warning("job %s/%s has an invalid spec: %s", namespace, name, errors)
-            status = invalid_status(errors, datetime.now(UTC))
+            status = invalid_spec_status(errors, datetime.now(UTC))
             await StatusWriter(self.client, namespace, name).write_now(status)
             return
         spec, refused = narrow_evictions(asked, self.settings.evict_severities)
@@ -140,7 +140,15 @@ class OperatorRuntime:
             agent_port=self.settings.agent_port,
             agent_report_token=self.settings.agent_report_token,
         )
-        token = await self._ensure_secret(ctx)
+        token = await self._ensure_secret(
+            ctx, names.secret_name(name), names.TOKEN_KEY, lambda v: builders.build_secret(ctx, v)
+        )
+        member_key = await self._ensure_secret(
+            ctx,
+            names.member_secret_name(name),
+            names.MEMBER_KEY_KEY,
+            lambda v: builders.build_member_secret(ctx, v),
+        )
         await self.client.create(core_path("services", namespace), builders.build_service(ctx))
         incarnations = incarnations_of(meta)
         pods = await live_pods(self.client, ctx)
@@ -167,7 +175,20 @@ class OperatorRuntime:
                 incarnations=incarnations,
             )
 
-        session = JobSession(opening, token, make_driver, namespace=namespace)
+        token_path = core_path("secrets", namespace, names.secret_name(name))
+
+        async def read_token() -> str:  # a rotated token is picked up (JobTokens)
+            return decode_secret_value(await self.client.get(token_path), names.TOKEN_KEY)
+
+        session = JobSession(
+            opening,
+            token,
+            make_driver,
+            namespace=namespace,
+            member_key=member_key,
+            valid_since=rfc3339(datetime.now(UTC)),
+            token_source=read_token,
+        )
         handle = JobHandle(ctx, session)
         self.jobs[(namespace, name)] = handle
         self.registry.add(session)
@@ -205,23 +226,21 @@ class OperatorRuntime:
             return None
         return status
 
-    async def _ensure_secret(self, ctx: JobContext) -> str:
-        """The job's control token: read from its Secret, created on first start."""
-        path = core_path("secrets", ctx.namespace, names.secret_name(ctx.name))
+    async def _ensure_secret(
+        self, ctx: JobContext, name: str, key: str, build: Callable[[str], dict[str, Any]]
+    ) -> str:
+        """The value under ``key`` of the job's Secret ``name``: read, or (first start) a
+        new random value in a Secret made by ``build``."""
+        path = core_path("secrets", ctx.namespace, name)
         for _ in range(3):
             try:
-                secret = await self.client.get(path)
+                return decode_secret_value(await self.client.get(path), key)
             except KubeError as exc:
                 if exc.status != 404:
                     raise
-            else:
-                return decode_token(secret)
-            token = secrets.token_urlsafe(32)
-            created = await self.client.create(
-                core_path("secrets", ctx.namespace), builders.build_secret(ctx, token)
-            )
-            if created:
-                return token
+            value = secrets.token_urlsafe(32)
+            if await self.client.create(core_path("secrets", ctx.namespace), build(value)):
+                return value
         raise RuntimeError(f"cannot read or create Secret {path}")
 
     async def spec_changed(self, body: dict[str, Any]) -> None:
@@ -287,7 +306,7 @@ class OperatorRuntime:
         """Tell the session what a pod shows, once per change."""
         worker = pod["metadata"]["name"]
         seen = classify.classify_pod(pod, deleted=deleted)
-        handle.driver.note_scheduling(
+        handle.session.note_scheduling(
             worker, None if deleted else classify.unschedulable_message(pod)
         )
         if seen.state == "pending" or handle.reported.get(worker, ("", ""))[0] == "exited":
@@ -331,22 +350,16 @@ class OperatorRuntime:
 
     async def on_node_event(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
-        signature = classify.node_signature(node)
-        if self._node_seen.get(name) == signature:
-            return  # a heartbeat, new images, labels...: nothing bulkhead reads changed
-        self._node_seen[name] = signature
-        if classify.has_our_taint(node):
+        news = self._node_news.read(node)
+        if news is None:
+            return
+        if news.tainted:
             self._tainted.add(name)
         else:
             self._tainted.discard(name)
-        problems = classify.node_problems(node)
-        if not problems:
-            self._node_reported.pop(name, None)
+        if news.problem is None:
             return
-        top = problems[0]
-        if self._node_reported.get(name) == (top.reason, top.severity):
-            return  # heartbeats repeat the condition; each problem is told once
-        self._node_reported[name] = (top.reason, top.severity)
+        top = news.problem
         jobs = self._jobs_on(name)
         log.warning(
             "node %s: %s (%s) %s; jobs on it: %s",
@@ -369,14 +382,12 @@ class OperatorRuntime:
                 EVICTIONS.labels(reason=top.reason).inc()
         except Exception:
             RECONCILE_ERRORS.labels(handler="node").inc()
-            self._node_reported.pop(name, None)  # retried on the next event
-            self._node_seen.pop(name, None)
+            self._node_news.forget(name)  # retried on the next event
             raise
 
     def node_deleted(self, name: str) -> None:
         """Forget a deleted node (a new node of that name starts afresh)."""
-        self._node_seen.pop(name, None)
-        self._node_reported.pop(name, None)
+        self._node_news.forget(name)
 
     async def untaint_loop(self) -> None:
         """The optional untaint policy (see ``nodes``): a healthy node sends no more events,

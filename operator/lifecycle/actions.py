@@ -1,9 +1,9 @@
 """The actions of the lifecycle policy: what rules do to the state (no I/O, no clock).
 
 ``PolicyActions`` holds one application of the policy (a state being rewritten and the
-decisions collected so far); ``policy`` subclasses it with the rules that map events to
-these actions. ``check_hang`` applies the hang rules of a timer tick, which are pure
-functions in ``hang``.
+decisions collected so far); the rules in ``policy`` (and ``rebuild``) apply it, mapping
+events to these actions. ``check_hang`` applies the hang rules of a timer tick, which are
+pure functions in ``hang``.
 """
 
 from __future__ import annotations

@@ -74,13 +74,27 @@ def decide(
     state: LifecycleState, event: Event, now: float
 ) -> tuple[LifecycleState, list[Decision]]:
     """Apply one event; returns the new state and what must be done, in order."""
-    policy = _Policy(state, now)
-    policy.handle(event)
-    return policy.state, policy.decisions
+    rules = _Rules(PolicyActions(state, now))
+    rules.handle(event)
+    return rules.act.state, rules.act.decisions
 
 
-class _Policy(PolicyActions):
-    """The rules: each event handler turns one event into actions."""
+class _Rules:
+    """The rules: each event handler turns one event into actions (``act``, the one
+    application of the policy: the state being rewritten and the decisions so far)."""
+
+    def __init__(self, act: PolicyActions) -> None:
+        self.act = act
+        self.cfg = act.cfg
+        self.now = act.now
+
+    @property
+    def state(self) -> LifecycleState:
+        return self.act.state
+
+    @state.setter
+    def state(self, state: LifecycleState) -> None:
+        self.act.state = state
 
     # ------------------------------------------------------------ dispatch
 
@@ -119,9 +133,9 @@ class _Policy(PolicyActions):
         )
         for slot in self.state.slots:
             if slot.status == "pending":
-                self.start(slot)
+                self.act.start(slot)
         spares = f" and {self.cfg.spares} spare(s)" if self.cfg.spares else ""
-        self.event("JobStarted", f"starting {self.cfg.workers} workers{spares}")
+        self.act.event("JobStarted", f"starting {self.cfg.workers} workers{spares}")
 
     def on_registered(self, ev: WorkerRegistered) -> None:
         slot = self.state.slot_of(ev.worker)
@@ -141,19 +155,21 @@ class _Policy(PolicyActions):
             return  # a member re-registering (e.g. a client retry): nothing changes
         if self.state.restarting or self.state.generation == 0:
             if self.state.live_count() >= self.cfg.workers:
-                self.publish(f"all {self.cfg.workers} workers registered")
+                self.act.publish(f"all {self.cfg.workers} workers registered")
         elif len(self.state.member_ids()) < self.cfg.workers:
             if self.state.pending_recoveries:
                 # The survivors' generation has not trained yet: superseding it now would
                 # make them redo their rendezvous with a newcomer still warming up (at 8
                 # ZeRO-3 workers on 2 cores, a recovery of 0.4 s became 5-6 s). It joins
                 # in the generation after their first step (on_progress).
-                self.event("JoinDeferred", f"{ev.worker} joins once the survivors train again")
+                self.act.event("JoinDeferred", f"{ev.worker} joins once the survivors train again")
                 return
-            self.publish(f"{ev.worker} joined")
+            self.act.publish(f"{ev.worker} joined")
         else:
             ready = self.state.live_count() - len(self.state.member_ids())
-            self.event("SpareReady", f"{ev.worker} is a spare ({ready} of {self.cfg.spares} ready)")
+            self.act.event(
+                "SpareReady", f"{ev.worker} is a spare ({ready} of {self.cfg.spares} ready)"
+            )
 
     def on_exited(self, ev: WorkerExited) -> None:
         slot = self.state.slot_of(ev.worker)
@@ -165,7 +181,7 @@ class _Policy(PolicyActions):
             return
         if ev.exit_code == WorkerExit.USER_ERROR:
             self.state = replace(self.state, dead=self.state.dead | {ev.worker})
-            self.fail(f"worker {ev.worker} failed with a user error (exit code 2); see its log")
+            self.act.fail(f"worker {ev.worker} failed with a user error (exit code 2); see its log")
             return
         s = self.state
         if (
@@ -177,20 +193,20 @@ class _Policy(PolicyActions):
             self.state = replace(s, dead=s.dead | {ev.worker}, finished=s.finished | {ev.worker})
             self.succeed_if_all_finished()
             return
-        self.lose([slot], cause, warning_detail=f"{ev.worker} exited: {cause}")
+        self.act.lose([slot], cause, warning_detail=f"{ev.worker} exited: {cause}")
 
     def on_fault(self, ev: FaultReported) -> None:
         report = ev.report
         if report.kind == "user_error":
-            self.fail(f"user error reported by {report.worker}: {report.message}".strip())
+            self.act.fail(f"user error reported by {report.worker}: {report.message}".strip())
             return
-        self.event(
+        self.act.event(
             "FaultReported",
             f"{report.worker} reported {report.kind}: {report.message}"[:1024],
             warning=True,
         )
         if report.kind == "nan_loss":
-            self.restart_all("nan_loss")
+            self.act.restart_all("nan_loss")
             return
         if report.kind == "internal_error":
             # A pod's launcher saying the pod failed (a trainer process died or went
@@ -202,16 +218,18 @@ class _Policy(PolicyActions):
                 and not self.state.terminal
                 and report.worker not in self.state.dead
             ):
-                self.emit(StopWorker(self.state.ref(slot), "its pod failed"))
-                self.lose([slot], "pod_failed", warning_detail=f"{report.worker}: {report.message}")
+                self.act.emit(StopWorker(self.state.ref(slot), "its pod failed"))
+                self.act.lose(
+                    [slot], "pod_failed", warning_detail=f"{report.worker}: {report.message}"
+                )
             return
         if report.kind == "peer_suspect":
             suspects = [self.state.slot_of(w) for w in report.suspects]
-            lost = [s for s in suspects if s is not None and self.is_member(s)]
+            lost = [s for s in suspects if s is not None and self.act.is_member(s)]
             for slot in lost:
-                self.emit(StopWorker(self.state.ref(slot), f"suspected by {report.worker}"))
+                self.act.emit(StopWorker(self.state.ref(slot), f"suspected by {report.worker}"))
             if lost:
-                self.lose(lost, "peer_suspect")
+                self.act.lose(lost, "peer_suspect")
             return
         if report.kind == "collective_error" and report.generation == self.state.generation:
             if report.worker in self.state.member_ids():
@@ -222,7 +240,7 @@ class _Policy(PolicyActions):
                     collective_errors=reporters,
                     accusations=self.state.accusations | named,
                 )
-            self.begin_recovery(report.kind)
+            self.act.begin_recovery(report.kind)
             self.evict_cut_off()
 
     def evict_cut_off(self) -> None:
@@ -231,51 +249,60 @@ class _Policy(PolicyActions):
         if not cut:
             return
         for slot, _ in cut:
-            self.emit(StopWorker(self.state.ref(slot), "unreachable from its peers"))
+            self.act.emit(StopWorker(self.state.ref(slot), "unreachable from its peers"))
         names = "; ".join(
             f"{self.state.ref(slot).id} unreachable from {', '.join(accusers)}"
             for slot, accusers in cut
         )
-        self.lose([slot for slot, _ in cut], "partition", warning_detail=f"{names} (partition)")
+        self.act.lose([slot for slot, _ in cut], "partition", warning_detail=f"{names} (partition)")
 
     def on_node_anomaly(self, ev: NodeAnomaly) -> None:
         if not may_evict(ev.reason, ev.severity, self.cfg.evict_severities):
             why = " (caused by the job's own training: never evicts)" * job_caused(ev.reason)
-            self.event("NodeAnomaly", f"{ev.node}: {ev.reason} ({ev.severity}){why}", warning=True)
+            self.act.event(
+                "NodeAnomaly", f"{ev.node}: {ev.reason} ({ev.severity}){why}", warning=True
+            )
             return
         if ev.node in self.state.evicted_nodes:
             return
         self.state = replace(self.state, evicted_nodes=(*self.state.evicted_nodes, ev.node))
-        self.emit(EvictNodeDecision(ev.node, f"{ev.reason} ({ev.severity})"))
+        self.act.emit(EvictNodeDecision(ev.node, f"{ev.reason} ({ev.severity})"))
         on_node = [
             s
             for s in self.state.slots
             if s.node == ev.node and s.status in ("starting", "registered")
         ]
         for slot in on_node:
-            self.emit(StopWorker(self.state.ref(slot), f"node {ev.node} evicted: {ev.reason}"))
+            self.act.emit(StopWorker(self.state.ref(slot), f"node {ev.node} evicted: {ev.reason}"))
         if on_node:
-            self.lose(on_node, f"node_{ev.reason}")
+            self.act.lose(on_node, f"node_{ev.reason}")
 
     def on_persist_report(self, r: ProgressReport | CompletionReport) -> None:
         """Storage progress from a rank that persists, whether or not its step is news.
 
-        ``persisted_step`` is the newest step every shard has on storage (the sidecar
-        checks), so the newest report of it is the job's. Failures are kept per worker:
-        one shard failing while others persist is one failure, not an Event per report.
+        ``persisted_step`` is the newest complete step on storage (the sidecar checks),
+        so a newer generation's report of it is the job's, lower or not: after a fall back
+        to an older step the corrupt newer one is no longer there to restore. Within one
+        generation it only moves forward (ranks' reports may cross on the way). Failures
+        are kept per worker: one shard failing while others persist is one failure, not an
+        Event per report.
         """
         if r.persisted_step is None and r.persist_error is None:
             return  # not a persisting rank
         s = self.state
-        persisted = s.last_persisted_step
+        persisted, persisted_generation = s.last_persisted_step, s.persisted_generation
         if r.persisted_step is not None:
-            persisted = max(persisted or 0, r.persisted_step)
+            if r.generation > persisted_generation or persisted is None:
+                persisted = r.persisted_step
+            else:
+                persisted = max(persisted, r.persisted_step)
+            persisted_generation = max(persisted_generation, r.generation)
         members = s.member_ids()
         errors = {w: e for w, e in s.persist_errors if w in members and w != r.worker}
         if r.persist_error:
             errors[r.worker] = r.persist_error
         if errors and not s.persist_errors:
-            self.event(
+            self.act.event(
                 "CheckpointPersistFailed",
                 f"{r.worker} cannot persist checkpoints: {r.persist_error}; a restart from "
                 f"storage would resume after step "
@@ -283,12 +310,15 @@ class _Policy(PolicyActions):
                 warning=True,
             )
         elif s.persist_errors and not errors:
-            self.event(
+            self.act.event(
                 "CheckpointPersisted",
                 f"checkpoints persist again (step {persisted} on storage)",
             )
         self.state = replace(
-            s, last_persisted_step=persisted, persist_errors=tuple(sorted(errors.items()))
+            s,
+            last_persisted_step=persisted,
+            persisted_generation=persisted_generation,
+            persist_errors=tuple(sorted(errors.items())),
         )
 
     def on_plan_report(self, r: ProgressReport) -> None:
@@ -296,7 +326,7 @@ class _Policy(PolicyActions):
         if not r.plan or tuple(r.plan) == self.state.plan:
             return
         lines = " | ".join(line.strip() for line in r.plan)
-        self.event("PlanApplied", f"generation {r.generation}, step {r.step}: {lines}")
+        self.act.event("PlanApplied", f"generation {r.generation}, step {r.step}: {lines}")
         self.state = replace(self.state, plan=tuple(r.plan))
 
     def on_progress(self, ev: ProgressReported) -> None:
@@ -323,8 +353,10 @@ class _Policy(PolicyActions):
         if not s.has_progress or s.step_generation != r.generation:
             # Members change only with the generation: mark them once per generation, not
             # on every step (an O(members) pass per report would not scale).
-            productive = productive | {slot.index for slot in s.slots if self.is_member(slot)}
-            slots = tuple(replace(x, crash_streak=0) if self.is_member(x) else x for x in s.slots)
+            productive = productive | {slot.index for slot in s.slots if self.act.is_member(slot)}
+            slots = tuple(
+                replace(x, crash_streak=0) if self.act.is_member(x) else x for x in s.slots
+            )
         checkpoint = r.checkpoint_step if r.checkpoint_step is not None else s.last_checkpoint_step
         self.state = replace(
             s,
@@ -352,14 +384,14 @@ class _Policy(PolicyActions):
                 recoveries=(*self.state.recoveries, done),
                 lost_steps=self.state.lost_steps + lost,
             )
-            self.emit(done)
+            self.act.emit(done)
             source = {
                 "kept": "; every survivor kept its state",
                 "peers": "; state moved between surviving holders",
                 "checkpoint": "; some state had no surviving holder: restored from checkpoint",
                 "fresh": "; no state survived: started over",
             }.get(r.state_source or "", "")
-            self.event(
+            self.act.event(
                 "Recovered",
                 f"{pending.cause}: training resumed at step {r.step} after "
                 f"{done.seconds:.2f}s ({lost} steps redone){source}",
@@ -379,7 +411,7 @@ class _Policy(PolicyActions):
             if x.status == "registered" and s.ref(x).id not in members | s.dead
         ]
         if waiting and len(members) < self.cfg.workers:
-            self.publish(f"{', '.join(waiting[: self.cfg.workers - len(members)])} joined")
+            self.act.publish(f"{', '.join(waiting[: self.cfg.workers - len(members)])} joined")
 
     def fresh_start_refused(self, r: ProgressReport) -> bool:
         """A generation's first report says it started from nothing although a checkpoint
@@ -397,7 +429,7 @@ class _Policy(PolicyActions):
             "checkpoint.allowFreshStart: true to start over"
         )
         self.state = replace(self.state, unrestorable=why)
-        self.fail(why)
+        self.act.fail(why)
         return True
 
     def on_complete(self, ev: CompletionReported) -> None:
@@ -410,7 +442,7 @@ class _Policy(PolicyActions):
             self.on_persist_report(r)
         last = self.cfg.total_steps - 1
         if r.step != last or members is None:
-            self.event(
+            self.act.event(
                 "CompletionIgnored",
                 f"{r.worker} reported completion at step {r.step} of generation "
                 f"{r.generation}; the job ends at step {last} of generation "
@@ -445,14 +477,14 @@ class _Policy(PolicyActions):
         view = s.membership.model_copy(update={"state": "succeeded"})
         message = f"completed {self.cfg.total_steps} steps"
         self.state = replace(s, phase="Succeeded", membership=view, message=message)
-        self.emit(Succeed(message))
-        self.event("Succeeded", f"{message}, final loss {s.loss}")
+        self.act.emit(Succeed(message))
+        self.act.event("Succeeded", f"{message}, final loss {s.loss}")
 
     def on_tick(self, ev: Tick) -> None:
         s = self.state
         for slot in s.slots:
             if slot.status == "pending" and slot.start_at <= self.now and not s.terminal:
-                self.start(slot)
+                self.act.start(slot)
         if self.state.terminal:
             return
         if self.state.deadline is not None and self.now >= self.state.deadline:
@@ -460,15 +492,15 @@ class _Policy(PolicyActions):
         s = self.state
         if s.generation == 0 or s.restarting:
             return
-        self.check_hang(ev)
+        self.act.check_hang(ev)
 
     def on_registration_timeout(self) -> None:
         registered = self.state.live_count()
         needed = self.cfg.min_workers
         if registered >= needed:
-            self.publish(f"registration timeout: starting with {registered} workers")
+            self.act.publish(f"registration timeout: starting with {registered} workers")
         else:
-            self.fail(
+            self.act.fail(
                 f"only {registered} of {self.cfg.workers} workers registered within "
                 f"{self.cfg.registration_timeout_s:g}s (minWorkers {needed})"
             )

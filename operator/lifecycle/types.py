@@ -288,6 +288,9 @@ class LifecycleState:
     val_loss: float | None = None  # of the newest evaluation a member reported
     last_checkpoint_step: int | None = None
     last_persisted_step: int | None = None
+    # The generation whose report set last_persisted_step: a newer generation's figure
+    # replaces it (after a fall back to an older step, storage holds no newer one).
+    persisted_generation: int = 0
     # (worker, error) of each persisting worker whose last storage report was a failure.
     persist_errors: tuple[tuple[str, str], ...] = ()
     unrestorable: str | None = None  # why a persisted checkpoint could not be restored

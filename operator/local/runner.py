@@ -26,9 +26,9 @@ from bulkhead.operator.local.driver import LocalDriver
 from bulkhead.operator.local.plot import plot_run
 from bulkhead.operator.local.rundir import MetricRow, RunRecorder
 from bulkhead.operator.local.sidecars import CheckpointSidecars
-from bulkhead.operator.local.throughput import JobThroughput
 from bulkhead.operator.local.view import LiveView
 from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
+from bulkhead.operator.throughput import JobThroughput
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
-import json
+import hmac
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +28,6 @@ from bulkhead.api.protocol import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
-    membership_delta,
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Recovery, TrainingJobStatus
@@ -55,6 +53,7 @@ from bulkhead.operator.lifecycle.types import (
     WorkerRunning,
 )
 from bulkhead.operator.lifecycle.workers import parse_worker_id
+from bulkhead.operator.session.credentials import JobTokens, MemberCredentials
 from bulkhead.operator.session.effects import DriverWork, EffectRunner, count
 from bulkhead.operator.session.status import StatusView
 
@@ -130,47 +129,6 @@ def open_resumed(
     return Opening(spec, state, tuple(decisions), wall_offset_s, closed)
 
 
-# Views a client may still hold and get a delta against: a worker that missed a few
-# generations (busy in a long step) still gets a delta, an older one the full view.
-RECENT_VIEWS = 3
-
-
-def view_etag(view: MembershipView) -> str:
-    return f'"g{view.generation}-{view.state}"'
-
-
-class EncodedView:
-    """One published view encoded once, for every poller: JSON bytes, gzip on demand.
-
-    At 16,384 members the JSON is ~1.7 MB; encoding it per request made a membership
-    change cost workers x members. ``etag`` names the view (generation and state: a
-    generation number never names two memberships, and within one only the state moves).
-    """
-
-    def __init__(self, view: MembershipView) -> None:
-        self.view = view
-        self.etag = view_etag(view)
-        self.body = view.model_dump_json(by_alias=True).encode()
-        self._gzipped: bytes | None = None
-        self._deltas: dict[str, bytes] = {}  # base ETag -> gzipped delta
-
-    def delta_from(self, base: MembershipView) -> bytes:
-        """This view as a gzipped delta against ``base``, made once per base."""
-        key = view_etag(base)
-        if key not in self._deltas:
-            delta = json.dumps(membership_delta(base, self.view), separators=(",", ":"))
-            self._deltas[key] = gzip.compress(delta.encode(), compresslevel=1, mtime=0)
-        return self._deltas[key]
-
-    @property
-    def gzipped(self) -> bytes:
-        if self._gzipped is None:
-            # Level 1: member lists are repetitive, so even the fastest level shrinks them
-            # ~8x, in a few ms once per view.
-            self._gzipped = gzip.compress(self.body, compresslevel=1, mtime=0)
-        return self._gzipped
-
-
 class SessionError(Exception):
     """A request the session refuses; ``status_code`` is the HTTP status to answer with."""
 
@@ -193,15 +151,25 @@ class JobSession(Generic[D]):
         tick_seconds: float = 0.5,
         max_poll_seconds: float | None = None,
         namespace: str = "",
+        member_key: str | None = None,
+        valid_since: str | None = None,
+        token_source: Callable[[], Awaitable[str]] | None = None,
     ) -> None:
         """``opening`` is where the job begins (``open_new`` or ``open_resumed``; ``clock``
         must be the clock it was opened with). ``make_driver`` builds the driver, given the
         session's one inbox, ``observe``. ``namespace`` labels the job's metrics (the job
         label is the name without the ``namespace.`` prefix of the protocol's job key).
+        ``member_key`` signs the member credentials (``credentials``); default: a new one,
+        for a session whose workers never outlive it (local mode, tests). ``valid_since``:
+        the status says ``Valid=True`` since then (Kubernetes, where a spec is checked
+        after the API server accepted it). ``token_source`` re-reads the job token where
+        it is kept, so a rotated one is picked up (``credentials.JobTokens``).
         """
         self.job_name = opening.state.job
         self.spec = opening.spec
-        self.token = token
+        self.tokens = JobTokens(token, token_source, clock, self.job_name)
+        self.credentials = MemberCredentials(self.job_name, member_key)
+        self._claims: dict[str, str | None] = {}  # worker -> the claim it registered with
         self._clock = clock
         self._tick_s = tick_seconds
         hang = opening.spec.fault_tolerance.hang_timeout_seconds
@@ -217,9 +185,9 @@ class JobSession(Generic[D]):
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
         self._address_owner: dict[str, str] = {}  # address -> the worker that registered it
-        self._encoded: EncodedView | None = None  # the current view, encoded once
-        self._recent: dict[str, MembershipView] = {}  # ETag -> a view published lately
-        self._status_view = StatusView(opening.wall_offset_s, list(opening.closed_recoveries))
+        self._status_view = StatusView(
+            opening.wall_offset_s, list(opening.closed_recoveries), valid_since
+        )
         self._progress_listeners: list[ProgressListener] = []
         self._watched_step: Callable[[], int | None] = lambda: None
         self._started = False
@@ -280,25 +248,49 @@ class JobSession(Generic[D]):
 
     # ------------------------------------------------------------ protocol handlers
 
-    async def register(self, req: RegisterRequest) -> RegisterResponse:
+    async def register(
+        self, req: RegisterRequest, credential: str | None = None
+    ) -> RegisterResponse:
+        """Registers ``req.worker`` and answers with its member credential. A worker
+        registered already is answered again only for the same ``claim`` (its answer was
+        lost) or its own ``credential``: the job token alone never gets a member's."""
         self._check_known(req.worker)
         if self._state.terminal:
             raise SessionError(409, f"job {self.job_name} is {self._state.phase.lower()}")
         self._check_claim(req)
+        self._check_retry(req, credential)
         self._touch(req.worker)
         self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
-        return RegisterResponse(worker=req.worker, generation=self._state.generation)
+        return RegisterResponse(
+            worker=req.worker,
+            generation=self._state.generation,
+            credential=self.credentials.issue(req.worker),
+        )
+
+    def authenticate(self, worker: str, credential: str | None, route: str) -> None:
+        """Refuses (401 without a credential, 403 with another's) a report or poll in the
+        name of ``worker`` that does not carry ``worker``'s member credential; logged and
+        counted (``bulkhead_control_ignored_reports_total``)."""
+        refusal = self.credentials.check(worker, credential)
+        if refusal is None:
+            return
+        metrics.IGNORED_REPORTS.labels(reason=refusal).inc()
+        log.warning(
+            "job %s: refused %s in the name of %s: %s",
+            self.job_name,
+            route,
+            worker,
+            "no member credential" if refusal == "no_credential" else "another member's credential",
+        )
+        if refusal == "no_credential":
+            raise SessionError(401, f"{route} for {worker} needs its member credential")
+        raise SessionError(403, f"the member credential is not {worker}'s")
 
     async def wait_membership(
         self, after: int, timeout: float, worker: str | None = None
     ) -> MembershipView:
-        """The current generation as soon as it is newer than ``after``, or after ``timeout``."""
-        return (await self.wait_encoded(after, timeout, worker)).view
-
-    async def wait_encoded(
-        self, after: int, timeout: float, worker: str | None = None
-    ) -> EncodedView:
-        """``wait_membership``, answered with the view's shared encoding (the endpoint's)."""
+        """The current generation as soon as it is newer than ``after``, or after ``timeout``
+        (the same view object for every poller: the endpoint encodes it once)."""
         if worker is not None:
             self._check_known(worker)
             self._touch(worker)
@@ -318,7 +310,7 @@ class JobSession(Generic[D]):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await changed.wait()
-            return self.encoded_membership
+            return self._state.membership
         finally:
             if worker is not None:
                 self._polling[worker] -= 1
@@ -326,24 +318,8 @@ class JobSession(Generic[D]):
                     del self._polling[worker]
                 self._touch(worker)
 
-    @property
-    def encoded_membership(self) -> EncodedView:
-        """The current view's encoding, made once per view however many workers ask."""
-        view = self._state.membership
-        if self._encoded is None or self._encoded.view is not view:
-            if self._encoded is not None:
-                self._recent[self._encoded.etag] = self._encoded.view
-                while len(self._recent) > RECENT_VIEWS:
-                    del self._recent[next(iter(self._recent))]
-            self._encoded = EncodedView(view)
-        return self._encoded
-
-    def recent_view(self, etag: str) -> MembershipView | None:
-        """A view published lately, by its ETag (a delta's base), if still kept."""
-        return self._recent.get(etag)
-
     async def progress(self, report: ProgressReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
+        early = self._report_directive(report.worker, report.generation, "progress")
         if early is not None:
             return early
         total = self._state.config.total_steps
@@ -364,14 +340,14 @@ class JobSession(Generic[D]):
         return self._directive(report.generation)
 
     async def fault(self, report: FaultReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
-        if early is not None and report.kind != "user_error":
+        early = self._report_directive(report.worker, report.generation, f"{report.kind} fault")
+        if early is not None:
             return early
         self._apply(FaultReported(report))
         return self._directive(report.generation)
 
     async def complete(self, report: CompletionReport) -> Directive:
-        early = self._report_directive(report.worker, report.generation)
+        early = self._report_directive(report.worker, report.generation, "completion")
         if early is not None:
             return early
         self._apply(CompletionReported(report))
@@ -384,9 +360,22 @@ class JobSession(Generic[D]):
         a worker running, a worker exited (a failed start included), a node anomaly."""
         if isinstance(event, WorkerExited):
             self._last_seen.pop(event.worker, None)
+            self._claims.pop(event.worker, None)
         self._apply(event)
 
     # ------------------------------------------------------------ status
+
+    def note_scheduling(self, worker: str, unschedulable: str | None) -> None:
+        """Whether the scheduler can place ``worker`` (None: it can, or it is gone); the
+        status says why while it cannot."""
+        book = self._status_view.unschedulable
+        before = book.get(worker)
+        if unschedulable is None:
+            book.pop(worker, None)
+        else:
+            book[worker] = unschedulable
+        if book.get(worker) != before:
+            self._effects.status_changed()
 
     @property
     def status(self) -> TrainingJobStatus:
@@ -435,9 +424,38 @@ class JobSession(Generic[D]):
                 raise SessionError(409, f"address {req.address} belongs to another worker")
         self._address_owner[req.address] = req.worker
 
-    def _report_directive(self, worker: str, generation: int) -> Directive | None:
+    def _check_retry(self, req: RegisterRequest, credential: str | None) -> None:
+        """A second registration of a registered worker is a retry only with the first
+        one's claim or the worker's credential (a restarted manager knows no claims)."""
+        slot = self._state.slot_of(req.worker)
+        if slot is None or slot.status != "registered":
+            self._claims[req.worker] = req.claim
+            return
+        first = self._claims.get(req.worker)
+        if first is not None and req.claim is not None and hmac.compare_digest(first, req.claim):
+            return
+        if self.credentials.check(req.worker, credential) is None:
+            return
+        log.warning(
+            "job %s: refused a second registration of %s without its claim or credential",
+            self.job_name,
+            req.worker,
+        )
+        raise SessionError(409, f"worker {req.worker} is registered already")
+
+    def _report_directive(
+        self, worker: str, generation: int, route: str = "report"
+    ) -> Directive | None:
         current = self._state.generation
-        if worker in self._state.dead or self._state.terminal:
+        if worker in self._state.dead:
+            # Declared dead (and replaced): whatever it says now is about a job it left.
+            metrics.IGNORED_REPORTS.labels(reason="dead_member").inc()
+            log.warning(
+                "job %s: ignored %s of %s: it was declared dead", self.job_name, route, worker
+            )
+            why = f"worker {worker} is no longer part of the job"
+            return Directive(action="stop", generation=current, reason=why)
+        if self._state.terminal:
             why = self._state.message or f"worker {worker} is no longer part of the job"
             return Directive(action="stop", generation=current, reason=why)
         self._check_known(worker)

@@ -1,27 +1,55 @@
-"""The TrainingJobStatus of a job session, built from the lifecycle policy state.
+"""The TrainingJobStatus of a job, decided here and nowhere else.
 
-Times in the policy state are in the session's clock; they become RFC 3339 wall-clock
-times here. Conditions come from ``conditions``.
+``StatusView`` builds a session's status from the lifecycle policy state, plus what the
+driver told the session about scheduling (workers the scheduler cannot place) and, in
+Kubernetes, that the spec passed the semantic checks (``Valid``). ``invalid_spec_status``
+is the status of a job whose spec did not (it never gets a session). Times in the policy
+state are in the session's clock; they become RFC 3339 wall-clock times here. Conditions
+come from ``conditions``.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from bulkhead.api.node_problems import rfc3339
 from bulkhead.api.status import Membership, Recovery, TrainingJobStatus
 from bulkhead.operator.lifecycle.types import LifecycleState
-from bulkhead.operator.session.conditions import ConditionBook
+from bulkhead.operator.session.conditions import (
+    ConditionBook,
+    spec_invalid,
+    spec_valid,
+    with_unschedulable,
+)
 
 # The status lists at most this many recoveries (the newest): it is stored in etcd.
 MAX_RECOVERIES_IN_STATUS = 50
 
 
+def invalid_spec_status(errors: str, now: datetime) -> TrainingJobStatus:
+    """Status of a job whose spec passed the schema but not the semantic checks."""
+    return TrainingJobStatus(
+        phase="Failed",
+        conditions=[spec_invalid(errors, rfc3339(now))],
+        message=f"invalid spec: {errors}",
+    )
+
+
 class StatusView:
-    def __init__(self, wall_offset_s: float, prior_recoveries: list[Recovery]) -> None:
+    def __init__(
+        self,
+        wall_offset_s: float,
+        prior_recoveries: list[Recovery],
+        valid_since: str | None = None,
+    ) -> None:
         """``wall_offset_s`` = wall clock - session clock; ``prior_recoveries`` come from the
-        status of a previous manager."""
+        status of a previous manager; ``valid_since`` (Kubernetes: when the spec passed the
+        semantic checks) adds the condition ``Valid=True``."""
         self._wall_offset = wall_offset_s
         self._prior = list(prior_recoveries)
         self._conditions = ConditionBook()
+        self._valid_since = valid_since
+        self.unschedulable: dict[str, str] = {}  # worker -> why the scheduler cannot place it
         # The status membership of the last published view: converting 16,384 members
         # costs ~80 ms, and the status is rebuilt on every change (each progress report).
         self._membership: tuple[object, Membership] | None = None
@@ -42,9 +70,19 @@ class StatusView:
                 Recovery(cause=pending.cause, detected=self.rfc3339(pending.detected))
             )
         membership = self._status_membership(s)
+        conditions = self._conditions.update(s, lambda: self.rfc3339(now))
+        if self._valid_since is not None:
+            conditions = [spec_valid(self._valid_since), *conditions]
+        message = s.message
+        if self.unschedulable and s.phase in ("Pending", "Recovering"):
+            worker, why = sorted(self.unschedulable.items())[0]
+            message = (
+                f"{len(self.unschedulable)} worker pod(s) cannot be scheduled ({worker}: {why})"
+            )
+            conditions = with_unschedulable(conditions, message)
         return TrainingJobStatus(
             phase=s.phase,
-            conditions=self._conditions.update(s, lambda: self.rfc3339(now)),
+            conditions=conditions,
             membership=membership,
             workers=workers_column(s),
             step=s.step,
@@ -56,7 +94,7 @@ class StatusView:
             reconfigurations=s.reconfigurations,
             evicted_nodes=list(s.evicted_nodes),
             recoveries=recoveries[-MAX_RECOVERIES_IN_STATUS:],
-            message=s.message,
+            message=message,
         )
 
     def _status_membership(self, s: LifecycleState) -> Membership:

@@ -13,6 +13,7 @@ from typing import Any
 
 from waiting import wait_until
 
+from bulkhead.api.client import ControlClient, MemberCredential
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.control import ControlServer, create_control_app
@@ -50,16 +51,39 @@ class Harness:
     def __init__(self, job: str, spec: TrainingJobSpec, token: str = "s3cret") -> None:
         self.job = job
         self.token = token
+        self.stored_token = token  # where the session re-reads it (a rotation changes it)
+        self.token_reads = 0
         self.driver = RecordingDriver()
         self.loop = asyncio.new_event_loop()
         self.session = JobSession(
-            open_new(job, spec), token, lambda _: self.driver, tick_seconds=0.1
+            open_new(job, spec),
+            token,
+            lambda _: self.driver,
+            tick_seconds=0.1,
+            token_source=self._read_token,
         )
         self.registry = SessionRegistry()
         self.registry.add(self.session)
-        self.server = ControlServer(create_control_app(self.registry))
+        self.app = create_control_app(self.registry)
+        self.server = ControlServer(self.app)
         self.url = self.server.url
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._members: dict[str, MemberCredential] = {}
+
+    async def _read_token(self) -> str:
+        self.token_reads += 1
+        return self.stored_token
+
+    def client(
+        self, worker: str | None = None, token: str | None = None, **kwargs: Any
+    ) -> ControlClient:
+        """A client of ``worker``, holding the credential its registration got (one per
+        worker, as one worker process's clients share theirs), with the job token it was
+        started with (default: the first)."""
+        member = self._members.setdefault(worker, MemberCredential()) if worker else None
+        return ControlClient(
+            self.url, token or self.token, self.job, worker, member=member, **kwargs
+        )
 
     def __enter__(self) -> Harness:
         self._thread.start()

@@ -50,7 +50,7 @@ def harness():
 
 
 def _client(h: Harness, worker: str | None = None, **kw) -> ControlClient:
-    return ControlClient(h.url, h.token, JOB, worker, **kw)
+    return h.client(worker, **kw)
 
 
 def _register_all(h: Harness) -> None:

@@ -149,3 +149,39 @@ def test_workers_that_restored_nothing_after_a_persisted_step_fail_the_job_sayin
         await session.stop()
 
     asyncio.run(scenario())
+
+
+def test_after_a_fall_back_to_an_older_step_the_status_reports_that_step() -> None:
+    """Step 20 was reported persisted, then found corrupt: the next generation restores
+    step 10 and its workers report 10 as the newest complete step on storage. The status
+    (and the metric) must say 10, not keep the 20 that cannot be restored."""
+
+    async def scenario() -> None:
+        driver = RecordingDriver()
+        session = JobSession(open_new("job", _spec(2)), "t", lambda _: driver)
+        await session.start()
+        for slot in range(2):
+            await session.register(RegisterRequest(worker=f"job-w{slot}-0", address=f"h:{slot}"))
+        await session.progress(
+            ProgressReport(worker="job-w0-0", generation=1, step=21, persisted_step=20)
+        )
+        await session.progress(  # a late, older figure of the same generation changes nothing
+            ProgressReport(worker="job-w0-0", generation=1, step=22, persisted_step=15)
+        )
+        assert session.status.last_persisted_step == 20
+        session.observe(WorkerExited("job-w1-0", None, 9))
+        generation = session.state.generation
+        assert generation > 1
+        await session.progress(
+            ProgressReport(
+                worker="job-w0-0",
+                generation=generation,
+                step=11,
+                state_source="checkpoint",
+                persisted_step=10,
+            )
+        )
+        assert session.status.last_persisted_step == 10
+        await session.stop()
+
+    asyncio.run(scenario())

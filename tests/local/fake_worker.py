@@ -3,7 +3,12 @@
 Used where the test is about the supervisor, not about training (start-up failures,
 Ctrl-C). FAKE_MODE: ``train`` (default: register, follow generations, report steps,
 complete; also starts a grandchild ``sleep`` to check that stopping kills the whole group),
-``user_error`` (exit 2 at once) or ``crash`` (exit 1 at once).
+``user_error`` (exit 2 at once) or ``crash`` (exit 1 at once). In ``train`` mode:
+FAKE_FORGE=1 makes the worker of slot 0 first report, with its own credential, the last
+step and the completion of every other member (the manager must refuse them: one line
+``forged <route> for <worker>: HTTP <status>`` each on stderr); FAKE_WEDGE_AT_STEP=N
+wedges the training loop of every first incarnation at step N while a thread keeps
+long-polling membership (a training thread stuck, the poll thread alive).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from bulkhead.api.client import ControlClient
+from bulkhead.api.client import ControlClient, ControlRequestError
 from bulkhead.api.protocol import (
+    INCARNATION_ENV,
     WORKER_ENV,
     CompletionReport,
     ProgressReport,
@@ -39,6 +46,11 @@ def main() -> int:
     me = os.environ[WORKER_ENV]
     client = ControlClient.from_env()
     client.register(RegisterRequest(worker=me, address=f"{me}.fake:1"))
+    if os.environ.get("FAKE_FORGE") and "-w0-" in me:
+        _forge(client, me)
+    wedge_at = int(os.environ.get("FAKE_WEDGE_AT_STEP", "-1"))
+    if os.environ.get(INCARNATION_ENV, "0") != "0":
+        wedge_at = -1
     generation, step = 0, 0
     while True:
         view = client.membership(after=generation, timeout_s=5)
@@ -49,6 +61,8 @@ def main() -> int:
         generation = view.generation
         step = max(step, view.resume_step)
         while step < view.total_steps:
+            if step == wedge_at:
+                _wedge(client, generation)
             began = time.monotonic()
             time.sleep(step_s)
             took = time.monotonic() - began
@@ -69,6 +83,46 @@ def main() -> int:
         else:
             client.complete(CompletionReport(worker=me, generation=generation, step=step - 1))
             return WorkerExit.DONE
+
+
+def _forge(client: ControlClient, me: str) -> None:
+    """Reports in the other members' names, with this worker's own credential."""
+    view = client.membership(after=0, timeout_s=30)
+    while view.generation == 0:
+        view = client.membership(after=0, timeout_s=30)
+    last = view.total_steps - 1
+    for other in (m.worker for m in view.members if m.worker != me):
+        for route, send in (
+            (
+                "progress",
+                lambda w: client.progress(ProgressReport(worker=w, generation=1, step=last)),
+            ),
+            (
+                "complete",
+                lambda w: client.complete(CompletionReport(worker=w, generation=1, step=last)),
+            ),
+        ):
+            try:
+                send(other)
+                status = 200
+            except ControlRequestError as exc:
+                status = exc.status_code
+            print(f"forged {route} for {other}: HTTP {status}", file=sys.stderr, flush=True)
+
+
+def _wedge(client: ControlClient, generation: int) -> None:
+    """The training loop stops for good; a membership poller (its own client, sharing the
+    credential, as the trainer's watcher) keeps this worker alive to the manager."""
+    poller = ControlClient.from_env(member=client.member)
+
+    def poll() -> None:
+        after = generation
+        while True:
+            after = poller.membership(after=after, timeout_s=5).generation
+
+    threading.Thread(target=poll, daemon=True).start()
+    print(f"training thread wedged at generation {generation}", file=sys.stderr, flush=True)
+    threading.Event().wait()
 
 
 if __name__ == "__main__":

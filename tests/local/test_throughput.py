@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bulkhead.operator.local.throughput import JobThroughput
+from bulkhead.operator.throughput import JobThroughput
 
 
 def test_redone_steps_after_a_restart_count_once_but_their_time_does() -> None:

@@ -18,6 +18,8 @@ import httpx
 import waiting
 import yaml
 
+from bulkhead.api.protocol import MEMBER_HEADER
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "trainingjobs.bulkhead.dev.yaml"
 OPERATOR_BIN = Path(sys.executable).with_name("bulkhead-operator")
@@ -209,7 +211,9 @@ class FakeWorker:
         body = {"worker": self.id, "node": self.node, "address": self.address}
         response = self.http.post(f"{self.base}/register", json=body)
         response.raise_for_status()
-        return response.json()
+        answer = response.json()
+        self.http.headers[MEMBER_HEADER] = answer["credential"]  # reports carry it from now on
+        return answer
 
     def membership(self, after: int = 0, timeout: float = 5) -> dict[str, Any]:
         response = self.http.get(

@@ -144,6 +144,9 @@ def test_service_and_secret():
     secret = builders.build_secret(ctx, "s3cret")
     assert secret["metadata"]["name"] == "llm-control"
     assert secret["stringData"] == {"token": "s3cret"}
+    members = builders.build_member_secret(ctx, "k3y")
+    assert members["metadata"]["name"] == "llm-members"
+    assert members["stringData"] == {"member-key": "k3y"}
     # With the agents' token configured, workers get their job's own report token (never
     # the agents' token itself) from the same Secret.
     with_agent = replace(ctx, agent_report_token="agent-t0ken", agent_port=9500)
@@ -154,8 +157,10 @@ def test_service_and_secret():
     }
     assert job_token != protocol.job_report_token("agent-t0ken", "other-namespace.llm")
     pod = builders.build_worker_pod(with_agent, "llm-w0-0", slot=0, incarnation=0)
+    # The member key signs the workers' credentials: no pod may read it.
+    assert names.member_secret_name("llm") not in json.dumps(pod)
     assert _env(pod["spec"]["containers"][0])[protocol.AGENT_URL_ENV].endswith(":9500")
-    for obj in (service, secret):
+    for obj in (service, secret, members):
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm"
 
 

@@ -182,3 +182,27 @@ def test_node_signature_changes_only_with_what_bulkhead_reads():
     ]
     for node in changed:
         assert classify.node_signature(node) != classify.node_signature(base), node
+
+
+def test_node_news_tells_each_problem_once_and_again_after_a_recovery():
+    news = classify.NodeNewsFilter()
+    ill = _node(anomaly=("True", "XidError", "xid 79"))
+    first = news.read(ill)
+    assert first is not None and first.problem is not None
+    assert first.problem.reason == "XidError" and not first.tainted
+    assert (
+        news.read(_node(anomaly=("True", "XidError", "xid 79"), when="2026-01-02T00:00:00Z"))
+        is None
+    )
+    # Our taint arrives: news (tainted), but the same problem is not told again.
+    tainted = news.read(
+        _node(anomaly=("True", "XidError", "xid 79"), taints=[{"key": names.TAINT_UNHEALTHY}])
+    )
+    assert tainted is not None and tainted.tainted and tainted.problem is None
+    healthy = news.read(_node(anomaly=("False", "NoAnomaly", "")))
+    assert healthy is not None and healthy.problem is None and not healthy.tainted
+    again = news.read(ill)
+    assert again is not None and again.problem is not None  # ill again: told again
+    news.forget(ill["metadata"]["name"])  # e.g. acting on it failed: retried
+    retried = news.read(ill)
+    assert retried is not None and retried.problem is not None

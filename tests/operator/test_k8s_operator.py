@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from k8s_operator_harness import (
     FakeWorker,
@@ -334,3 +335,59 @@ def test_a_job_cannot_make_its_own_problems_taint_nodes(k8s_cluster, k8s_namespa
     wait_until(lambda: _our_taint(k8s_cluster, xid_node) == "XidError", "the XID node tainted")
     assert _our_taint(k8s_cluster, nan_node) is None
     assert not k8s_cluster.get_json("node", nan_node)["spec"].get("unschedulable")
+
+
+def test_a_job_token_rotated_mid_job_admits_new_pods_and_keeps_running_members(
+    k8s_cluster, k8s_namespace, zone, operator
+):
+    """An admin rotates the token in the job's Secret while it trains: a pod started since
+    registers with the new token (the operator re-reads the Secret, with its own RBAC),
+    the running worker goes on with the token it started with and its own credential,
+    and the old token alone registers nobody."""
+    zone_name, _ = zone
+    job = Job(k8s_cluster, k8s_namespace, "rotate")
+    _apply(k8s_cluster, job_manifest("rotate", k8s_namespace, zone_name, workers=2))
+    workers = _form_generation(job, operator, 2)
+    old_token = job.token()
+    survivor, lost = sorted(workers.values(), key=lambda w: w.id)
+    view = wait_until(lambda: (v := survivor.membership(0)) and v["generation"] >= 1 and v, "gen 1")
+    rotated = {"stringData": {"token": "rotated-t0ken-0123456789"}}
+    k8s_cluster.kubectl(
+        "patch", "secret", "rotate-control", "-n", k8s_namespace, "--type=merge",
+        "-p", json.dumps(rotated),
+    )  # fmt: skip
+    assert job.token() == "rotated-t0ken-0123456789" != old_token
+    k8s_cluster.kubectl("delete", "pod", lost.id, "-n", k8s_namespace, "--wait=false")
+    shrunk = wait_until(
+        lambda: (
+            (v := survivor.membership(view["generation"]))
+            and v["generation"] > view["generation"]
+            and v
+        ),
+        "a generation without the deleted pod's worker (polled with the old token)",
+    )
+    replacement = wait_until(
+        lambda: [p for n, p in job.running_pods().items() if n not in workers],
+        "a replacement pod Running",
+    )[0]
+    newcomer = FakeWorker(operator.url, job, job.token(), replacement)
+    newcomer.register()  # the first request with the new token: the Secret is re-read
+    stale = httpx.post(
+        f"{operator.url}/v1/jobs/{job.key}/register",
+        json={"worker": replacement["metadata"]["name"], "address": "10.0.0.9:29500"},
+        headers={"Authorization": f"Bearer {old_token}"},
+        timeout=30,
+    )
+    assert stale.status_code == 401 and "replaced" in stale.text, stale.text
+    survivor.progress(shrunk["generation"], step=1)  # old token, its own credential
+    grown = wait_until(
+        lambda: (
+            (v := survivor.membership(shrunk["generation"]))
+            and v["generation"] > shrunk["generation"]
+            and v
+        ),
+        "the generation with the replacement",
+    )
+    assert members(grown) == {survivor.id, newcomer.id}
+    assert "job token rotated" in operator.logs()
+    assert operator.alive()

@@ -22,7 +22,7 @@ from bulkhead.api.protocol import (
     WORKER_ENV,
     WorkerExit,
 )
-from bulkhead.trainer.worker import read_env, run
+from bulkhead.trainer.worker import raised_inside, read_env, run
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -103,3 +103,18 @@ def test_entry_point_exits_2_on_an_incomplete_environment() -> None:
     )
     assert done.returncode == WorkerExit.USER_ERROR
     assert "missing environment variables" in done.stderr
+
+
+def test_a_value_error_from_inside_torch_is_not_a_user_error_by_itself() -> None:
+    """Where the error was raised decides: our checks and user code (user errors) or the
+    depths of torch (replace the worker, bounded by maxRestarts)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch_dir = Path(torch.__file__).resolve().parent
+    with pytest.raises(ValueError) as inside:
+        F.cross_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+    assert raised_inside(inside.value, torch_dir)
+    with pytest.raises(ValueError) as ours:
+        read_env({})  # a check of our own
+    assert not raised_inside(ours.value, torch_dir)

@@ -12,6 +12,9 @@ manager, so the manager sees one member per pod, as torchelastic's per-node agen
 - *progress, faults, complete*: forwarded, answers and errors included; a fault or a
   completion all G report goes on once, and the pod's persisted step is its oldest.
 
+The relay holds the pod's member credential (the answer to its one registration) and
+sends it upstream with every poll and report; the processes never see it.
+
 It also keeps each process's liveness (an open poll, or a request within a limit), which
 the launcher reads to fail the pod when one process falls silent (stopped, or wedged).
 """
@@ -34,7 +37,7 @@ from urllib.parse import parse_qs, quote
 import httpx
 from pydantic import ValidationError
 
-from bulkhead.api.client import ControlClient, ControlError, ControlRequestError
+from bulkhead.api.client import ControlClient, ControlError, ControlRequestError, MemberCredential
 from bulkhead.api.protocol import (
     API_PREFIX,
     FaultReport,
@@ -91,6 +94,7 @@ class PodRelay:
         self.processes = processes
         self.poll_s = poll_s
         self._token = token
+        self._member = MemberCredential()  # the pod's, once registered
         self._upstream_url = upstream_url.rstrip("/")
         self._timeout_s = timeout_s  # of each request to the manager, as a trainer's
         self._prefix = f"{API_PREFIX}/{quote(job, safe='')}"
@@ -148,7 +152,12 @@ class PodRelay:
 
     def _connect(self, worker: str | None) -> ControlClient:
         return ControlClient(
-            self._upstream_url, self._token, self.job, worker, timeout_s=self._timeout_s
+            self._upstream_url,
+            self._token,
+            self.job,
+            worker,
+            timeout_s=self._timeout_s,
+            member=self._member,
         )
 
     # ------------------------------------------------------------ liveness
@@ -229,7 +238,13 @@ class PodRelay:
         the pod when it sees the exit)."""
         view = self.view
         client = ControlClient(
-            self._upstream_url, self._token, self.job, self.worker, timeout_s=timeout_s, retries=0
+            self._upstream_url,
+            self._token,
+            self.job,
+            self.worker,
+            timeout_s=timeout_s,
+            retries=0,
+            member=self._member,
         )
         try:
             client.fault(
@@ -383,7 +398,7 @@ class PodRelay:
             response = await self._http.post(
                 f"{self._prefix}/{route}",
                 content=body,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **self._member.headers()},
             )
         except httpx.TransportError as exc:
             message = f"the manager is unreachable from the pod relay: {exc}"
