@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from bulkhead.api.client import ControlClient, ControlError, ControlRequestError
 from bulkhead.api.protocol import (
     API_PREFIX,
+    FaultKind,
     FaultReport,
     MembershipView,
     ProgressReport,
@@ -62,6 +63,8 @@ class CachedView:
     view: MembershipView
     body: bytes
     etag: str
+    includes_pod: bool = False  # the pod is one of its members
+    since: float = 0.0  # when the relay got it (monotonic)
 
 
 @dataclass
@@ -112,6 +115,11 @@ class PodRelay:
         # Reports the pod sends once, by (route, generation, kind, step): their answers.
         self._once: dict[tuple[Any, ...], asyncio.Future[tuple[int, bytes]]] = {}
         self._persisted: dict[int, int] = {}  # local rank -> its newest persisted step
+        # Generations up to this one are not shown to the processes: they were those of the
+        # processes a restart in place replaced (``renew``), which the new ones never join.
+        self._floor = 0
+        # Whether a process reported a step in a generation past the floor: the pod trains.
+        self.trained = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,6 +171,19 @@ class PodRelay:
             if seen is not None and self._open_polls[rank] == 0 and now - seen >= limit_s:
                 out.append((rank, now - seen))
         return out
+
+    def renew(self) -> None:
+        """The launcher replaced every process of the pod (pre-started ones took over): they
+        check in again, the pod registers again once all have, and they see only
+        generations newer than the current one (the manager drops the pod from the next)."""
+        with self._lock:
+            self._floor = self._view.view.generation if self._view is not None else 0
+            self._checked_in.clear()
+            self.registration = None
+            self.registered.clear()
+            self._last_seen = [None] * self.processes
+            self._persisted = {}
+            self.trained = False
 
     def forget(self, rank: int) -> None:
         """Stop watching ``rank`` (it exited)."""
@@ -224,9 +245,11 @@ class PodRelay:
         self.registration = outcome
         self.registered.set()
 
-    def report_pod_failure(self, message: str, timeout_s: float = 2.0) -> None:
-        """Best effort, before the pod exits: why (an Event at the manager, which replaces
-        the pod when it sees the exit)."""
+    def report_pod_failure(
+        self, message: str, kind: FaultKind = "internal_error", timeout_s: float = 2.0
+    ) -> None:
+        """Best effort: why the pod failed (``internal_error``: it exits next; the manager
+        replaces it) or restarted its processes in place (``processes_restarted``)."""
         view = self.view
         client = ControlClient(
             self._upstream_url, self._token, self.job, self.worker, timeout_s=timeout_s, retries=0
@@ -236,7 +259,7 @@ class PodRelay:
                 FaultReport(
                     worker=self.worker,
                     generation=view.generation if view is not None else 0,
-                    kind="internal_error",
+                    kind=kind,
                     message=message[:4096],
                 )
             )
@@ -270,9 +293,14 @@ class PodRelay:
                 continue
             after, timeout = view.generation, self.poll_s
             body = view.model_dump_json(by_alias=True).encode()
-            self._call_soon(
-                self._set_view, CachedView(view, body, f'"g{view.generation}-{view.state}"')
+            cached = CachedView(
+                view,
+                body,
+                f'"g{view.generation}-{view.state}"',
+                includes_pod=any(m.worker == self.worker for m in view.members),
+                since=time.monotonic(),
             )
+            self._call_soon(self._set_view, cached)
 
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -292,6 +320,21 @@ class PodRelay:
         async with self._changed:
             self._gone = (status, body)
             self._changed.notify_all()
+
+    def trains(self, settle_s: float, now: float | None = None) -> bool:
+        """Whether the pod trains: one of its processes reported a step, or it has been a
+        member of the same running generation (one its processes see) for ``settle_s``
+        (only the pod of rank 0 reports steps)."""
+        if self.trained:
+            return True
+        cached = self._view
+        if cached is None or not cached.includes_pod or cached.view.state != "running":
+            return False
+        now = time.monotonic() if now is None else now
+        return self._shown(cached.view) and now - cached.since >= settle_s
+
+    def _shown(self, view: MembershipView) -> bool:
+        return view.generation > self._floor or view.state in ("succeeded", "failed")
 
     @property
     def view(self) -> MembershipView | None:
@@ -314,6 +357,8 @@ class PodRelay:
                     if self._closing.is_set():
                         return 503, b'{"error": "the pod is stopping", "details": []}', {}
                     cached = self._view
+                    if cached is not None and not self._shown(cached.view):
+                        cached = None  # of the processes a restart replaced
                     if cached is not None and (
                         cached.view.generation > after or (etag is not None and etag != cached.etag)
                     ):
@@ -359,10 +404,14 @@ class PodRelay:
         return await self.forward(rank, route, body)
 
     def _oldest_persisted(self, rank: int, body: bytes) -> bytes:
+        """A progress report as the pod's (its oldest persisted step); notes that the pod
+        trains."""
         try:
             report = ProgressReport.model_validate_json(body)
         except ValidationError:
             return body  # the manager will say what is wrong with it
+        if report.generation > self._floor:
+            self.trained = True
         if report.persisted_step is None:
             return body
         self._persisted[rank] = report.persisted_step
