@@ -23,7 +23,7 @@ import psutil
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.client import ControlClient, ControlRequestError, ControlUnavailable
 from bulkhead.api.protocol import (
     CHECKPOINT_SOCKET_ENV,
     ENDPOINT_ENV,
@@ -133,6 +133,30 @@ def test_a_pod_registers_once_all_its_processes_are_ready(harness: Harness, pods
     for pod in pods:
         for client in pod.clients:
             assert client.membership(after=0, timeout_s=10).generation == 1
+
+
+def test_renewed_processes_see_only_generations_after_the_replaced_ones(
+    harness: Harness, pods
+) -> None:
+    """After a restart in place the new processes register the pod again, and generation 1
+    (the replaced processes') is not theirs to join: their polls wait for a newer one."""
+    h = harness
+    a, b = pods
+    for pod in pods:
+        pod.register(0)
+        pod.register(1)
+    assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    a.relay.renew()
+    assert a.relay.registration is None and not a.relay.registered.is_set()
+    with pytest.raises(ControlUnavailable, match="503: no membership from the manager yet"):
+        a.clients[0].membership(after=0, timeout_s=0.5)
+    a.relay.report_pod_failure("local rank 1 died", kind="processes_restarted")
+    view = a.clients[1].membership(after=0, timeout_s=10)
+    assert view.generation == 2 and [m.worker for m in view.members] == [b.worker]
+    a.register(0)
+    a.register(1)  # the pod registers again once both new processes checked in
+    assert a.relay.registered.wait(10) and a.relay.registration.ok
+    assert [e for e in _events(h, "JoinDeferred") if a.worker in e]
 
 
 def test_a_fault_all_processes_saw_is_reported_once(harness: Harness, pods) -> None:
