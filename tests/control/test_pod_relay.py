@@ -146,11 +146,21 @@ def test_renewed_processes_see_only_generations_after_the_replaced_ones(
         pod.register(0)
         pod.register(1)
     assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    # The replaced local rank 0's long poll, still open in the relay when it is renewed.
+    old = ControlClient(f"{a.url}/local/0", h.token, JOB, a.worker, retries=0)
+    stale = threading.Thread(target=lambda: old.membership(after=1, timeout_s=20), daemon=True)
+    stale.start()
+    h.wait_for(lambda: a.relay._open_polls[0] == 1)
     a.relay.renew()
     assert a.relay.registration is None and not a.relay.registered.is_set()
     with pytest.raises(ControlUnavailable, match="503: no membership from the manager yet"):
-        a.clients[0].membership(after=0, timeout_s=0.5)
+        a.clients[1].membership(after=0, timeout_s=0.5)
     a.relay.report_pod_failure("local rank 1 died", kind="processes_restarted")
+    stale.join(20)  # answered with generation 2 ...
+    old.close()
+    assert not stale.is_alive()
+    # ... which is no sign of life of the new local rank 0 (else it is "silent" at once).
+    assert [rank for rank, _ in a.relay.silent(0.0)] == [1]
     view = a.clients[1].membership(after=0, timeout_s=10)
     assert view.generation == 2 and [m.worker for m in view.members] == [b.worker]
     a.register(0)

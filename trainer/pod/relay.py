@@ -111,6 +111,9 @@ class PodRelay:
         self._poll_client: ControlClient | None = None
         # Liveness of each local rank: open polls and the last request's start or end.
         self._open_polls = [0] * processes
+        # Bumped by ``renew``: a request of a replaced process that ends later (its long
+        # poll, answered to a dead client) must not count as its successor's life.
+        self._epoch = 0
         self._last_seen: list[float | None] = [None] * processes
         # Reports the pod sends once, by (route, generation, kind, step): their answers.
         self._once: dict[tuple[Any, ...], asyncio.Future[tuple[int, bytes]]] = {}
@@ -178,6 +181,8 @@ class PodRelay:
         generations newer than the current one (the manager drops the pod from the next)."""
         with self._lock:
             self._floor = self._view.view.generation if self._view is not None else 0
+            self._epoch += 1
+            self._open_polls = [0] * self.processes
             self._checked_in.clear()
             self.registration = None
             self.registered.clear()
@@ -189,8 +194,10 @@ class PodRelay:
         """Stop watching ``rank`` (it exited)."""
         self._last_seen[rank] = None
 
-    def _seen(self, rank: int) -> None:
-        self._last_seen[rank] = time.monotonic()
+    def _seen(self, rank: int, epoch: int | None = None) -> None:
+        """Local rank ``rank`` was heard from (by a request of ``epoch``'s processes)."""
+        if epoch is None or epoch == self._epoch:
+            self._last_seen[rank] = time.monotonic()
 
     # ------------------------------------------------------------ register
 
@@ -346,6 +353,7 @@ class PodRelay:
         """A child's long poll: the newest view once its generation is past ``after`` (or
         differs from the one the child holds), else at the timeout (304 if unchanged)."""
         assert self._changed is not None
+        epoch = self._epoch
         self._open_polls[rank] += 1
         self._seen(rank)
         try:
@@ -374,8 +382,10 @@ class PodRelay:
                 return 304, b"", {"etag": cached.etag}
             return 200, cached.body, {"etag": cached.etag}
         finally:
-            self._open_polls[rank] -= 1
-            self._seen(rank)
+            with self._lock:  # against a renew in between
+                if epoch == self._epoch:
+                    self._open_polls[rank] -= 1
+                    self._seen(rank)
 
     # ------------------------------------------------------------ reports
 
@@ -427,6 +437,7 @@ class PodRelay:
     async def forward(self, rank: int, route: str, body: bytes) -> tuple[int, bytes]:
         """A report, passed on to the manager; its answer (or 502) comes back as it is."""
         assert self._http is not None
+        epoch = self._epoch
         self._seen(rank)
         try:
             response = await self._http.post(
@@ -438,7 +449,7 @@ class PodRelay:
             message = f"the manager is unreachable from the pod relay: {exc}"
             return 502, json.dumps({"error": message, "details": []}).encode()
         finally:
-            self._seen(rank)
+            self._seen(rank, epoch)
         return response.status_code, response.content
 
     def authorized(self, authorization: str | None) -> bool:
