@@ -112,6 +112,9 @@ FaultKind = Literal[
     "straggler",  # ranks persistently slower than the rest
     "user_error",  # an exception in user code or a bad config: not retried
     "internal_error",  # anything else in the runtime
+    # A pod's launcher put its pre-started processes in place of its trainer processes (one
+    # died or fell silent): the pod leaves the generation and joins again, not replaced.
+    "processes_restarted",
 ]
 Action = Literal["continue", "reconfigure", "stop"]
 

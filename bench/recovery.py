@@ -30,12 +30,14 @@ one trainer process of a pod of 2 killed (2 pods), and every trainer process of 
 killed at once (their checkpoint sidecars live on: a restart from shared memory). Each
 row: seconds from the kill to the next completed step (events.jsonl and metrics.jsonl),
 steps redone, restarts, and for each worker started from a pre-started process how long
-before its imports had finished (local mode keeps up to 4 started ahead); the
+before its imports had finished (local mode keeps up to 4 started ahead); the pod row
+also says whether the pod's own pre-started processes took over (``restarted_in_place``)
+or a new pod replaced it; the
 data-parallel and kill-all rows also run the same job under
 ``torchrun --max-restarts=1`` (a checkpoint every step, every rank restarted) in the same
 invocation. ``--quick``: 2 and 4 workers; ``--row NAME`` (repeatable) runs only those rows.
 ``--out`` writes ``{scaling: {row: {kill_to_step_s, lost_steps, restarts,
-torchrun_kill_to_step_s?, torchrun_lost_steps?}}}``.
+restarted_in_place?, torchrun_kill_to_step_s?, torchrun_lost_steps?}}}``.
 
 Goodput with and without failures, against torchrun too, is ``bench/goodput.py``.
 """
@@ -408,6 +410,9 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
         for m in re.findall(r"pre-started process \d+ runs .* \(imports done ([0-9.]+)s before\)",
                             log.read_text(errors="replace"))
     )  # fmt: skip
+    if case.pods:  # the pod's pre-started processes took over (else a new pod replaced it)
+        events = _read(run_dir / "events.jsonl")
+        row["restarted_in_place"] = any(e["reason"] == "WorkerRestarted" for e in events)
     if case.torchrun:
         victims = list(range(case.workers)) if case.kill_all else [1]
         runs = torchrun_runs(case.workers, steps, [kill_step], run_dir / "torchrun", victims,
@@ -422,8 +427,9 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
 def scaling(args: argparse.Namespace) -> None:
     """A row per case of ``scaling_cases`` (only ``--row`` ones when given)."""
     steps, kill_step = (20, 10) if args.quick else (40, 20)
-    # Killing every trainer comes later: the run's pre-started processes (started once
-    # the job trains) must have finished their imports to stand in for the cold start.
+    # Killing every trainer, or a pod's process, comes later: the run's pre-started
+    # processes (started once the job, or the pod, trains) must have finished their
+    # imports to stand in for the cold start.
     all_steps, all_kill = (60, 50) if args.quick else (100, 80)
     cases = [c for c in scaling_cases(args.quick) if not args.row or c.name in args.row]
     unknown = set(args.row or ()) - {c.name for c in cases}
@@ -433,7 +439,7 @@ def scaling(args: argparse.Namespace) -> None:
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         for case in cases:
-            n, k = (all_steps, all_kill) if case.kill_all else (steps, kill_step)
+            n, k = (all_steps, all_kill) if case.kill_all or case.pods else (steps, kill_step)
             rows[case.name] = row = scaling_row(case, n, k, Path(tmp, case.name))
             theirs = ""
             if "torchrun_kill_to_step_s" in row:

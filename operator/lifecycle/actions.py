@@ -99,13 +99,24 @@ class PolicyActions:
             if slot.index in lost_slots and slot.status == "pending" and slot.start_at <= self.now:
                 self.start(slot)
 
+    def rejoin(self, slot: Slot, cause: str, detail: str) -> None:
+        """A live worker restarted its processes in place (a pod's pre-started ones): it
+        leaves the generation as a lost member would, keeps its slot and incarnation (no
+        replacement is started) and joins again when it registers."""
+        self.event("WorkerRestarted", f"{detail}; it joins again when its processes register")
+        was_member = self.is_member(slot)
+        self.state = self.state.with_slot(replace(slot, status="starting"))
+        if was_member and not self.state.restarting:
+            self.reconfigure_without([slot], cause)
+
     def reconfigure_without(self, lost: list[Slot], cause: str) -> None:
         """Members are gone: publish a generation of the survivors, or restart if the
         state may be lost with them."""
         self.begin_recovery(cause)
         losses = self.state.losses_since_progress + len(lost)
         self.state = replace(self.state, losses_since_progress=losses)
-        survivors = [x for x in self.state.slots if self.is_member(x)]
+        gone = {x.index for x in lost}  # a rejoining slot keeps its (member) worker id
+        survivors = [x for x in self.state.slots if self.is_member(x) and x.index not in gone]
         if len(survivors) < self.cfg.min_workers:
             self.restart_all(
                 f"{cause}: {len(survivors)} workers left, minWorkers {self.cfg.min_workers}",

@@ -9,7 +9,9 @@ driver. Rules, in short:
   dead is never published; the coordinator (rank 0) stays the same worker while it lives.
 - A lost member (exit, peer suspicion, hang, evicted node) is dropped at once in a new
   generation and its slot gets a replacement, which joins in a later generation when it
-  registers. Survivors keep the training state in memory (no checkpoint reload).
+  registers. Survivors keep the training state in memory (no checkpoint reload). A pod
+  whose launcher replaced its trainer processes with pre-started ones (``processes_restarted``)
+  is dropped the same way but not replaced: it joins again when its new processes register.
 - Spares (``faultTolerance.spares``): the job runs workers + spares slots, and a
   generation has at most ``workers`` members. A registered worker beyond them is a spare:
   it waits, registered, until a member is lost; the generation that drops the lost member
@@ -151,7 +153,7 @@ class _Rules:
                 checkpoint_address=ev.checkpoint_address,
             )
         )
-        if ev.worker in self.state.member_ids():
+        if ev.worker in self.state.member_ids() and slot.status == "registered":
             return  # a member re-registering (e.g. a client retry): nothing changes
         if self.state.restarting or self.state.generation == 0:
             if self.state.live_count() >= self.cfg.workers:
@@ -222,6 +224,18 @@ class _Rules:
                 self.act.lose(
                     [slot], "pod_failed", warning_detail=f"{report.worker}: {report.message}"
                 )
+            return
+        if report.kind == "processes_restarted":
+            # The pod lives on with pre-started processes: it leaves the generation (the
+            # others recover without it) and joins again when they register; not replaced.
+            slot = self.state.slot_of(report.worker)
+            if (
+                slot is not None
+                and not self.state.terminal
+                and report.worker not in self.state.dead
+                and slot.status == "registered"
+            ):
+                self.rejoin(slot, "process_lost", f"{report.worker}: {report.message}")
             return
         if report.kind == "peer_suspect":
             suspects = [self.state.slot_of(w) for w in report.suspects]

@@ -48,6 +48,7 @@ from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
+from bulkhead.trainer.pod import prestart
 from bulkhead.trainer.pod.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ def default_worker_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-c", "from bulkhead.trainer.worker import main; main()"]
-
-
-def prestarted_worker_command() -> list[str]:
-    """A worker that imports first and waits for its launch environment on stdin."""
-    return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import prestarted_main; "
-            "prestarted_main()"]  # fmt: skip
 
 
 class SidecarLauncher(Protocol):
@@ -128,7 +123,7 @@ class LocalDriver:
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
         self.prestarted = prestarted
-        self.prestarted_command = prestarted_command or prestarted_worker_command()
+        self.prestarted_command = prestarted_command or prestart.prestarted_command()
         self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
         self._filling = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -195,7 +190,7 @@ class LocalDriver:
             if process.returncode is not None or process.stdin is None:
                 continue
             try:
-                process.stdin.write(json.dumps(env).encode() + b"\n")
+                process.stdin.write(prestart.handover_line(env))
                 await process.stdin.drain()
                 process.stdin.close()
             except (BrokenPipeError, ConnectionResetError):
@@ -342,17 +337,24 @@ class LocalDriver:
 
 
 def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
-    """The pid of a pod launcher's trainer process ``local_rank`` (from its environment)."""
+    """The pid of a pod launcher's trainer process ``local_rank`` (from its environment).
+
+    The launcher's pre-started process for that rank has the same environment but was
+    always started after the one at work (the pool is refilled after a handover): the
+    oldest is the one at work."""
     try:
         kids = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
     except OSError:
         return None
     wanted = f"{LOCAL_RANK_ENV}={local_rank}".encode()
+    found: list[tuple[int, int]] = []  # (start time in clock ticks, pid)
     for pid in kids:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
             if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return int(pid)
-    return None
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                # "pid (comm) state ppid ...": starttime is field 22, the 20th after comm.
+                found.append((int(stat[stat.rindex(")") + 2 :].split()[19]), int(pid)))
+    return min(found)[1] if found else None
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -1,4 +1,5 @@
-"""bench/zero.py and bench/gpu_smoke.py in their --quick form write what they promise.
+"""bench/zero.py, bench/materialize.py and bench/gpu_smoke.py in their --quick form write
+what they promise.
 
 Not timed: the checks are the byte accounting (which is exact, not a speed), the lost
 steps, and the keys of the JSON. bench/gpu_smoke.py runs its CUDA checks where CUDA
@@ -59,6 +60,21 @@ def test_zero_bench_quick(tmp_path: Path) -> None:
         figures["hpz_secondary_bytes_formula"]["stage3+hpz2-s4"], rel=0.02
     )
     assert secondary > 0
+
+
+def test_materialize_bench_quick(tmp_path: Path) -> None:
+    out = tmp_path / "materialize.json"
+    run_bench("materialize", out)
+    figures = json.loads(out.read_text())
+    assert figures["ranks"] == 2 and figures["rounds"] == 1
+    for way in ("by_step", "direct"):
+        for key in ("materialize_cpu_s", "build_cpu_s"):
+            assert len(figures[f"{way}_{key}_all"]) == 2  # every rank of the round
+            assert figures[f"{way}_{key}"] > 0
+        # The materialization is part of the build.
+        assert figures[f"{way}_build_cpu_s"] > figures[f"{way}_materialize_cpu_s"]
+    by_step, direct = figures["by_step_materialize_cpu_s"], figures["direct_materialize_cpu_s"]
+    assert figures["ratio"] == by_step / direct
 
 
 def test_gpu_smoke_skips_without_cuda_and_runs_with_it(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """A stand-in trainer process of a multi-process pod (the real one needs torch): it checks in
 with its pod's relay, then does what ``POD_CHILD_BEHAVIOURS`` (one per local rank) says:
 ``exit:N`` exits with code N, ``poll`` long-polls membership until killed (30 s polls, so a
-poll is open whenever the pod ends), ``stop`` SIGSTOPs itself (a wedged process)."""
+poll is open whenever the pod ends), ``stop`` SIGSTOPs itself (a wedged process). With
+``--prestarted`` it first waits for its launch environment on stdin, as a pre-started
+trainer process (``worker.prestarted_main``) does."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -14,6 +17,12 @@ from bulkhead.api.protocol import LOCAL_RANK_ENV, RegisterRequest
 
 
 def main() -> None:
+    if "--prestarted" in sys.argv:
+        line = sys.stdin.readline()
+        if not line.strip():
+            sys.exit(3)
+        os.environ.clear()
+        os.environ.update(json.loads(line))
     rank = int(os.environ[LOCAL_RANK_ENV])
     behaviour = os.environ["POD_CHILD_BEHAVIOURS"].split(",")[rank]
     client = ControlClient.from_env()

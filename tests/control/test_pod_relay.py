@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.client import ControlClient, ControlRequestError, ControlUnavailable
 from bulkhead.api.protocol import (
     CHECKPOINT_SOCKET_ENV,
     ENDPOINT_ENV,
@@ -33,13 +34,15 @@ from bulkhead.api.protocol import (
     WORKER_ENV,
     CompletionReport,
     FaultReport,
+    MembershipView,
     ProgressReport,
     RegisterRequest,
     WorkerExit,
 )
 from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.api.status import Member
 from bulkhead.trainer.pod.launcher import STOP_TIMEOUT_S, PodLauncher, ServingRelay, child_env
-from bulkhead.trainer.pod.relay import PodRelay
+from bulkhead.trainer.pod.relay import CachedView, PodRelay
 
 JOB = "pods"
 POD_CHILD = [sys.executable, str(Path(__file__).with_name("pod_child.py"))]
@@ -130,6 +133,40 @@ def test_a_pod_registers_once_all_its_processes_are_ready(harness: Harness, pods
     for pod in pods:
         for client in pod.clients:
             assert client.membership(after=0, timeout_s=10).generation == 1
+
+
+def test_renewed_processes_see_only_generations_after_the_replaced_ones(
+    harness: Harness, pods
+) -> None:
+    """After a restart in place the new processes register the pod again, and generation 1
+    (the replaced processes') is not theirs to join: their polls wait for a newer one."""
+    h = harness
+    a, b = pods
+    for pod in pods:
+        pod.register(0)
+        pod.register(1)
+    assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
+    # The replaced local rank 0's long poll, still open in the relay when it is renewed.
+    old = ControlClient(f"{a.url}/local/0", h.token, JOB, a.worker, retries=0)
+    stale = threading.Thread(target=lambda: old.membership(after=1, timeout_s=20), daemon=True)
+    stale.start()
+    h.wait_for(lambda: a.relay._open_polls[0] == 1)
+    a.relay.renew()
+    assert a.relay.registration is None and not a.relay.registered.is_set()
+    with pytest.raises(ControlUnavailable, match="503: no membership from the manager yet"):
+        a.clients[1].membership(after=0, timeout_s=0.5)
+    a.relay.report_pod_failure("local rank 1 died", kind="processes_restarted")
+    stale.join(20)  # answered with generation 2 ...
+    old.close()
+    assert not stale.is_alive()
+    # ... which is no sign of life of the new local rank 0 (else it is "silent" at once).
+    assert [rank for rank, _ in a.relay.silent(0.0)] == [1]
+    view = a.clients[1].membership(after=0, timeout_s=10)
+    assert view.generation == 2 and [m.worker for m in view.members] == [b.worker]
+    a.register(0)
+    a.register(1)  # the pod registers again once both new processes checked in
+    assert a.relay.registered.wait(10) and a.relay.registration.ok
+    assert [e for e in _events(h, "JoinDeferred") if a.worker in e]
 
 
 def test_a_fault_all_processes_saw_is_reported_once(harness: Harness, pods) -> None:
@@ -260,6 +297,25 @@ def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() ->
     assert got[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/1"
     assert got[SHM_DIR_ENV] == "/dev/shm/pod/rank-1"
     assert got[CHECKPOINT_SOCKET_ENV] == "/dev/shm/pod/rank-1/checkpointd.sock"
+
+
+def test_a_pod_trains_once_it_stayed_in_a_running_generation_and_not_in_a_replaced_one() -> None:
+    relay = PodRelay("http://127.0.0.1:1", "t", JOB, f"{JOB}-w0-0", 2, poll_s=1.0)
+
+    def seen(generation: int, at: float, workers: list[str]) -> CachedView:
+        members = [Member(rank=i, worker=w, address="a:1") for i, w in enumerate(workers)]
+        view = MembershipView(generation=generation, state="running", members=members)
+        return CachedView(view, b"", f"g{generation}", f"{JOB}-w0-0" in workers, at)
+
+    assert not relay.trains(10.0, now=1000.0)  # no generation yet
+    relay._view = seen(3, 100.0, [f"{JOB}-w0-0", f"{JOB}-w1-0"])
+    assert not relay.trains(10.0, now=105.0) and relay.trains(10.0, now=110.0)
+    relay.renew()  # the pre-started processes took over: generation 3 was the old ones'
+    assert not relay.trains(10.0, now=200.0)
+    relay._view = seen(4, 200.0, [f"{JOB}-w1-0"])  # the others, without the pod
+    assert not relay.trains(10.0, now=300.0)
+    relay._view = seen(5, 300.0, [f"{JOB}-w1-0", f"{JOB}-w0-0"])  # joined again
+    assert relay.trains(10.0, now=310.0)
 
 
 # ------------------------------------------------------------------ the launcher
@@ -395,3 +451,55 @@ def _local_rank_1(pids: list[str]) -> int:
         if f"{LOCAL_RANK_ENV}=1".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
             return int(pid)
     raise AssertionError(f"no local rank 1 among {pids}")
+
+
+def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_the_kill(
+    harness: Harness,
+) -> None:
+    """Real processes: a launcher of 2 local ranks keeps a pre-started process per rank
+    once its pod trains; one trainer process is SIGKILLed; the pre-started processes take
+    over (started before the kill), the pod leaves generation 2 and joins generation 3
+    under the same worker id, and no pod is stopped or started."""
+    h = harness
+    _other_pod(h)
+    worker = f"{JOB}-w0-0"
+    launcher = _launcher(h, worker, ["poll", "poll"])
+    launcher.prestart_command = [*POD_CHILD, "--prestarted"]
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(launcher.run()), daemon=True)
+    runner.start()
+    try:
+        h.wait_for(lambda: h.session.status.membership.generation == 1, timeout=60)
+        assert launcher.waiting == {}  # none before the pod trains: a start needs the CPU
+        rank0 = ControlClient(f"{launcher._relay_url}/local/0", h.token, JOB, worker, retries=1)
+        rank0.progress(ProgressReport(worker=worker, generation=1, step=0, loss=1.0))
+        rank0.close()
+        h.wait_for(lambda: len(launcher.waiting) == 2, timeout=60)
+        waiting = {rank: p.pid for rank, p in launcher.waiting.items()}
+        first = [child.pid for child in launcher.children]
+        victim = launcher.children[1]
+        killed_at = time.time()
+        victim.kill()
+        # The survivor (pod w1) recovers in generation 2 without the pod and trains a step.
+        h.wait_for(lambda: h.session.status.membership.generation == 2, timeout=60)
+        members = [m.worker for m in h.session.status.membership.members]
+        assert members == [f"{JOB}-w1-0"]
+        survivor = ControlClient(h.url, h.token, JOB, f"{JOB}-w1-0", retries=1)
+        h.wait_for(lambda: _events(h, "JoinDeferred"), timeout=60)  # re-registered
+        survivor.progress(ProgressReport(worker=f"{JOB}-w1-0", generation=2, step=0, loss=1.0))
+        survivor.close()
+        h.wait_for(lambda: h.session.status.membership.generation == 3, timeout=60)
+        rejoined = [m.worker for m in h.session.status.membership.members]
+        now = [child.pid for child in launcher.children]
+        started = [psutil.Process(pid).create_time() for pid in now]
+    finally:
+        launcher.terminate()
+        runner.join(60)
+    assert sorted(rejoined) == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
+    assert now == [waiting[0], waiting[1]] and not set(now) & set(first)
+    assert all(t < killed_at for t in started), "a replacement started after the kill"
+    assert launcher.restarts == 1 and h.driver.started == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
+    assert h.driver.stopped == []
+    assert any("pre-started processes take over" in m for m in _events(h, "WorkerRestarted"))
+    assert codes == [WorkerExit.STOPPED]
+    assert all(p.poll() is not None for p in [*launcher.children, *launcher.waiting.values()])

@@ -3,6 +3,7 @@ picking the device. In-process, with real sockets and a real one-rank gloo group
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 from datetime import timedelta
@@ -27,11 +28,14 @@ from bulkhead.trainer.engine.failfast import (
     parse_proc_net_tcp,
 )
 from bulkhead.trainer.engine.world import (
+    _FIRST_POLL_S,
+    _MAX_POLL_S,
     CollectiveError,
     await_listener,
     check_in,
     open_world,
     park_default_world,
+    poll_until,
 )
 
 PROC_NET_TCP = """\
@@ -215,3 +219,19 @@ def test_once_every_member_checked_in_nobody_gives_up() -> None:
     store.add("arrivals", 1)
     check_in(store, 1, 0, 2, timeout_s=60, should_abandon=lambda: True)
     assert store.get("outcome") == b"go"
+
+
+def test_the_poll_loop_backs_off_to_its_cap_and_ends_when_done_or_when_check_gives_up() -> None:
+    pauses: list[float] = []
+    answers = iter([False] * 12 + [True])
+    poll_until(lambda: next(answers), lambda _: None, lambda _, backoff: pauses.append(backoff))
+    assert len(pauses) == 12
+    assert pauses[0] == _FIRST_POLL_S and pauses[-1] == _MAX_POLL_S
+    assert all(b == min(a * 2, _MAX_POLL_S) for a, b in itertools.pairwise(pauses))
+
+    def give_up(elapsed: float) -> None:
+        if elapsed > 0.05:
+            raise CollectiveError("gave up")
+
+    with pytest.raises(CollectiveError, match="gave up"):
+        poll_until(lambda: False, give_up)

@@ -558,6 +558,45 @@ def test_two_workers_cut_off_in_five_are_both_evicted() -> None:
     assert sim.state.restarts == 0
 
 
+def test_a_pod_that_restarted_its_processes_leaves_the_generation_and_rejoins_unreplaced() -> None:
+    """A launcher put its pre-started processes in place of its trainer processes: the
+    others go on without the pod at once; no pod is stopped or started; the pod joins again
+    under the same worker id (from its new store address) once the survivors trained."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    decisions = sim.fault("job-w1-0", "processes_restarted")
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == 2
+    assert "job-w1-0" not in [m.worker for m in pub.view.members]
+    assert _of(StopWorker, decisions) == [] and _of(StartWorker, decisions) == []
+    assert "job-w1-0" not in sim.state.dead
+    again = sim.feed(WorkerRegistered("job-w1-0", "node-1", "127.0.0.1:9101"))
+    assert _of(PublishMembership, again) == []  # deferred: the survivors train first
+    sim.progress(11)
+    (rejoined,) = [p for p in sim.published() if p.view.generation == 3]
+    member = [m for m in rejoined.view.members if m.worker == "job-w1-0"]
+    assert member and member[0].address == "127.0.0.1:9101"
+    assert sim.state.restarts == 0
+
+
+def test_processes_restarted_beyond_max_failures_restarts_with_the_pod_kept() -> None:
+    """Two pods restarting their processes with maxFailures 1: a restart from the snapshots
+    in memory, both pods kept (not replaced); it starts once both registered again."""
+    sim = Sim()
+    sim.start_and_register_all()
+    sim.progress(10)
+    sim.fault("job-w1-0", "processes_restarted")
+    decisions = sim.fault("job-w2-0", "processes_restarted")
+    assert _of(RestartAll, decisions) and _of(StartWorker, decisions) == []
+    assert _of(StopWorker, sim.log) == []
+    for worker, port in (("job-w1-0", 9101), ("job-w2-0", 9102)):
+        sim.feed(WorkerRegistered(worker, "node", f"127.0.0.1:{port}"))
+    view = sim.published()[-1].view
+    assert view.restore_from_checkpoint or view.state == "running"
+    assert sorted(m.worker for m in view.members) == [f"job-w{i}-0" for i in range(4)]
+
+
 def test_a_pod_that_reports_its_failure_is_replaced_before_it_exits() -> None:
     """A launcher reports its pod failed (internal_error) and exits a moment later: the
     recovery starts at the report; the exit that follows changes nothing."""

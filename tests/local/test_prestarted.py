@@ -16,8 +16,9 @@ import psutil
 from bulkhead.api.protocol import LOG_FILE_ENV, WORKER_ENV, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle.workers import WorkerRef
-from bulkhead.operator.local.driver import LocalDriver, prestarted_worker_command
+from bulkhead.operator.local.driver import LocalDriver
 from bulkhead.operator.local.rundir import RunRecorder
+from bulkhead.trainer.pod.prestart import prestarted_command
 
 # Stands for prestarted_main without torch: waits for one JSON line, writes what it got
 # to the log file it names, exits 0 (the driver's watcher reports that exit).
@@ -65,7 +66,7 @@ def test_prestarted_main_imports_then_runs_the_worker_its_environment_names(
 ) -> None:
     log = tmp_path / "w.log"
     proc = subprocess.Popen(
-        prestarted_worker_command(),
+        prestarted_command(),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -81,5 +82,5 @@ def test_prestarted_main_imports_then_runs_the_worker_its_environment_names(
 
 
 def test_a_prestarted_process_no_one_needs_exits_stopped() -> None:
-    done = subprocess.run(prestarted_worker_command(), input=b"", timeout=240, check=False)
+    done = subprocess.run(prestarted_command(), input=b"", timeout=240, check=False)
     assert done.returncode == WorkerExit.STOPPED

@@ -320,18 +320,16 @@ class World:
         )
 
     def _wait(self, what: str, launch: Callable[[], list[dist.Work]]) -> None:
+        def check(elapsed: float) -> None:
+            if elapsed > self.abandon_after_s and self.should_abandon():
+                self._fail(f"{what} abandoned for a newer generation", abandoned=True)
+                raise CollectiveError(
+                    f"{what} abandoned: a newer generation was published while it waited"
+                )
+
         try:
             works = launch()
-            started = time.monotonic()
-            pause = _FIRST_POLL_S
-            while not all(w.is_completed() for w in works):
-                if time.monotonic() - started > self.abandon_after_s and self.should_abandon():
-                    self._fail(f"{what} abandoned for a newer generation", abandoned=True)
-                    raise CollectiveError(
-                        f"{what} abandoned: a newer generation was published while it waited"
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, _MAX_POLL_S)
+            poll_until(lambda: all(w.is_completed() for w in works), check)
             for w in works:
                 w.wait()
         except CollectiveError:
@@ -472,24 +470,24 @@ def check_in(
     store.set(f"checked-in/{rank}", b"1")
     if store.add("arrivals", 1) == world_size:
         _decide(store, "go")
-    started = time.monotonic()
-    deadline = started + timeout_s
-    pause = _FIRST_POLL_S
-    while not store.check(["outcome"]):
-        now = time.monotonic()
+
+    def check(elapsed: float) -> None:  # a decision here ends the poll at its next look
         if should_abandon():
             _decide(store, "abandoned: a newer generation exists")
-        elif now > deadline:
+        elif elapsed > timeout_s:
             missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
             _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
-        elif now - started < _CHECK_IN_POLL_S:
-            time.sleep(pause)  # members usually arrive within milliseconds of each other
-            pause = min(pause * 2, _MAX_POLL_S)
-        else:
-            # A member is late: wait in the store server rather than poll it (thousands
-            # of ranks polling one store would load it), looking up between waits.
-            with contextlib.suppress(dist.DistStoreError):
-                store.wait(["outcome"], timedelta(seconds=min(_CHECK_IN_WAIT_S, timeout_s)))
+
+    def pause(elapsed: float, backoff_s: float) -> None:
+        if elapsed < _CHECK_IN_POLL_S:
+            time.sleep(backoff_s)  # members usually arrive within milliseconds of each other
+            return
+        # A member is late: wait in the store server rather than poll it (thousands of
+        # ranks polling one store would load it), looking up between waits.
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait(["outcome"], timedelta(seconds=min(_CHECK_IN_WAIT_S, timeout_s)))
+
+    poll_until(lambda: store.check(["outcome"]), check, pause)
     outcome = store.get("outcome").decode()
     if outcome != "go":
         raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
@@ -618,26 +616,54 @@ def await_listener(
     coordinator that died after the generation was published would hold every survivor
     there, past the next generation the manager has already published.
     """
-    deadline = time.monotonic() + timeout_s
-    pause = _FIRST_POLL_S
-    while True:
+    refused: list[OSError] = []  # the last connect's error
+
+    def accepts() -> bool:
         try:
             probe = socket.create_connection((host, port), timeout=min(1.0, timeout_s))
         except OSError as exc:
-            if should_abandon():
-                raise CollectiveError(
-                    f"generation {generation}: rendezvous abandoned: a newer generation exists"
-                ) from exc
-            if time.monotonic() > deadline:
-                raise CollectiveError(
-                    f"generation {generation}: store at {host}:{port} unreachable for "
-                    f"{timeout_s:g}s: {exc}"
-                ) from exc
-            time.sleep(pause)
-            pause = min(pause * 2, _MAX_POLL_S)
+            refused[:] = [exc]
+            return False
+        probe.close()
+        return True
+
+    def check(elapsed: float) -> None:
+        if should_abandon():
+            raise CollectiveError(
+                f"generation {generation}: rendezvous abandoned: a newer generation exists"
+            ) from refused[0]
+        if elapsed > timeout_s:
+            raise CollectiveError(
+                f"generation {generation}: store at {host}:{port} unreachable for "
+                f"{timeout_s:g}s: {refused[0]}"
+            ) from refused[0]
+
+    poll_until(accepts, check)
+
+
+def poll_until(
+    done: Callable[[], bool],
+    check: Callable[[float], None],
+    pause: Callable[[float, float], None] | None = None,
+) -> None:
+    """The poll-with-backoff loop of this module's waits, which a newer generation must be
+    able to cut short (the library's own waits cannot be).
+
+    Until ``done()``: ``check(seconds since the start)``, which raises to give up (or
+    settles what ``done`` reads), then ``pause(elapsed, backoff)``: by default a sleep of the
+    backoff, which starts fine-grained (steps take milliseconds) and doubles up to
+    ``_MAX_POLL_S``.
+    """
+    started = time.monotonic()
+    backoff = _FIRST_POLL_S
+    while not done():
+        elapsed = time.monotonic() - started
+        check(elapsed)
+        if pause is None:
+            time.sleep(backoff)
         else:
-            probe.close()
-            return
+            pause(elapsed, backoff)
+        backoff = min(backoff * 2, _MAX_POLL_S)
 
 
 def form_world(

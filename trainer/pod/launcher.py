@@ -6,11 +6,18 @@ per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It
 - serves the pod relay (``relay.PodRelay``) on 127.0.0.1 and starts the G processes, each
   with ``BULKHEAD_LOCAL_RANK=i`` (so it takes ``cuda:i`` and rank G x position + i), the
   relay as its control endpoint and its own checkpoint sidecar directory;
-- fails the pod as a whole, because the manager replaces pods, not processes: when one
-  process exits with an error, or falls silent (no poll for half the hang timeout: it is
-  stopped or wedged), the others are killed and the launcher exits with that process's code
-  (``WorkerExit``, else 1), so the other pods recover in process and a new pod replaces
-  this one;
+- keeps a pre-started trainer process per local rank (``prestart``: torch imported, waiting
+  for its launch environment), started once the pod trains (it reported a step, or has
+  been in one generation for ``PRESTART_SETTLE_S``), so that starting them does not
+  compete with a start or a recovery for the CPU;
+- when one process exits with an error, or falls silent (no poll for half the hang timeout:
+  it is stopped or wedged), kills the others (the pod's world is broken) and, when a
+  pre-started process waits for every local rank, hands them over in place of the killed
+  ones and reports ``processes_restarted``: the manager drops the pod from the next
+  generation (the other pods recover in process) and takes it in again once its new
+  processes registered; the pod is not replaced and no process starts cold;
+- otherwise fails the pod as a whole: the launcher exits with that process's code
+  (``WorkerExit``, else 1) and a new pod replaces this one;
 - exits 0 once every process finished, and 3 when told to stop (SIGTERM) or refused.
 """
 
@@ -36,6 +43,7 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.trainer.checkpoint.paths import local_rank_shm_dir
+from bulkhead.trainer.pod.prestart import hand_over, prestarted_command
 from bulkhead.trainer.pod.relay import PodRelay, relay_app
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,10 @@ _SHUTDOWN_GRACE_S = 1.0
 TERM_GRACE_S = 10.0
 # How long a pod that ends without failing waits for its relay's server to stop.
 STOP_TIMEOUT_S = 5.0
+# A pod that reports no steps (only rank 0's does) counts as training once it has been a
+# member of one running generation this long: forming a world and building the engine
+# took 1-6 s on a loaded 2-core machine.
+PRESTART_SETTLE_S = 10.0
 
 
 def child_command() -> list[str]:
@@ -82,12 +94,20 @@ class PodLauncher:
         relay: PodRelay,
         silence_limit_s: float,
         command: list[str] | None = None,
+        prestart_command: list[str] | None = None,
+        prestart_settle_s: float = PRESTART_SETTLE_S,
     ) -> None:
         self.env = dict(env)
         self.relay = relay
         self.silence_limit_s = silence_limit_s
         self.command = command or child_command()
+        # None: no pre-started processes (a process lost fails the pod).
+        self.prestart_command = prestart_command
+        self.prestart_settle_s = prestart_settle_s
         self.children: list[subprocess.Popen[bytes]] = []
+        self.waiting: dict[int, subprocess.Popen[bytes]] = {}  # local rank -> pre-started
+        self.restarts = 0  # restarts in place so far
+        self._relay_url = ""
         self._terminated = threading.Event()
 
     def run(self) -> int:
@@ -96,11 +116,13 @@ class PodLauncher:
         server.start()
         code = EXIT_INFRASTRUCTURE
         try:
-            self._spawn(f"http://127.0.0.1:{server.port}")
+            self._relay_url = f"http://127.0.0.1:{server.port}"
+            self._spawn()
             code = self._supervise()
             return code
         finally:
             self._kill_all()
+            self._kill(list(self.waiting.values()))  # never handed over: nothing to stop
             # A failed pod ends now: the other pods' recovery starts when this process
             # exits, and its report is already answered. Waiting for the server's graceful
             # shutdown (its loop's ticks, then closing the upstream poll) cost 0.5 s of
@@ -114,16 +136,61 @@ class PodLauncher:
 
     # ------------------------------------------------------------ processes
 
-    def _spawn(self, relay_url: str) -> None:
+    def _spawn(self) -> None:
         for rank in range(self.relay.processes):
             child = subprocess.Popen(
                 self.command,
-                env=child_env(self.env, rank, relay_url),
+                env=child_env(self.env, rank, self._relay_url),
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
             log.info("started local rank %d (pid %d)", rank, child.pid)
             self.children.append(child)
+
+    def _prestart(self) -> None:
+        """Start the missing pre-started processes once the pod trains (their imports take
+        seconds of CPU a start or a recovery needs)."""
+        if self.prestart_command is None or len(self.waiting) == self.relay.processes:
+            return
+        if not self.relay.trains(self.prestart_settle_s):
+            return
+        for rank in range(self.relay.processes):
+            if rank not in self.waiting:
+                # Its rank's environment already (what it is handed is the same): a
+                # look at /proc tells which local rank a process is for.
+                self.waiting[rank] = subprocess.Popen(
+                    self.prestart_command,
+                    env=child_env(self.env, rank, self._relay_url),
+                    stdin=subprocess.PIPE,
+                    preexec_fn=die_with_parent,
+                )
+                log.info(
+                    "pre-started a process for local rank %d (pid %d)", rank, self.waiting[rank].pid
+                )
+
+    def _restart_in_place(self, why: str) -> bool:
+        """The pre-started processes take the place of every process of the pod (False when
+        one of them is missing: then the pod fails)."""
+        waiting = [self.waiting.get(rank) for rank in range(self.relay.processes)]
+        ready = [p for p in waiting if p is not None and p.poll() is None]
+        if self.prestart_command is None or len(ready) < self.relay.processes:
+            return False
+        log.error("%s: pre-started processes %s take over", why, [p.pid for p in ready])
+        self._kill_all()  # before the report: the other pods stop waiting on this one now
+        self.relay.renew()
+        self.relay.report_pod_failure(
+            f"{why}; pre-started processes take over", kind="processes_restarted"
+        )
+        self.waiting.clear()
+        self.children = []
+        for rank, process in enumerate(ready):
+            self.children.append(process)
+            if not hand_over(process, child_env(self.env, rank, self._relay_url)):
+                log.error("pre-started process %d of local rank %d died", process.pid, rank)
+                return False
+            log.info("local rank %d is now pre-started process %d", rank, process.pid)
+        self.restarts += 1
+        return True
 
     def _supervise(self) -> int:
         finished: set[int] = set()
@@ -132,18 +199,13 @@ class PodLauncher:
                 log.info("told to stop: stopping %d process(es)", len(self.children))
                 self._terminate_all()
                 return WorkerExit.STOPPED
-            for rank, child in enumerate(self.children):
-                code = child.poll()
-                if code is None or rank in finished:
+            ended = self._check_processes(finished)
+            if isinstance(ended, int):
+                return ended
+            if ended is not None:
+                if not finished and self._restart_in_place(ended):
                     continue
-                if code == WorkerExit.DONE:
-                    finished.add(rank)
-                    self.relay.forget(rank)
-                    continue
-                if code in (WorkerExit.USER_ERROR, WorkerExit.STOPPED):
-                    log.info("local rank %d exited with %s: ending the pod", rank, _describe(code))
-                    return code  # the process said why itself (a user error, a stop)
-                return self._fail(f"local rank {rank} exited with {_describe(code)}")
+                return self._fail(ended)
             if len(finished) == len(self.children):
                 log.info("all %d processes finished", len(finished))
                 return WorkerExit.DONE
@@ -154,11 +216,32 @@ class PodLauncher:
             silent = self.relay.silent(self.silence_limit_s)
             if silent:
                 rank, quiet = silent[0]
-                return self._fail(
+                why = (
                     f"local rank {rank} (pid {self.children[rank].pid}) silent for {quiet:.0f}s "
                     "(no membership poll): stopped or wedged"
                 )
+                if self._restart_in_place(why):
+                    continue
+                return self._fail(why)
+            self._prestart()
             time.sleep(_TICK_S)
+
+    def _check_processes(self, finished: set[int]) -> int | str | None:
+        """An exit code the pod ends with, why a process failed, or None (all is well);
+        adds the processes that finished to ``finished``."""
+        for rank, child in enumerate(self.children):
+            code = child.poll()
+            if code is None or rank in finished:
+                continue
+            if code == WorkerExit.DONE:
+                finished.add(rank)
+                self.relay.forget(rank)
+                continue
+            if code in (WorkerExit.USER_ERROR, WorkerExit.STOPPED):
+                log.info("local rank %d exited with %s: ending the pod", rank, _describe(code))
+                return code  # the process said why itself (a user error, a stop)
+            return f"local rank {rank} exited with {_describe(code)}"
+        return None
 
     def _fail(self, why: str) -> int:
         """One process failed: the pod fails as a whole (the others are killed on return)."""
@@ -189,11 +272,15 @@ class PodLauncher:
                 child.wait(max(0.0, deadline - time.monotonic()))
 
     def _kill_all(self) -> None:
-        for child in self.children:
+        self._kill(self.children)
+
+    @staticmethod
+    def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
+        for child in processes:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
-        for child in self.children:
+        for child in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(5)
 
@@ -269,7 +356,8 @@ def die_with_parent() -> None:
 
 
 def run_pod(env: Mapping[str, str], relay: PodRelay, silence_limit_s: float) -> int:
-    """Run the launcher with SIGTERM wired to a clean stop; returns the exit code."""
-    launcher = PodLauncher(env, relay, silence_limit_s)
+    """Run the launcher, with a pre-started process per local rank and SIGTERM wired to a
+    clean stop; returns the exit code."""
+    launcher = PodLauncher(env, relay, silence_limit_s, prestart_command=prestarted_command())
     signal.signal(signal.SIGTERM, lambda *_: launcher.terminate())
     return launcher.run()

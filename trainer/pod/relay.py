@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from bulkhead.api.client import ControlClient, ControlError, ControlRequestError, MemberCredential
 from bulkhead.api.protocol import (
     API_PREFIX,
+    FaultKind,
     FaultReport,
     MembershipView,
     ProgressReport,
@@ -65,6 +66,8 @@ class CachedView:
     view: MembershipView
     body: bytes
     etag: str
+    includes_pod: bool = False  # the pod is one of its members
+    since: float = 0.0  # when the relay got it (monotonic)
 
 
 @dataclass
@@ -112,10 +115,18 @@ class PodRelay:
         self._poll_client: ControlClient | None = None
         # Liveness of each local rank: open polls and the last request's start or end.
         self._open_polls = [0] * processes
+        # Bumped by ``renew``: a request of a replaced process that ends later (its long
+        # poll, answered to a dead client) must not count as its successor's life.
+        self._epoch = 0
         self._last_seen: list[float | None] = [None] * processes
         # Reports the pod sends once, by (route, generation, kind, step): their answers.
         self._once: dict[tuple[Any, ...], asyncio.Future[tuple[int, bytes]]] = {}
         self._persisted: dict[int, int] = {}  # local rank -> its newest persisted step
+        # Generations up to this one are not shown to the processes: they were those of the
+        # processes a restart in place replaced (``renew``), which the new ones never join.
+        self._floor = 0
+        # Whether a process reported a step in a generation past the floor: the pod trains.
+        self.trained = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -173,12 +184,29 @@ class PodRelay:
                 out.append((rank, now - seen))
         return out
 
+    def renew(self) -> None:
+        """The launcher replaced every process of the pod (pre-started ones took over): they
+        check in again, the pod registers again once all have, and they see only
+        generations newer than the current one (the manager drops the pod from the next)."""
+        with self._lock:
+            self._floor = self._view.view.generation if self._view is not None else 0
+            self._epoch += 1
+            self._open_polls = [0] * self.processes
+            self._checked_in.clear()
+            self.registration = None
+            self.registered.clear()
+            self._last_seen = [None] * self.processes
+            self._persisted = {}
+            self.trained = False
+
     def forget(self, rank: int) -> None:
         """Stop watching ``rank`` (it exited)."""
         self._last_seen[rank] = None
 
-    def _seen(self, rank: int) -> None:
-        self._last_seen[rank] = time.monotonic()
+    def _seen(self, rank: int, epoch: int | None = None) -> None:
+        """Local rank ``rank`` was heard from (by a request of ``epoch``'s processes)."""
+        if epoch is None or epoch == self._epoch:
+            self._last_seen[rank] = time.monotonic()
 
     # ------------------------------------------------------------ register
 
@@ -233,9 +261,11 @@ class PodRelay:
         self.registration = outcome
         self.registered.set()
 
-    def report_pod_failure(self, message: str, timeout_s: float = 2.0) -> None:
-        """Best effort, before the pod exits: why (an Event at the manager, which replaces
-        the pod when it sees the exit)."""
+    def report_pod_failure(
+        self, message: str, kind: FaultKind = "internal_error", timeout_s: float = 2.0
+    ) -> None:
+        """Best effort: why the pod failed (``internal_error``: it exits next; the manager
+        replaces it) or restarted its processes in place (``processes_restarted``)."""
         view = self.view
         client = ControlClient(
             self._upstream_url,
@@ -251,7 +281,7 @@ class PodRelay:
                 FaultReport(
                     worker=self.worker,
                     generation=view.generation if view is not None else 0,
-                    kind="internal_error",
+                    kind=kind,
                     message=message[:4096],
                 )
             )
@@ -285,9 +315,14 @@ class PodRelay:
                 continue
             after, timeout = view.generation, self.poll_s
             body = view.model_dump_json(by_alias=True).encode()
-            self._call_soon(
-                self._set_view, CachedView(view, body, f'"g{view.generation}-{view.state}"')
+            cached = CachedView(
+                view,
+                body,
+                f'"g{view.generation}-{view.state}"',
+                includes_pod=any(m.worker == self.worker for m in view.members),
+                since=time.monotonic(),
             )
+            self._call_soon(self._set_view, cached)
 
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -308,6 +343,21 @@ class PodRelay:
             self._gone = (status, body)
             self._changed.notify_all()
 
+    def trains(self, settle_s: float, now: float | None = None) -> bool:
+        """Whether the pod trains: one of its processes reported a step, or it has been a
+        member of the same running generation (one its processes see) for ``settle_s``
+        (only the pod of rank 0 reports steps)."""
+        if self.trained:
+            return True
+        cached = self._view
+        if cached is None or not cached.includes_pod or cached.view.state != "running":
+            return False
+        now = time.monotonic() if now is None else now
+        return self._shown(cached.view) and now - cached.since >= settle_s
+
+    def _shown(self, view: MembershipView) -> bool:
+        return view.generation > self._floor or view.state in ("succeeded", "failed")
+
     @property
     def view(self) -> MembershipView | None:
         return self._view.view if self._view is not None else None
@@ -318,6 +368,7 @@ class PodRelay:
         """A child's long poll: the newest view once its generation is past ``after`` (or
         differs from the one the child holds), else at the timeout (304 if unchanged)."""
         assert self._changed is not None
+        epoch = self._epoch
         self._open_polls[rank] += 1
         self._seen(rank)
         try:
@@ -329,6 +380,8 @@ class PodRelay:
                     if self._closing.is_set():
                         return 503, b'{"error": "the pod is stopping", "details": []}', {}
                     cached = self._view
+                    if cached is not None and not self._shown(cached.view):
+                        cached = None  # of the processes a restart replaced
                     if cached is not None and (
                         cached.view.generation > after or (etag is not None and etag != cached.etag)
                     ):
@@ -344,8 +397,10 @@ class PodRelay:
                 return 304, b"", {"etag": cached.etag}
             return 200, cached.body, {"etag": cached.etag}
         finally:
-            self._open_polls[rank] -= 1
-            self._seen(rank)
+            with self._lock:  # against a renew in between
+                if epoch == self._epoch:
+                    self._open_polls[rank] -= 1
+                    self._seen(rank)
 
     # ------------------------------------------------------------ reports
 
@@ -374,10 +429,14 @@ class PodRelay:
         return await self.forward(rank, route, body)
 
     def _oldest_persisted(self, rank: int, body: bytes) -> bytes:
+        """A progress report as the pod's (its oldest persisted step); notes that the pod
+        trains."""
         try:
             report = ProgressReport.model_validate_json(body)
         except ValidationError:
             return body  # the manager will say what is wrong with it
+        if report.generation > self._floor:
+            self.trained = True
         if report.persisted_step is None:
             return body
         self._persisted[rank] = report.persisted_step
@@ -393,6 +452,7 @@ class PodRelay:
     async def forward(self, rank: int, route: str, body: bytes) -> tuple[int, bytes]:
         """A report, passed on to the manager; its answer (or 502) comes back as it is."""
         assert self._http is not None
+        epoch = self._epoch
         self._seen(rank)
         try:
             response = await self._http.post(
@@ -404,7 +464,7 @@ class PodRelay:
             message = f"the manager is unreachable from the pod relay: {exc}"
             return 502, json.dumps({"error": message, "details": []}).encode()
         finally:
-            self._seen(rank)
+            self._seen(rank, epoch)
         return response.status_code, response.content
 
     def authorized(self, authorization: str | None) -> bool:

@@ -1,0 +1,45 @@
+"""Pre-started trainer processes: the one way a process is started before it is needed.
+
+A pre-started process (``bulkhead.trainer.worker.prestarted_main``) imports torch and the
+trainer first (the seconds of a cold start), then waits for its launch environment as one
+JSON line on stdin and becomes the trainer that environment names; end of input without
+one makes it exit 3. Local mode's driver keeps a pool of them for its worker "pods", and a
+multi-process pod's launcher keeps one per local rank for the trainer processes it runs:
+both start them with ``prestarted_command`` and hand one over with ``handover_line``.
+No torch here: the operator's local driver imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+
+
+def prestarted_command() -> list[str]:
+    """A trainer process that imports first and waits for its launch environment on stdin."""
+    return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import prestarted_main; "
+            "prestarted_main()"]  # fmt: skip
+
+
+def handover_line(env: Mapping[str, str]) -> bytes:
+    """What a pre-started process reads to become the trainer ``env`` describes."""
+    return json.dumps(dict(env)).encode() + b"\n"
+
+
+def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> bool:
+    """Give a waiting ``process`` (started with ``stdin=PIPE``) its launch environment;
+    False when it is no longer waiting (it died)."""
+    if process.poll() is not None or process.stdin is None:
+        return False
+    try:
+        process.stdin.write(handover_line(env))
+        process.stdin.flush()
+    except (BrokenPipeError, ConnectionResetError, ValueError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+    return True
