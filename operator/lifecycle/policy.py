@@ -235,7 +235,7 @@ class _Rules:
                 and report.worker not in self.state.dead
                 and slot.status == "registered"
             ):
-                self.rejoin(slot, "process_lost", f"{report.worker}: {report.message}")
+                self.act.rejoin(slot, "process_lost", f"{report.worker}: {report.message}")
             return
         if report.kind == "peer_suspect":
             suspects = [self.state.slot_of(w) for w in report.suspects]

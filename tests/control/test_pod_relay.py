@@ -344,8 +344,9 @@ def _launch(h: Harness, worker: str, behaviours: list[str], silence_s: float = 3
     return code
 
 
-def _other_pod(h: Harness) -> threading.Thread:
-    """Pod w1 registered and polling, so that generation 1 forms."""
+def _other_pod(h: Harness) -> Pod:
+    """Pod w1 registered and polling, so that generation 1 forms (its relay keeps the
+    pod's member credential after the poll ends)."""
     pod = Pod(h, f"{JOB}-w1-0", port=7010)
     pod.register(0)
     pod.register(1)
@@ -356,9 +357,8 @@ def _other_pod(h: Harness) -> threading.Thread:
         finally:
             pod.close()
 
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=poll, daemon=True).start()
+    return pod
 
 
 def test_the_pod_ends_when_every_process_finished(harness: Harness) -> None:
@@ -461,7 +461,7 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
     over (started before the kill), the pod leaves generation 2 and joins generation 3
     under the same worker id, and no pod is stopped or started."""
     h = harness
-    _other_pod(h)
+    other = _other_pod(h)
     worker = f"{JOB}-w0-0"
     launcher = _launcher(h, worker, ["poll", "poll"])
     launcher.prestart_command = [*POD_CHILD, "--prestarted"]
@@ -484,7 +484,10 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         h.wait_for(lambda: h.session.status.membership.generation == 2, timeout=60)
         members = [m.worker for m in h.session.status.membership.members]
         assert members == [f"{JOB}-w1-0"]
-        survivor = ControlClient(h.url, h.token, JOB, f"{JOB}-w1-0", retries=1)
+        # Pod w1's trainer reports in its own name, with its pod's member credential.
+        survivor = ControlClient(
+            h.url, h.token, JOB, f"{JOB}-w1-0", retries=1, member=other.relay.member
+        )
         h.wait_for(lambda: _events(h, "JoinDeferred"), timeout=60)  # re-registered
         survivor.progress(ProgressReport(worker=f"{JOB}-w1-0", generation=2, step=0, loss=1.0))
         survivor.close()

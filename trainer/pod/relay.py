@@ -97,7 +97,7 @@ class PodRelay:
         self.processes = processes
         self.poll_s = poll_s
         self._token = token
-        self._member = MemberCredential()  # the pod's, once registered
+        self.member = MemberCredential()  # the pod's, once registered
         self._upstream_url = upstream_url.rstrip("/")
         self._timeout_s = timeout_s  # of each request to the manager, as a trainer's
         self._prefix = f"{API_PREFIX}/{quote(job, safe='')}"
@@ -168,7 +168,7 @@ class PodRelay:
             self.job,
             worker,
             timeout_s=self._timeout_s,
-            member=self._member,
+            member=self.member,
         )
 
     # ------------------------------------------------------------ liveness
@@ -274,7 +274,7 @@ class PodRelay:
             self.worker,
             timeout_s=timeout_s,
             retries=0,
-            member=self._member,
+            member=self.member,
         )
         try:
             client.fault(
@@ -458,7 +458,7 @@ class PodRelay:
             response = await self._http.post(
                 f"{self._prefix}/{route}",
                 content=body,
-                headers={"Content-Type": "application/json", **self._member.headers()},
+                headers={"Content-Type": "application/json", **self.member.headers()},
             )
         except httpx.TransportError as exc:
             message = f"the manager is unreachable from the pod relay: {exc}"
