@@ -56,16 +56,6 @@ TOKEN = "bench-token"
 HANG_S = 120.0  # the default hangTimeoutSeconds: polls are capped at 30 s
 POLL_S = 30.0  # what a trainer asks for (trainer.config.MEMBERSHIP_POLL_SECONDS)
 GPUS_PER_NODE = 8
-ROW_KEYS = (
-    "workers",
-    "pods",
-    "register_all_s",
-    "first_generation_all_s",
-    "next_generation_all_s",
-    "steady_requests_per_s",
-    "cpu_cores",
-    "rss_mb",
-)
 TARGETS = {  # at 16,384 workers (issue 22)
     "next_generation_all_s": 1.0,
     "first_generation_all_s": 5.0,
