@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from bulkhead.agent.engine import Agent
+from bulkhead.agent.agent import Agent
 from bulkhead.agent.reporters.metrics import AgentMetrics
 from bulkhead.api.protocol import AGENT_REPORT_PATH, WorkerReport, job_report_token
 

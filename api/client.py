@@ -4,7 +4,7 @@ Lives in ``bulkhead.api`` because the trainer may not import the operator. Every
 a timeout; connection failures, 5xx and 429 answers are retried with exponential backoff;
 a 4xx answer raises ``ControlRequestError`` with the server's one-line explanation, since
 retrying a bad request cannot help. An ``httpx.Client`` is not meant to be shared by
-threads that block on it, so give a background membership poller its own ``ControlClient``.
+threads that block on it, so give a background membership poller its own ``HttpControlClient``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ControlUnavailable(ControlError):
     """The endpoint did not answer usefully within the retries."""
 
 
-class ControlClient:
+class HttpControlClient:
     """Talks to the lifecycle manager for one worker of one job."""
 
     def __init__(
@@ -99,7 +99,7 @@ class ControlClient:
         )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> ControlClient:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> HttpControlClient:
         """A client configured by the worker launch environment (BULKHEAD_CONTROL_URL, ...)."""
         env = os.environ if env is None else env
         missing = [k for k in (ENDPOINT_ENV, TOKEN_ENV, JOB_ENV) if not env.get(k)]
@@ -110,7 +110,7 @@ class ControlClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> ControlClient:
+    def __enter__(self) -> HttpControlClient:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -42,9 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 from bulkhead.api.manifest import load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.models.protocol import build_seeded
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 CHECKPOINT_PREFIX = "step-"
 

@@ -30,7 +30,7 @@ _.disabled
 _.server_timeout
 _.pre_tokenizer  # tokenizers.Tokenizer (trainer/data/tokenizer.py)
 _.decoder
-_.caption  # rich.table.Table (trainer/planning/cli.py)
+_.caption  # rich.table.Table (cli/plan.py)
 _.allow_tf32  # torch.backends (bench/_engine_runs.py)
 _.group_count  # torch.distributed's world, reset with its registry (trainer/engine/world.py)
 _._attn_implementation  # a transformers config (tests/models/hf_models.py)

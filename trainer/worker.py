@@ -43,7 +43,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import Timeouts, train_config
-from bulkhead.trainer.runtime.control import ControlClient
+from bulkhead.trainer.runtime.control_client import ControlChannel
 
 if TYPE_CHECKING:
     from bulkhead.trainer.runtime.loop import Checkpointer
@@ -126,10 +126,9 @@ def run(env: Mapping[str, str]) -> int:
     _setup_logging(
         launch.worker if launch.local_rank is None else f"{launch.worker}/{launch.local_rank}"
     )
-    from bulkhead.api.client import ControlClient as HttpControlClient
-    from bulkhead.api.client import ControlError
+    from bulkhead.api.client import ControlError, HttpControlClient
 
-    def connect(retries: int = 5) -> ControlClient:
+    def connect(retries: int = 5) -> ControlChannel:
         return HttpControlClient(
             launch.control_url, launch.token, launch.job, launch.worker, retries=retries
         )
@@ -222,7 +221,7 @@ def _run_pod_launcher(
     return run_pod(env, relay, silence_limit_s=timeouts.hang_s / 2)
 
 
-def _report_user_error(client: ControlClient, worker: str, generation: int, message: str) -> None:
+def _report_user_error(client: ControlChannel, worker: str, generation: int, message: str) -> None:
     """Best effort: the manager fails the job at once instead of waiting for the exit."""
     try:
         client.fault(
@@ -239,7 +238,7 @@ def _checkpointer(
     if not (env.get(SHM_DIR_ENV) or env.get(CHECKPOINT_SOCKET_ENV)):
         log.info("no checkpoint sidecar (%s unset): snapshots off", SHM_DIR_ENV)
         return None
-    from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointSettings
+    from bulkhead.trainer.checkpoint.trainer_side import CheckpointEngine, CheckpointSettings
     from bulkhead.trainer.runtime.checkpointing import EngineCheckpointer
 
     settings = CheckpointSettings.from_spec(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from bulkhead.agent.engine import TickResult
+from bulkhead.agent.agent import TickResult
 from bulkhead.agent.health import ConditionView
 from bulkhead.agent.problems import Problem
 from bulkhead.api.node_problems import format_message, rfc3339

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient
+from bulkhead.api.client import HttpControlClient
 from bulkhead.api.protocol import (
     DELTA_BASE_HEADER,
     MembershipView,
@@ -48,7 +48,7 @@ def harness():
     with Harness(JOB, _spec()) as h:
         for slot in range(WORKERS):
             wid = f"{JOB}-w{slot}-0"
-            client = ControlClient(h.url, h.token, JOB, wid)
+            client = HttpControlClient(h.url, h.token, JOB, wid)
             client.register(RegisterRequest(worker=wid, address=f"127.0.0.1:{7100 + slot}"))
         h.wait_for(lambda: h.session.state.generation == 1)
         yield h
@@ -97,7 +97,7 @@ def test_a_current_poll_waits_and_gets_304_an_outdated_one_answers_at_once(
 
 def test_client_reuses_its_view_on_304_and_sees_the_next_generation(harness: Harness) -> None:
     worker = f"{JOB}-w0-0"
-    client = ControlClient(harness.url, harness.token, JOB, worker)
+    client = HttpControlClient(harness.url, harness.token, JOB, worker)
     first = client.membership(after=0, timeout_s=1)
     again = client.membership(after=1, timeout_s=0.3)  # times out: 304, same object back
     assert again is first
@@ -112,7 +112,7 @@ def test_client_reuses_its_view_on_304_and_sees_the_next_generation(harness: Har
 
 
 def test_progress_from_one_rank_is_enough_for_the_job_step(harness: Harness) -> None:
-    client = ControlClient(harness.url, harness.token, JOB, f"{JOB}-w0-0")
+    client = HttpControlClient(harness.url, harness.token, JOB, f"{JOB}-w0-0")
     for step in range(3):
         report = ProgressReport(worker=f"{JOB}-w0-0", generation=1, step=step)
         assert client.progress(report).action == "continue"
@@ -196,7 +196,7 @@ def test_a_client_holding_the_previous_view_gets_a_delta(harness: Harness) -> No
 def test_the_client_follows_deltas_and_recovers_from_one_it_cannot_apply(
     harness: Harness,
 ) -> None:
-    client = ControlClient(harness.url, harness.token, JOB, f"{JOB}-w0-0")
+    client = HttpControlClient(harness.url, harness.token, JOB, f"{JOB}-w0-0")
     first = client.membership(after=0, timeout_s=1)
     harness.call(_exit(harness, f"{JOB}-w2-0"))
     second = client.membership(after=first.generation, timeout_s=5)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.client import ControlRequestError, HttpControlClient
 from bulkhead.api.protocol import (
     CHECKPOINT_SOCKET_ENV,
     ENDPOINT_ENV,
@@ -75,7 +75,7 @@ class Pod:
         self.serving.start()
         self.url = f"http://127.0.0.1:{self.serving.port}"
         self.clients = [
-            ControlClient(f"{self.url}/local/{i}", h.token, JOB, worker, retries=1)
+            HttpControlClient(f"{self.url}/local/{i}", h.token, JOB, worker, retries=1)
             for i in range(2)
         ]
 

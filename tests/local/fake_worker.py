@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from bulkhead.api.client import ControlClient
+from bulkhead.api.client import HttpControlClient
 from bulkhead.api.protocol import (
     WORKER_ENV,
     CompletionReport,
@@ -37,7 +37,7 @@ def main() -> int:
     # Like the trainer: tokens of the global batch over this worker's own step time.
     step_tokens = float(os.environ.get("FAKE_TOKENS_PER_STEP", "768"))
     me = os.environ[WORKER_ENV]
-    client = ControlClient.from_env()
+    client = HttpControlClient.from_env()
     client.register(RegisterRequest(worker=me, address=f"{me}.fake:1"))
     generation, step = 0, 0
     while True:

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, quote
 import httpx
 from pydantic import ValidationError
 
-from bulkhead.api.client import ControlClient, ControlError, ControlRequestError
+from bulkhead.api.client import ControlError, ControlRequestError, HttpControlClient
 from bulkhead.api.protocol import (
     API_PREFIX,
     FaultReport,
@@ -43,7 +43,7 @@ from bulkhead.api.protocol import (
     RegisterRequest,
     RegisterResponse,
 )
-from bulkhead.trainer.runtime.control import is_gone
+from bulkhead.trainer.runtime.control_client import is_gone
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class PodRelay:
         self._http: httpx.AsyncClient | None = None
         self._closing = threading.Event()
         self._poller: threading.Thread | None = None
-        self._poll_client: ControlClient | None = None
+        self._poll_client: HttpControlClient | None = None
         # Liveness of each local rank: open polls and the last request's start or end.
         self._open_polls = [0] * processes
         self._last_seen: list[float | None] = [None] * processes
@@ -146,8 +146,8 @@ class PodRelay:
         if self._http is not None:
             await self._http.aclose()
 
-    def _connect(self, worker: str | None) -> ControlClient:
-        return ControlClient(
+    def _connect(self, worker: str | None) -> HttpControlClient:
+        return HttpControlClient(
             self._upstream_url, self._token, self.job, worker, timeout_s=self._timeout_s
         )
 
@@ -228,7 +228,7 @@ class PodRelay:
         """Best effort, before the pod exits: why (an Event at the manager, which replaces
         the pod when it sees the exit)."""
         view = self.view
-        client = ControlClient(
+        client = HttpControlClient(
             self._upstream_url, self._token, self.job, self.worker, timeout_s=timeout_s, retries=0
         )
         try:

@@ -52,8 +52,8 @@ from bulkhead.trainer.engine.state import HeldState, describe_adoption
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
 from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.runtime.checkpointing import RestoredState, StorageProgress
-from bulkhead.trainer.runtime.control import (
-    ControlClient,
+from bulkhead.trainer.runtime.control_client import (
+    ControlChannel,
     MembershipWatcher,
     Reporter,
     is_gone,
@@ -130,7 +130,7 @@ class ElasticTrainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        connect: Callable[[], ControlClient],
+        connect: Callable[[], ControlChannel],
         identity: WorkerIdentity,
         dataset: TokenDataset,
         samples_log: SamplesLog | None = None,
