@@ -84,8 +84,11 @@ class Sidecar:
 
     def start(self) -> None:
         targets: list[tuple[str, Callable[[], None]]] = [
-            ("ckpt-sealer", self._seal_loop),
-            ("ckpt-exporter", self._export_loop),
+            ("ckpt-sealer", lambda: self._loop(self._seal_wake, self._seal_pending, "sealing")),
+            (
+                "ckpt-exporter",
+                lambda: self._loop(self._export_wake, self._export_newest, "exporting"),
+            ),
             ("ckpt-control", lambda: self.control_server.serve_forever(SERVE_POLL_SECONDS)),
         ]
         if self.replica_server is not None:
@@ -177,14 +180,15 @@ class Sidecar:
 
     # -- sealing ---------------------------------------------------------------------
 
-    def _seal_loop(self) -> None:
+    def _loop(self, wake: threading.Event, work: Callable[[], None], what: str) -> None:
+        """Run ``work`` when woken, or every poll interval, until the sidecar stops."""
         while not self._stop.is_set():
-            self._seal_wake.wait(self.poll_interval)
-            self._seal_wake.clear()
+            wake.wait(self.poll_interval)
+            wake.clear()
             try:
-                self._seal_pending()
+                work()
             except Exception:  # keep the sidecar alive; the next round retries
-                log.exception("sealing snapshots failed")
+                log.exception("%s snapshots failed", what)
 
     def _seal_pending(self) -> None:
         for files, meta in self._complete_slots():
@@ -206,15 +210,6 @@ class Sidecar:
             self._export_wake.set()
 
     # -- exporting -------------------------------------------------------------------
-
-    def _export_loop(self) -> None:
-        while not self._stop.is_set():
-            self._export_wake.wait(self.poll_interval)
-            self._export_wake.clear()
-            try:
-                self._export_newest()
-            except Exception:
-                log.exception("exporting the newest snapshot failed")
 
     def _export_newest(self) -> None:
         sealed = [(f, m) for f, m in self._complete_slots() if m.crc32c is not None]
