@@ -1,7 +1,7 @@
 # bulkhead: every target installs what it needs into .venv first (idempotent).
 #   make run    install, then train the local MoE job with injected failures
 #   make test   install, build the test control plane (cached), run the whole suite
-#   make lint   ruff
+#   make lint   ruff, and vulture for code nothing uses
 #   make bench  every benchmark in its quick form, JSON into bench/results/
 
 SHELL := /bin/bash
@@ -45,6 +45,7 @@ e2e: venv k8s
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/vulture  # paths and exceptions: pyproject.toml, hack/vulture_whitelist.py
 
 bench: venv
 	@mkdir -p bench/results

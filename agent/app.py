@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from bulkhead.agent.engine import Agent
+from bulkhead.agent.agent import Agent
 from bulkhead.agent.reporters.metrics import AgentMetrics
 from bulkhead.api.protocol import AGENT_REPORT_PATH, WorkerReport, job_report_token
 
@@ -69,6 +69,55 @@ async def _bounded_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
+def _refused(request: Request, token: str | None, job: str | None = None) -> tuple[int, str] | None:
+    """Why the request may not go on (status, detail), or None when its token is good:
+    the agents' token, or for ``job`` that job's own."""
+    if token is None:
+        return 403, "the agent API is disabled: the agent has no token"
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return 401, "missing bearer token"
+    expected = token if job is None else job_report_token(token, job)
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        return 403, "invalid token"
+    return None
+
+
+def _anomalies(agent: Agent, node: str) -> dict[str, Any]:
+    """The body of ``GET /v1/anomalies``: the Node condition and the active problems."""
+    condition = agent.health.view
+    return {
+        "node": node,
+        "condition": {
+            "type": condition.type,
+            "status": condition.status,
+            "reason": condition.reason,
+            "message": condition.message,
+            "since": condition.since,
+        },
+        "problems": [p.as_dict() for p in agent.problems()],
+    }
+
+
+async def _read_report(request: Request) -> WorkerReport | tuple[int, Any]:
+    """The ``WorkerReport`` in the request's body, or why it is refused (status, detail)."""
+    too_large = f"report larger than {MAX_REPORT_BYTES} bytes"
+    declared = request.headers.get("content-length") or "0"
+    if not declared.isdigit():
+        return 400, f"bad Content-Length {declared[:32]!r}"
+    if int(declared) > MAX_REPORT_BYTES:
+        return 413, too_large
+    body = await _bounded_body(request, MAX_REPORT_BYTES)
+    if body is None:
+        return 413, too_large
+    try:
+        return WorkerReport.model_validate_json(body)
+    except ValidationError as exc:
+        return 422, [
+            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+        ]
+
+
 def create_app(
     agent: Agent,
     metrics: AgentMetrics,
@@ -96,37 +145,12 @@ def create_app(
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def refused(request: Request, job: str | None = None) -> tuple[int, str] | None:
-        """Why the request may not go on (status, detail), or None when its token is good:
-        the agents' token, or for ``job`` that job's own."""
-        if token is None:
-            return 403, "the agent API is disabled: the agent has no token"
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return 401, "missing bearer token"
-        expected = token if job is None else job_report_token(token, job)
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return 403, "invalid token"
-        return None
-
     @app.get("/v1/anomalies")
     def anomalies(request: Request) -> JSONResponse:
-        denied = refused(request)
+        denied = _refused(request, token)
         if denied is not None:
             return JSONResponse({"detail": denied[1]}, status_code=denied[0])
-        condition = agent.health.view
-        body = {
-            "node": node,
-            "condition": {
-                "type": condition.type,
-                "status": condition.status,
-                "reason": condition.reason,
-                "message": condition.message,
-                "since": condition.since,
-            },
-            "problems": [p.as_dict() for p in agent.problems()],
-        }
-        return JSONResponse(_json_safe(body))
+        return JSONResponse(_json_safe(_anomalies(agent, node)))
 
     @app.post(AGENT_REPORT_PATH)
     async def report(job: str, request: Request) -> JSONResponse:
@@ -139,25 +163,12 @@ def create_app(
                 {"detail": detail}, status_code=status, headers={"Connection": "close"}
             )
 
-        denied = refused(request, job)
+        denied = _refused(request, token, job)
         if denied is not None:
             return reject(*denied)
-        too_large = f"report larger than {MAX_REPORT_BYTES} bytes"
-        declared = request.headers.get("content-length") or "0"
-        if not declared.isdigit():
-            return reject(400, f"bad Content-Length {declared[:32]!r}")
-        if int(declared) > MAX_REPORT_BYTES:
-            return reject(413, too_large)
-        body = await _bounded_body(request, MAX_REPORT_BYTES)
-        if body is None:
-            return reject(413, too_large)
-        try:
-            parsed = WorkerReport.model_validate_json(body)
-        except ValidationError as exc:
-            errors = [
-                {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
-            ]
-            return reject(422, errors)
+        parsed = await _read_report(request)
+        if not isinstance(parsed, WorkerReport):
+            return reject(*parsed)
         if not agent.record_report(of_job(job, parsed)):
             return reject(429, "this agent watches as many workers as it may; report refused")
         metrics.reports.labels("accepted").inc()

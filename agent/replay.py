@@ -14,8 +14,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from bulkhead.agent.agent import Agent
 from bulkhead.agent.collectors.base import GpuSample
-from bulkhead.agent.engine import Agent
 from bulkhead.api.node_problems import Reason
 from bulkhead.api.protocol import WorkerReport
 

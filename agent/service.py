@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from bulkhead.agent.agent import Agent, Collectors, Reporter
 from bulkhead.agent.app import create_app
 from bulkhead.agent.collectors import gpu as gpu_mod
 from bulkhead.agent.collectors import kernel_log
@@ -25,7 +26,6 @@ from bulkhead.agent.collectors.training import TrainingCollector
 from bulkhead.agent.detect.metric import MetricAnomalyDetector
 from bulkhead.agent.detect.persistence import Persistence
 from bulkhead.agent.detect.rules import RuleDetector, RuleThresholds
-from bulkhead.agent.engine import Agent, Collectors, Reporter
 from bulkhead.agent.health import NodeHealth
 from bulkhead.agent.reporters.metrics import AgentMetrics
 from bulkhead.agent.settings import AgentSettings

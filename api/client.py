@@ -4,7 +4,7 @@ Lives in ``bulkhead.api`` because the trainer may not import the operator. Every
 a timeout; connection failures, 5xx and 429 answers are retried with exponential backoff;
 a 4xx answer raises ``ControlRequestError`` with the server's one-line explanation, since
 retrying a bad request cannot help. An ``httpx.Client`` is not meant to be shared by
-threads that block on it, so give a background membership poller its own ``ControlClient``,
+threads that block on it, so give a background membership poller its own ``HttpControlClient``,
 sharing the first one's ``MemberCredential``: registration fills it in, and every client
 holding it sends it with each request from then on.
 """
@@ -80,7 +80,7 @@ class MemberCredential:
         return {MEMBER_HEADER: self.credential} if self.credential else {}
 
 
-class ControlClient:
+class HttpControlClient:
     """Talks to the lifecycle manager for one worker of one job."""
 
     def __init__(
@@ -123,7 +123,7 @@ class ControlClient:
         )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> ControlClient:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> HttpControlClient:
         """A client configured by the worker launch environment (BULKHEAD_CONTROL_URL, ...)."""
         env = os.environ if env is None else env
         missing = [k for k in (ENDPOINT_ENV, TOKEN_ENV, JOB_ENV) if not env.get(k)]
@@ -134,7 +134,7 @@ class ControlClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> ControlClient:
+    def __enter__(self) -> HttpControlClient:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -45,7 +45,8 @@ TOKEN_ENV = "BULKHEAD_CONTROL_TOKEN"
 ENDPOINT_ENV = "BULKHEAD_CONTROL_URL"
 JOB_ENV = "BULKHEAD_JOB"
 WORKER_ENV = "BULKHEAD_WORKER"
-# The rest of the worker launch contract (DESIGN.md "Worker launch contract").
+# The rest of the environment a worker process is started with (both drivers set it;
+# trainer/worker.py reads it).
 INCARNATION_ENV = "BULKHEAD_INCARNATION"
 NODE_ENV = "BULKHEAD_NODE"
 ADVERTISE_HOST_ENV = "BULKHEAD_ADVERTISE_HOST"

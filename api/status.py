@@ -9,7 +9,6 @@ from pydantic import Field
 from bulkhead.api.spec import Model
 
 Phase = Literal["Pending", "Running", "Recovering", "Succeeded", "Failed"]
-ConditionType = Literal["Valid", "Ready", "Progressing", "Degraded"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 

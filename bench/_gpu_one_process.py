@@ -49,7 +49,8 @@ FAMILY_MODELS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mixtral": {"moe": {"numExperts": 8, "topK": 2, "every": 1}},
 }
-# The family the engine builds when the spec names none (trainer/model.py: a GPT).
+# The family the engine builds when the spec names none (trainer/config.py: the GPT of
+# trainer/models/gpt.py).
 ENGINE_DEFAULT_FAMILY = "gpt"
 
 

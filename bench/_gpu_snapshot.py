@@ -24,7 +24,7 @@ from _engine_runs import dataset_for, engine_config, solo_world, sync
 from _gpu_options import Options
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
-from bulkhead.trainer.checkpoint.service import Sidecar
+from bulkhead.trainer.checkpoint.sidecar import Sidecar
 
 
 def median_s(action: Callable[[], Any], device: torch.device, repeats: int) -> float:

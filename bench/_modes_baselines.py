@@ -38,10 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import step_positions
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing, build_seeded
 from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 
 def _sum_(grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:

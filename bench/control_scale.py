@@ -56,16 +56,6 @@ TOKEN = "bench-token"
 HANG_S = 120.0  # the default hangTimeoutSeconds: polls are capped at 30 s
 POLL_S = 30.0  # what a trainer asks for (trainer.config.MEMBERSHIP_POLL_SECONDS)
 GPUS_PER_NODE = 8
-ROW_KEYS = (
-    "workers",
-    "pods",
-    "register_all_s",
-    "first_generation_all_s",
-    "next_generation_all_s",
-    "steady_requests_per_s",
-    "cpu_cores",
-    "rss_mb",
-)
 TARGETS = {  # at 16,384 workers (issue 22)
     "next_generation_all_s": 1.0,
     "first_generation_all_s": 5.0,
@@ -494,13 +484,13 @@ def _sample_view(workers: int) -> bytes:
 def relay_fanout(processes: int, rounds: int) -> list[float]:
     """The pod relay's share of "every process sees the new generation", measured: the REAL
     relay of one pod (``trainer.pod.relay``) and its ``processes`` trainer processes (threads
-    long-polling it with the trainer's own ``ControlClient``) against the real endpoint,
+    long-polling it with the trainer's own ``HttpControlClient``) against the real endpoint,
     with ``rounds`` other pods; each round one other pod exits, and the time from the
     session's publication to the last of the pod's processes holding the generation is
     one sample (seconds)."""
     import threading
 
-    from bulkhead.api.client import ControlClient
+    from bulkhead.api.client import HttpControlClient
     from bulkhead.api.protocol import RegisterRequest
     from bulkhead.trainer.pod.launcher import ServingRelay
     from bulkhead.trainer.pod.relay import PodRelay
@@ -520,7 +510,7 @@ def relay_fanout(processes: int, rounds: int) -> list[float]:
     stop = threading.Event()
 
     def process(rank: int) -> None:
-        client = ControlClient(
+        client = HttpControlClient(
             f"http://127.0.0.1:{serving.port}/local/{rank}", TOKEN, JOB, pod, retries=1
         )
         client.register(
@@ -544,7 +534,7 @@ def relay_fanout(processes: int, rounds: int) -> list[float]:
         for thread in threads:
             thread.start()
         for index in range(1, rounds + 1):
-            with ControlClient(url, TOKEN, JOB, worker_id(index)) as other:
+            with HttpControlClient(url, TOKEN, JOB, worker_id(index)) as other:
                 other.register(
                     RegisterRequest(
                         worker=worker_id(index),

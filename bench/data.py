@@ -52,7 +52,7 @@ from bulkhead.trainer.data.tokenizer import load_tokenizer, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VOCAB = 4096
-SEQ_LEN, BATCH = 1024, 8
+BATCH = 8
 RSS_TARGET_MB = 50.0
 
 

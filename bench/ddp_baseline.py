@@ -42,9 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 from bulkhead.api.manifest import load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.models.protocol import build_seeded
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -60,8 +60,11 @@ def newest_checkpoint(root: Path) -> tuple[int, Path] | None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, out_dir: Path, restart: int) -> None:
+    def __init__(
+        self, cfg: TrainConfig, checkpoint_every: int, out_dir: Path, restart: int
+    ) -> None:
         self.cfg = cfg
+        self.checkpoint_every = checkpoint_every  # the job's spec.checkpoint.intervalSteps
         self.out_dir = out_dir
         self.restart = restart
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -116,7 +119,7 @@ class Trainer:
         return lm_sum
 
     def maybe_checkpoint(self) -> None:
-        if self.completed % self.cfg.checkpoint_interval_steps:
+        if self.completed % self.checkpoint_every:
             return
         if self.pending is not None:
             self.pending.result()  # one save in flight at a time, as DCP's examples do
@@ -145,9 +148,10 @@ def main() -> None:
     pids = args.out_dir / "pids"
     pids.mkdir(parents=True, exist_ok=True)
     (pids / f"{restart}-{rank}.pid").write_text(str(os.getpid()))
-    cfg = train_config(load_job(args.job).spec)
+    spec = load_job(args.job).spec
+    cfg = train_config(spec)
     steps = args.steps or cfg.steps
-    trainer = Trainer(cfg, args.out_dir, restart)
+    trainer = Trainer(cfg, spec.checkpoint.interval_steps, args.out_dir, restart)
     trainer.resume()
     progress = (args.out_dir / "progress.jsonl").open("a", buffering=1) if rank == 0 else None
     while trainer.completed < steps:

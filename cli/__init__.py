@@ -1,1 +1,4 @@
-"""Command-line entry point of bulkhead (thin; sub-commands live with their components)."""
+"""The ``bulkhead`` command line: ``main`` (the entry point and the commands that need only
+``api``) and ``plan`` (``bulkhead plan``, which draws on the planners, the parallel plan
+and the engine). A sub-command that drives one component lives with it.
+"""

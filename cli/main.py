@@ -14,10 +14,11 @@ import click
 from bulkhead.api.crd import crd_yaml
 from bulkhead.api.manifest import ManifestError, load_jobs
 
-# name -> "module:attribute" of a click command defined next to the code it drives.
+# name -> "module:attribute" of a click command: next to the component it drives, or in
+# cli/ when it draws on several (plan).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("bulkhead.operator.local.cli:run", "Run a TrainingJob on this machine."),
-    "plan": ("bulkhead.trainer.planning.cli:plan", "Show pipeline and expert plans for a job."),
+    "plan": ("bulkhead.cli.plan:plan", "Show pipeline and expert plans for a job."),
     "agent": ("bulkhead.agent.cli:agent", "Node agent tools (evaluate detectors, ...)."),
     "export": (
         "bulkhead.trainer.models.cli:export",

@@ -174,7 +174,7 @@ FAULTS: tuple[Fault, ...] = (
         (
             "tests/checkpoint/test_storage.py::"
             "test_an_altered_manifest_is_corrupt_and_the_previous_checkpoint_restores",
-            "tests/checkpoint/test_layout.py::"
+            "tests/checkpoint/test_flatten.py::"
             "test_a_tampered_skeleton_is_refused_before_any_byte_is_copied",
         ),
     ),

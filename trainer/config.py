@@ -192,7 +192,6 @@ class TrainConfig:
     eval: EvalConfig | None = None  # spec.trainer.eval: validation loss, if set
     log_interval_steps: int = 1
     report_interval_s: float = 0.5  # the job's reportIntervalSeconds
-    checkpoint_interval_steps: int = 50
     timeouts: Timeouts = field(default_factory=Timeouts)
     parallelism: Parallelism = field(default_factory=Parallelism)
     family: ModelFamily = field(default_factory=_default_family)
@@ -240,7 +239,6 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         eval=trainer.eval,
         log_interval_steps=trainer.log_interval_steps,
         report_interval_s=trainer.report_interval_seconds,
-        checkpoint_interval_steps=spec.checkpoint.interval_steps,
         timeouts=Timeouts(
             collective_s=ft.collective_timeout_seconds,
             registration_s=ft.registration_timeout_seconds,

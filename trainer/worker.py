@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,11 +42,11 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.api.spec import TrainingJobSpec
-from bulkhead.trainer.config import Timeouts, train_config
-from bulkhead.trainer.runtime.control import ControlClient
+from bulkhead.trainer.config import Timeouts, TrainConfig, train_config
+from bulkhead.trainer.runtime.control_client import ControlChannel
 
 if TYPE_CHECKING:
-    from bulkhead.trainer.runtime.loop import Checkpointer
+    from bulkhead.trainer.runtime.loop import Checkpointer, ElasticTrainer
 
 # Any code outside WorkerExit means "infrastructure failure: replace me".
 EXIT_INFRASTRUCTURE = 1
@@ -117,21 +117,14 @@ def _setup_logging(worker: str) -> None:
 
 def run(env: Mapping[str, str]) -> int:
     """Run one worker to its end; returns the process exit code."""
-    try:
-        launch = read_env(env)
-    except LaunchError as exc:
-        logging.basicConfig(level=logging.INFO)
-        log.error("bad launch environment: %s", exc)
+    launch = _read_launch(env)
+    if launch is None:
         return WorkerExit.USER_ERROR
-    _setup_logging(
-        launch.worker if launch.local_rank is None else f"{launch.worker}/{launch.local_rank}"
-    )
-    from bulkhead.api.client import ControlClient as HttpControlClient
-    from bulkhead.api.client import ControlError, MemberCredential
+    from bulkhead.api.client import ControlError, HttpControlClient, MemberCredential
 
     member = MemberCredential()  # registration fills it in for every client of this process
 
-    def connect(retries: int = 5) -> ControlClient:
+    def connect(retries: int = 5) -> ControlChannel:
         return HttpControlClient(
             launch.control_url,
             launch.token,
@@ -162,35 +155,13 @@ def run(env: Mapping[str, str]) -> int:
 
     import torch
 
-    from bulkhead.trainer.data import DataError, open_datasets
-    from bulkhead.trainer.runtime.loop import ElasticTrainer, NoGeneration, Stopped, WorkerIdentity
-    from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
-    from bulkhead.trainer.runtime.samples_log import SamplesLog
+    from bulkhead.trainer.data import DataError
+    from bulkhead.trainer.runtime.loop import NoGeneration, Stopped
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     trainer: ElasticTrainer | None = None
     try:
-        datasets = open_datasets(cfg)
-        samples = None
-        if launch.run_dir is not None:
-            samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)
-        identity = WorkerIdentity(
-            launch.worker,
-            launch.node,
-            launch.incarnation,
-            launch.advertise_host,
-            local_rank=launch.local_rank or 0,
-        )
-        trainer = ElasticTrainer(
-            cfg,
-            connect,
-            identity,
-            datasets.train,
-            samples_log=samples,
-            checkpointer=_checkpointer(env, spec, launch),
-            node_agent=NodeAgentReporter.from_env(env),
-            eval_dataset=datasets.eval,
-        )
+        trainer = _build_trainer(launch, env, spec, cfg, connect)
         trainer.run()
         return WorkerExit.DONE
     except DataError as exc:
@@ -212,6 +183,56 @@ def run(env: Mapping[str, str]) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + signal.SIGINT
+
+
+def _read_launch(env: Mapping[str, str]) -> LaunchEnv | None:
+    """The launch environment, with logging set up for this worker; None if it is bad."""
+    try:
+        launch = read_env(env)
+    except LaunchError as exc:
+        logging.basicConfig(level=logging.INFO)
+        log.error("bad launch environment: %s", exc)
+        return None
+    _setup_logging(
+        launch.worker if launch.local_rank is None else f"{launch.worker}/{launch.local_rank}"
+    )
+    return launch
+
+
+def _build_trainer(
+    launch: LaunchEnv,
+    env: Mapping[str, str],
+    spec: TrainingJobSpec,
+    cfg: TrainConfig,
+    connect: Callable[[], ControlChannel],
+) -> ElasticTrainer:
+    """The elastic trainer of this process: its datasets, identity, checkpointer, reporters."""
+    from bulkhead.trainer.data import open_datasets
+    from bulkhead.trainer.runtime.loop import ElasticTrainer, WorkerIdentity
+    from bulkhead.trainer.runtime.node_agent import NodeAgentReporter
+    from bulkhead.trainer.runtime.samples_log import SamplesLog
+
+    datasets = open_datasets(cfg)
+    samples = None
+    if launch.run_dir is not None:
+        samples = SamplesLog(launch.run_dir / "samples.jsonl", cfg.global_batch_size)
+    identity = WorkerIdentity(
+        launch.worker,
+        launch.node,
+        launch.incarnation,
+        launch.advertise_host,
+        local_rank=launch.local_rank or 0,
+    )
+    return ElasticTrainer(
+        cfg,
+        connect,
+        identity,
+        datasets.train,
+        samples_log=samples,
+        checkpointer=_checkpointer(env, spec, launch),
+        node_agent=NodeAgentReporter.from_env(env),
+        eval_dataset=datasets.eval,
+    )
 
 
 def _package_dir(module: object) -> Path:
@@ -250,7 +271,7 @@ def _run_pod_launcher(
     return run_pod(env, relay, silence_limit_s=timeouts.hang_s / 2)
 
 
-def _report_user_error(client: ControlClient, worker: str, generation: int, message: str) -> None:
+def _report_user_error(client: ControlChannel, worker: str, generation: int, message: str) -> None:
     """Best effort: the manager fails the job at once instead of waiting for the exit."""
     try:
         client.fault(
@@ -267,7 +288,7 @@ def _checkpointer(
     if not (env.get(SHM_DIR_ENV) or env.get(CHECKPOINT_SOCKET_ENV)):
         log.info("no checkpoint sidecar (%s unset): snapshots off", SHM_DIR_ENV)
         return None
-    from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointSettings
+    from bulkhead.trainer.checkpoint.trainer_side import CheckpointEngine, CheckpointSettings
     from bulkhead.trainer.runtime.checkpointing import EngineCheckpointer
 
     settings = CheckpointSettings.from_spec(

@@ -77,7 +77,6 @@ class MetricAnomalyDetector:
         self._healthy: list[np.ndarray] = []
         self._names: list[str] = []
         self._detector: MultivariateDetector | None = None
-        self.last_score = 0.0
 
     @property
     def fitted(self) -> bool:
@@ -105,7 +104,6 @@ class MetricAnomalyDetector:
                 )
             return []
         seen = self._detector.observe(vector)
-        self.last_score = seen.score
         if not seen.flagged:
             return []
         blamed = seen.top(names, BLAMED)

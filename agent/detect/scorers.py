@@ -26,7 +26,20 @@ from itertools import pairwise
 import numpy as np
 
 RIDGE = 1.0  # tiny next to thousands of standardised rows: numerical stability only
-ERROR_FLOOR = 0.1  # a metric that was perfectly predictable does not explode on a tiny error
+# In standardised units: a metric that never moved, or was perfectly predictable, does not
+# explode on a tiny error.
+ERROR_FLOOR = 0.1
+
+
+def rms_scale(errors: np.ndarray) -> np.ndarray:
+    """Each metric's RMS error over the fit (floored): the unit its later errors are read in."""
+    return np.maximum(np.sqrt((errors**2).mean(axis=0)), ERROR_FLOOR)
+
+
+def rms_score(errors: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each point's RMS error in units of ``scale``, and its squared errors per metric."""
+    squared = (errors / scale) ** 2
+    return np.sqrt(squared.mean(axis=1)), squared
 
 
 def fold_edges(length: int, folds: int) -> list[tuple[int, int]]:
@@ -133,14 +146,13 @@ class ForecastScorer:
             weights = self._fit(x[~touching], y[~touching])
             errors[held] = y[held] - x[held] @ weights
         self._weights = self._fit(x, y)
-        self._error_scale = np.maximum(np.sqrt((errors**2).mean(axis=0)), ERROR_FLOOR)
+        self._error_scale = rms_scale(errors)
         self._tail = points[-lags:]
         return self._normalised(errors)
 
     def _normalised(self, errors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self._error_scale is not None
-        squared = (errors / self._error_scale) ** 2
-        return np.sqrt(squared.mean(axis=1)), squared
+        return rms_score(errors, self._error_scale)
 
     def start(self) -> ForecastStream:
         assert self._tail is not None, "cross_fit first"

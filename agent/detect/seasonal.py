@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ERROR_FLOOR = 0.1  # standardised units: a metric that never moved does not explode
+from bulkhead.agent.detect.scorers import rms_scale, rms_score
 
 
 def autocorrelation(points: np.ndarray) -> np.ndarray:
@@ -93,14 +93,13 @@ class SeasonalScorer:
             raise ValueError(f"train has {len(points)} rows: a seasonal score with period "
                              f"{self.period} needs more")  # fmt: skip
         diffs = residuals(points, self.period, self.period, self.seasons)
-        self._scale = np.maximum(np.sqrt((diffs**2).mean(axis=0)), ERROR_FLOOR)
+        self._scale = rms_scale(diffs)
         self._tail = points[-self.period * self.seasons :]
         return self._normalised(diffs)
 
     def _normalised(self, diffs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self._scale is not None
-        squared = (diffs / self._scale) ** 2
-        return np.sqrt(squared.mean(axis=1)), squared
+        return rms_score(diffs, self._scale)
 
     def start(self) -> SeasonalStream:
         assert self._tail is not None, "cross_fit first"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from bulkhead.agent.engine import TickResult
+from bulkhead.agent.agent import TickResult
 from bulkhead.agent.health import ConditionView
 from bulkhead.agent.problems import Problem
 from bulkhead.api.node_problems import format_message, rfc3339
@@ -149,7 +149,6 @@ class NodeEventReporter:
         self._timeout_s = timeout_s
         self._sent: deque[float] = deque()
         self._uid: str | None = None
-        self.dropped = 0
 
     def _node_uid(self) -> str:
         if self._uid is None:
@@ -169,7 +168,6 @@ class NodeEventReporter:
         while self._sent and clock - self._sent[0] > 60.0:
             self._sent.popleft()
         if len(self._sent) >= self._max_per_minute:
-            self.dropped += 1
             log.warning("event rate limit reached, dropped %s: %s", reason, message)
             return
         stamp = as_datetime(now)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from bulkhead.agent.agent import TickResult
 from bulkhead.agent.detect.metric import METRIC_KINDS, metric_kind
-from bulkhead.agent.engine import TickResult
 from bulkhead.api.node_problems import DEFAULT_SEVERITY, Reason
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_COUNT_ENV = "BULKHEAD_GPU_COUNT"
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 API_SERVICE_HOST, API_SERVICE_PORT = "10.96.0.1", 443
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")

@@ -33,7 +33,7 @@ def default_sidecar_command() -> list[str]:
     script = Path(sys.executable).with_name("bulkhead-checkpointd")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-P", "-m", "bulkhead.trainer.checkpoint.sidecar"]
+    return [sys.executable, "-P", "-m", "bulkhead.trainer.checkpoint.checkpointd"]
 
 
 class CheckpointSidecars:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bulkhead.trainer.checkpoint.service import Sidecar
+from bulkhead.trainer.checkpoint.sidecar import Sidecar
 
 torch.set_num_threads(1)
 

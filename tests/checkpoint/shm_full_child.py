@@ -13,8 +13,8 @@ from pathlib import Path
 from ckpt_helpers import assert_state_is, make_state
 
 from bulkhead.trainer.checkpoint import CheckpointEngine, CheckpointSettings
-from bulkhead.trainer.checkpoint.engine import CheckpointError
-from bulkhead.trainer.checkpoint.service import Sidecar
+from bulkhead.trainer.checkpoint.sidecar import Sidecar
+from bulkhead.trainer.checkpoint.trainer_side import CheckpointError
 
 
 def main() -> None:

@@ -90,7 +90,7 @@ def spawn_sidecar(
         sys.executable,
         "-P",  # never import from the working directory (a checkout's operator/ shadows stdlib)
         "-m",
-        "bulkhead.trainer.checkpoint.sidecar",
+        "bulkhead.trainer.checkpoint.checkpointd",
         "--shm-dir",
         str(shm_dir),
         "--socket",

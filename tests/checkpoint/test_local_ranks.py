@@ -21,7 +21,7 @@ from bulkhead.api.protocol import TOKEN_ENV
 from bulkhead.trainer.checkpoint.client import SidecarClient
 from bulkhead.trainer.checkpoint.paths import default_socket, local_rank_shm_dir
 
-CHECKPOINTD = [sys.executable, "-P", "-m", "bulkhead.trainer.checkpoint.sidecar"]
+CHECKPOINTD = [sys.executable, "-P", "-m", "bulkhead.trainer.checkpoint.checkpointd"]
 
 
 def _free_port_pair() -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from waiting import wait_until
 
-from bulkhead.api.client import ControlClient, MemberCredential
+from bulkhead.api.client import HttpControlClient, MemberCredential
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.control import ControlServer, create_control_app
@@ -76,12 +76,12 @@ class Harness:
 
     def client(
         self, worker: str | None = None, token: str | None = None, **kwargs: Any
-    ) -> ControlClient:
+    ) -> HttpControlClient:
         """A client of ``worker``, holding the credential its registration got (one per
         worker, as one worker process's clients share theirs), with the job token it was
         started with (default: the first)."""
         member = self._members.setdefault(worker, MemberCredential()) if worker else None
-        return ControlClient(
+        return HttpControlClient(
             self.url, token or self.token, self.job, worker, member=member, **kwargs
         )
 

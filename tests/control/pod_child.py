@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from bulkhead.api.client import ControlClient
+from bulkhead.api.client import HttpControlClient
 from bulkhead.api.protocol import LOCAL_RANK_ENV, RegisterRequest
 
 
@@ -25,7 +25,7 @@ def main() -> None:
         os.environ.update(json.loads(line))
     rank = int(os.environ[LOCAL_RANK_ENV])
     behaviour = os.environ["POD_CHILD_BEHAVIOURS"].split(",")[rank]
-    client = ControlClient.from_env()
+    client = HttpControlClient.from_env()
     assert client.worker is not None
     client.register(RegisterRequest(worker=client.worker, address=f"127.0.0.1:{7100 + rank}"))
     client.membership(after=0, timeout_s=0)

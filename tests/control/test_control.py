@@ -9,7 +9,7 @@ import httpx
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError, ControlUnavailable
+from bulkhead.api.client import ControlRequestError, ControlUnavailable, HttpControlClient
 from bulkhead.api.protocol import (
     ENDPOINT_ENV,
     JOB_ENV,
@@ -49,7 +49,7 @@ def harness():
         yield h
 
 
-def _client(h: Harness, worker: str | None = None, **kw) -> ControlClient:
+def _client(h: Harness, worker: str | None = None, **kw) -> HttpControlClient:
     return h.client(worker, **kw)
 
 
@@ -257,7 +257,7 @@ def test_metrics_count_requests(harness: Harness) -> None:
 
 def test_client_retries_then_gives_up_clearly() -> None:
     # Nothing listens on this port: connection refused, retried, then a clear error.
-    client = ControlClient(
+    client = HttpControlClient(
         "http://127.0.0.1:9", "t", JOB, "w", retries=2, backoff_initial_s=0.01, timeout_s=2
     )
     with pytest.raises(ControlUnavailable) as err:
@@ -267,8 +267,8 @@ def test_client_retries_then_gives_up_clearly() -> None:
 
 def test_client_from_env_requires_the_contract_variables() -> None:
     with pytest.raises(Exception, match=ENDPOINT_ENV):
-        ControlClient.from_env({TOKEN_ENV: "t", JOB_ENV: "j"})
-    client = ControlClient.from_env(
+        HttpControlClient.from_env({TOKEN_ENV: "t", JOB_ENV: "j"})
+    client = HttpControlClient.from_env(
         {ENDPOINT_ENV: "http://127.0.0.1:1", TOKEN_ENV: "t", JOB_ENV: "j", WORKER_ENV: "j-w0-0"}
     )
     assert client.worker == "j-w0-0" and client.job == "j"

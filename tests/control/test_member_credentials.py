@@ -15,7 +15,7 @@ import httpx
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.client import ControlRequestError, HttpControlClient
 from bulkhead.api.protocol import (
     MEMBER_HEADER,
     CompletionReport,
@@ -57,10 +57,10 @@ def harness():
         yield h
 
 
-def _impostor(h: Harness, victim: str) -> ControlClient:
+def _impostor(h: Harness, victim: str) -> HttpControlClient:
     """A client in ``victim``'s name holding W0's credential (what a worker that wants to
     speak for another has: the job token and its own credential)."""
-    client = ControlClient(h.url, h.token, JOB, victim, member=h.client(W0).member)
+    client = HttpControlClient(h.url, h.token, JOB, victim, member=h.client(W0).member)
     assert client.member.credential is not None
     return client
 
@@ -143,7 +143,7 @@ def test_a_second_registration_does_not_hand_out_the_credential(harness: Harness
     # The addresses are public (every member sees the membership view); the claim and the
     # credential are not. A re-registration with W1's address but not its claim is refused.
     address = next(m.address for m in h.session.state.membership.members if m.worker == W1)
-    thief = ControlClient(h.url, h.token, JOB, W1)
+    thief = HttpControlClient(h.url, h.token, JOB, W1)
     with pytest.raises(ControlRequestError) as err:
         thief.register(RegisterRequest(worker=W1, address=address))
     assert err.value.status_code == 409 and "registered already" in err.value.message

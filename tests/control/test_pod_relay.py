@@ -23,7 +23,7 @@ import psutil
 import pytest
 from control_harness import Harness
 
-from bulkhead.api.client import ControlClient, ControlRequestError, ControlUnavailable
+from bulkhead.api.client import ControlRequestError, ControlUnavailable, HttpControlClient
 from bulkhead.api.protocol import (
     CHECKPOINT_SOCKET_ENV,
     ENDPOINT_ENV,
@@ -78,7 +78,7 @@ class Pod:
         self.serving.start()
         self.url = f"http://127.0.0.1:{self.serving.port}"
         self.clients = [
-            ControlClient(f"{self.url}/local/{i}", h.token, JOB, worker, retries=1)
+            HttpControlClient(f"{self.url}/local/{i}", h.token, JOB, worker, retries=1)
             for i in range(2)
         ]
 
@@ -147,7 +147,7 @@ def test_renewed_processes_see_only_generations_after_the_replaced_ones(
         pod.register(1)
     assert a.clients[0].membership(after=0, timeout_s=10).generation == 1
     # The replaced local rank 0's long poll, still open in the relay when it is renewed.
-    old = ControlClient(f"{a.url}/local/0", h.token, JOB, a.worker, retries=0)
+    old = HttpControlClient(f"{a.url}/local/0", h.token, JOB, a.worker, retries=0)
     stale = threading.Thread(target=lambda: old.membership(after=1, timeout_s=20), daemon=True)
     stale.start()
     h.wait_for(lambda: a.relay._open_polls[0] == 1)
@@ -471,7 +471,7 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
     try:
         h.wait_for(lambda: h.session.status.membership.generation == 1, timeout=60)
         assert launcher.waiting == {}  # none before the pod trains: a start needs the CPU
-        rank0 = ControlClient(f"{launcher._relay_url}/local/0", h.token, JOB, worker, retries=1)
+        rank0 = HttpControlClient(f"{launcher._relay_url}/local/0", h.token, JOB, worker, retries=1)
         rank0.progress(ProgressReport(worker=worker, generation=1, step=0, loss=1.0))
         rank0.close()
         h.wait_for(lambda: len(launcher.waiting) == 2, timeout=60)
@@ -485,7 +485,7 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         members = [m.worker for m in h.session.status.membership.members]
         assert members == [f"{JOB}-w1-0"]
         # Pod w1's trainer reports in its own name, with its pod's member credential.
-        survivor = ControlClient(
+        survivor = HttpControlClient(
             h.url, h.token, JOB, f"{JOB}-w1-0", retries=1, member=other.relay.member
         )
         h.wait_for(lambda: _events(h, "JoinDeferred"), timeout=60)  # re-registered

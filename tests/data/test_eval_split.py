@@ -16,9 +16,9 @@ from pydantic import ValidationError
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
 from bulkhead.trainer.data import DataError, MixDataset, open_dataset, open_datasets, step_positions
+from bulkhead.trainer.data.order import rank_share
 from bulkhead.trainer.data.prepare import prepare
 from bulkhead.trainer.data.tokenizer import train_bpe
-from bulkhead.trainer.runtime.sampler import rank_share
 
 GB = 6
 

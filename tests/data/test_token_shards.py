@@ -16,9 +16,9 @@ from conftest import VOCAB
 
 from bulkhead.trainer.data import DataError, TokenDataset, TokenShardDataset
 from bulkhead.trainer.data.index import DTYPES, read_index
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.data.shards import open_tokens
 from bulkhead.trainer.data.tokenizer import check_tokenizer, train_bpe
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 SEQ, BATCH, MICRO, SEED = 32, 12, 2, 5
 

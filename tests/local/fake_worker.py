@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from bulkhead.api.client import ControlClient, ControlRequestError
+from bulkhead.api.client import ControlRequestError, HttpControlClient
 from bulkhead.api.protocol import (
     INCARNATION_ENV,
     WORKER_ENV,
@@ -44,7 +44,7 @@ def main() -> int:
     # Like the trainer: tokens of the global batch over this worker's own step time.
     step_tokens = float(os.environ.get("FAKE_TOKENS_PER_STEP", "768"))
     me = os.environ[WORKER_ENV]
-    client = ControlClient.from_env()
+    client = HttpControlClient.from_env()
     client.register(RegisterRequest(worker=me, address=f"{me}.fake:1"))
     if os.environ.get("FAKE_FORGE") and "-w0-" in me:
         _forge(client, me)
@@ -85,7 +85,7 @@ def main() -> int:
             return WorkerExit.DONE
 
 
-def _forge(client: ControlClient, me: str) -> None:
+def _forge(client: HttpControlClient, me: str) -> None:
     """Reports in the other members' names, with this worker's own credential."""
     view = client.membership(after=0, timeout_s=30)
     while view.generation == 0:
@@ -110,10 +110,10 @@ def _forge(client: ControlClient, me: str) -> None:
             print(f"forged {route} for {other}: HTTP {status}", file=sys.stderr, flush=True)
 
 
-def _wedge(client: ControlClient, generation: int) -> None:
+def _wedge(client: HttpControlClient, generation: int) -> None:
     """The training loop stops for good; a membership poller (its own client, sharing the
     credential, as the trainer's watcher) keeps this worker alive to the manager."""
-    poller = ControlClient.from_env(member=client.member)
+    poller = HttpControlClient.from_env(member=client.member)
 
     def poll() -> None:
         after = generation

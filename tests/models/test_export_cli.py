@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from bulkhead.api.spec import ModelConfig
 from bulkhead.cli.main import cli
-from bulkhead.trainer.checkpoint.layout import copy_into, plan_layout
+from bulkhead.trainer.checkpoint.flatten import copy_into, plan_layout
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.storage import FileStorage
 from bulkhead.trainer.models import from_pretrained

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bulkhead.trainer.planning.dispatch import dispatch_quotas
+from bulkhead.trainer.planning.dispatch_quotas import dispatch_quotas
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
 from bulkhead.trainer.planning.experts import (

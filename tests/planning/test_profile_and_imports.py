@@ -50,8 +50,9 @@ def test_planning_imports_and_plans_without_torch() -> None:
 
         sys.meta_path.insert(0, NoTorch())
         for mod in ["costs", "templates", "template_search", "instantiate", "reconfigure",
-                    "experts", "expert_migration", "recovery", "dispatch", "profile", "cli"]:
+                    "experts", "expert_migration", "recovery", "dispatch_quotas", "profile"]:
             importlib.import_module("bulkhead.trainer.planning." + mod)
+        importlib.import_module("bulkhead.cli.plan")  # `bulkhead plan`
         from bulkhead.trainer.planning.costs import GpuSpec, LayerCost
         from bulkhead.trainer.planning.templates import generate_templates
         layer = LayerCost("x", 0.01, 0.02, 1, 1, 1, 1)

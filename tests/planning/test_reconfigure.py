@@ -128,7 +128,6 @@ def test_untouched_pipelines_are_kept_and_only_the_hit_one_fetches() -> None:
     assert {survivors[t.dst] for t in result.transfers} <= set(hit.nodes)
     assert result.network_bytes > 0
     assert result.to_dict()["lostNodes"] == [hit.nodes[0]]
-    assert sum(len(v) for v in result.transfers_by_layer().values()) == len(result.transfers)
     # Planning the survivors afresh (nodes in order) would shift every pipeline: more data.
     fresh = instantiate(templates, survivors, 2, 60)
     position = {n: i for i, n in enumerate(survivors)}

@@ -44,7 +44,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 class FileControl:
-    """The ControlClient interface over files in ``root``."""
+    """The ControlChannel interface over files in ``root``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

@@ -18,7 +18,7 @@ from bulkhead.trainer.data import (
     stdlib_files,
     step_positions,
 )
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.runtime.samples_log import SamplesLog
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

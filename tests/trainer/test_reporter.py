@@ -1,4 +1,4 @@
-"""The worker's progress reporter (``runtime.control.Reporter``): pacing, batching of
+"""The worker's progress reporter (``runtime.control_client.Reporter``): pacing, batching of
 every step's figures, the reports sent at once, and directives."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from bulkhead.api.protocol import Directive, ProgressReport, StepFigures
-from bulkhead.trainer.runtime.control import Reporter
+from bulkhead.trainer.runtime.control_client import Reporter
 
 
 def test_a_late_reconfigure_for_an_older_generation_is_not_a_new_one() -> None:

@@ -2,7 +2,7 @@
 
 The trainer side (``CheckpointEngine``) copies the training state into shared-memory slots
 and restores the newest verified snapshot across tiers (own memory -> peer -> storage).
-The sidecar (``bulkhead-checkpointd``, ``bulkhead.trainer.checkpoint.sidecar``) seals
+The sidecar (``bulkhead-checkpointd``, ``bulkhead.trainer.checkpoint.checkpointd``) seals
 snapshots with a checksum, replicates them to a peer and persists them to storage.
 
 Names are exported lazily so the sidecar, which never touches tensors, does not import
@@ -15,10 +15,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CheckpointEngine": "bulkhead.trainer.checkpoint.engine",
-    "CheckpointSettings": "bulkhead.trainer.checkpoint.engine",
+    "CheckpointEngine": "bulkhead.trainer.checkpoint.trainer_side",
+    "CheckpointSettings": "bulkhead.trainer.checkpoint.trainer_side",
     "Restored": "bulkhead.trainer.checkpoint.restore",
-    "SnapshotResult": "bulkhead.trainer.checkpoint.engine",
+    "SnapshotResult": "bulkhead.trainer.checkpoint.trainer_side",
     "Topology": "bulkhead.trainer.checkpoint.records",
 }
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bulkhead.trainer.checkpoint.layout import assemble
+from bulkhead.trainer.checkpoint.flatten import assemble
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.storage import ChecksumMismatch, FileStorage
 from bulkhead.trainer.parallel.layout import KeySpec, shard_range

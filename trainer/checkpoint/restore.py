@@ -30,7 +30,7 @@ import torch
 from bulkhead.trainer.checkpoint import metrics
 from bulkhead.trainer.checkpoint.checksum import shared_workers
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
-from bulkhead.trainer.checkpoint.layout import (
+from bulkhead.trainer.checkpoint.flatten import (
     ALIGN,
     KeyPath,
     SkeletonError,

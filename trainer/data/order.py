@@ -4,7 +4,9 @@ Training consumes an endless stream of samples. Epoch ``e`` visits every sample 
 order that is a pure function of ``(seed, e)``; stream position ``p`` is sample
 ``perm_e(p % n)`` with ``e = p // n``. Step ``s`` trains on positions ``[s * G, (s + 1) * G)``
 (G = global batch) whatever the world size, so a recovery or a restart needs no loader
-state: the step alone says what comes next.
+state: the step alone says what comes next. A rank's share of a step (``rank_share``) and
+its forward/backward passes (``micro_batches``) are pure functions of the step, the batch
+sizes, the rank and the world size.
 
 The permutation is a keyed Feistel network over the smallest even-bit domain holding ``n``,
 cycle-walked back into ``[0, n)`` (a bijection on any ``n``). It costs O(1) memory, so a
@@ -27,6 +29,29 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 def step_positions(step: int, global_batch_size: int) -> range:
     """The stream positions step ``step`` trains on (independent of the world size)."""
     return range(step * global_batch_size, (step + 1) * global_batch_size)
+
+
+def rank_share(step: int, global_batch_size: int, rank: int, world_size: int) -> range:
+    """Rank ``rank``'s contiguous share of the step's global batch.
+
+    Shares differ in size by at most one sample when the world size does not divide the
+    global batch; lower ranks get the extra samples. A rank may get none (world > batch).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    positions = step_positions(step, global_batch_size)
+    base, extra = divmod(global_batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    size = base + (1 if rank < extra else 0)
+    return positions[start : start + size]
+
+
+def micro_batches(positions: range, micro_batch_size: int) -> list[list[int]]:
+    """Split a rank's share into forward/backward passes of at most ``micro_batch_size``."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    items = list(positions)
+    return [items[i : i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
 
 
 def _mix(z: np.ndarray) -> np.ndarray:

@@ -73,11 +73,6 @@ def activate(choice: DeviceChoice, environ: dict[str, str] | None = None) -> Non
         torch.cuda.set_device(choice.device)
 
 
-def pinned_buffer(nbytes: int, choice: DeviceChoice) -> torch.Tensor:
-    """A host staging buffer for snapshots: page-locked when copying from a GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=choice.is_cuda)
-
-
 class AbortMonitor:
     """Aborts the current generation's communicators from a side thread when told to.
 

@@ -36,6 +36,7 @@ from bulkhead.trainer.config import TrainConfig
 if TYPE_CHECKING:  # parallelize imports this module
     from bulkhead.trainer.engine.parallelize import Layout
 from bulkhead.trainer.data import ByteDataset, step_positions
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.optim import lr_at
 from bulkhead.trainer.engine.pretrained import (
@@ -68,7 +69,6 @@ from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes
 from bulkhead.trainer.parallel.transfer import (
     plan_transfer,
 )
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from bulkhead.trainer.data import TokenDataset, step_positions
+from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.engine import Engine
 from bulkhead.trainer.engine.pipeline import PipelineEngine, _Inbox
 from bulkhead.trainer.engine.world import CollectiveError
 from bulkhead.trainer.engine.zero import fsdp_modules
-from bulkhead.trainer.runtime.sampler import micro_batches, rank_share
 
 
 @dataclass(frozen=True)

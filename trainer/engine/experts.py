@@ -349,7 +349,3 @@ class ExpertEngine(GroupedEngine):
     def expert_bytes(self) -> int:
         """Bytes of expert parameters and optimizer state this rank holds."""
         return sum(t.numel() * t.element_size() for spec, t in self._entries if spec.group)
-
-    def hosted_summary(self) -> str:
-        hosted = self.expert_plan.hosted(self.world.rank)
-        return " ".join(f"b{b}:{','.join(map(str, es))}" for b, es in hosted.items())

@@ -54,7 +54,6 @@ class ReadStats:
     """What a ``read_params`` call read: tensor bytes taken from the files (as stored)."""
 
     bytes: int = 0
-    slices: int = 0
     files: set[str] = field(default_factory=set)
 
 
@@ -244,7 +243,6 @@ def read_params(
                 out[param] = flat
                 if stats is not None:
                     stats.bytes += (r1 - r0) * row * reader.tensors[source.name][0].itemsize
-                    stats.slices += 1
                     stats.files.add(file)
         finally:
             reader.close()

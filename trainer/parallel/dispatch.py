@@ -2,7 +2,7 @@
 
 Every rank routes its tokens, the ranks exchange their per-expert counts, and from the
 same (experts x ranks) count and replica matrices every rank derives the same quotas
-(``planning.dispatch.dispatch_quotas``: each expert's tokens split over its replicas in
+(``planning.dispatch_quotas.dispatch_quotas``: each expert's tokens split over its replicas in
 proportion to their slots, a rank's own replica first). ``DispatchLayout`` turns the
 quotas into one rank's side of an uneven all-to-all:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bulkhead.trainer.planning.dispatch import dispatch_quotas
+from bulkhead.trainer.planning.dispatch_quotas import dispatch_quotas
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ but the data travels.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bulkhead.trainer.parallel.layout import Holding, KeySpec, Range, ranges_of
@@ -60,9 +59,6 @@ class TransferPlan:
 
     def local(self, rank: int) -> list[Move]:
         return [m for m in self.moves if m.src == rank == m.dst]
-
-    def bytes_moved(self, itemsize: Callable[[str], int]) -> int:
-        return sum(m.numel * itemsize(m.key) for m in self.moves if m.src != m.dst)
 
 
 Pair = tuple[int, int]  # (src, dst)

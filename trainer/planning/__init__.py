@@ -7,7 +7,8 @@ Pure Python + numpy (no torch), so the operator and the CLI can plan too:
 - ``instantiate``: templates -> pipelines -> ranks, and the integer batch split.
 - ``reconfigure``: the plan after losing nodes and which rank sends which layer shard.
 - ``experts``: Lazarus replica allocation and MRO placement; ``recovery``: exact recovery
-  probability; ``expert_migration``: re-placement after failures; ``dispatch``: integer,
-  local-first token quotas.
-- ``cli``: ``bulkhead plan``.
+  probability; ``expert_migration``: re-placement after failures; ``dispatch_quotas``:
+  integer, local-first token quotas.
+
+``bulkhead plan`` (``bulkhead.cli.plan``) shows what they decide for a job.
 """

@@ -14,7 +14,6 @@ bf16, no recomputation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -152,7 +151,3 @@ def estimate_layer_costs(
             flops, act = 2 * tokens * unit.active_params + 2 * 2 * tokens * s * d, block_act
         layers.append(_layer(unit.name, unit.params, flops, act, gpu))
     return layers
-
-
-def total_state_bytes(layers: Sequence[LayerCost]) -> int:
-    return sum(layer.state_bytes for layer in layers)

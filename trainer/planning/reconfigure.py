@@ -1,4 +1,6 @@
-"""Reconfiguration (Oobleck): the plan after losing nodes, and which rank sends which layer.
+"""What ``bulkhead plan --fail K`` shows at cluster scale: the plan after losing nodes, and
+which rank sends which layer shard (Oobleck's reconfiguration). The engine's own
+re-formation is ``trainer/parallel/pipeline_plan.py``'s ``unit_fetches``.
 
 Steps: (1) the fastest instantiation for the survivors (``choose_pipelines``; a clear
 PlanError below (f+1) n0 nodes); (2) survivors are matched to the new pipelines so that
@@ -18,7 +20,6 @@ node position among the survivors * GPUs per node + local GPU.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,8 +36,6 @@ from bulkhead.trainer.planning.instantiate import (
     stage_ranks,
 )
 from bulkhead.trainer.planning.templates import PipelineTemplate, TemplateSet
-
-log = logging.getLogger(__name__)
 
 Fate = Literal["kept", "reshaped", "merged"]
 
@@ -81,13 +80,6 @@ class ReconfigurationPlan:
     @property
     def network_bytes(self) -> int:
         return sum(t.nbytes for t in self.transfers if t.network)
-
-    def transfers_by_layer(self) -> dict[int, list[LayerTransfer]]:
-        """Per layer, the shards its surviving holders send to the new owners."""
-        out: dict[int, list[LayerTransfer]] = {}
-        for t in self.transfers:
-            out.setdefault(t.layer, []).append(t)
-        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -222,24 +214,13 @@ def reconfigure(
         iteration_time_ns=max(p.time_ns for p in pipelines),
     )
     transfers, missing = _transfers(old, new, lost, position, layers)
-    result = ReconfigurationPlan(
+    return ReconfigurationPlan(
         lost_nodes=tuple(sorted(lost)),
         plan=new,
         fates=tuple(f for _, _, f in assigned),
         transfers=tuple(transfers),
         missing_layers=tuple(missing),
     )
-    log.info(
-        "reconfigured after losing %s: %d pipelines (%s), %d shard transfers, %.1f MiB over "
-        "the network, %d layers missing",
-        sorted(lost),
-        len(pipelines),
-        ",".join(result.fates),
-        len(transfers),
-        result.network_bytes / 2**20,
-        len(missing),
-    )
-    return result
 
 
 def _transfers(

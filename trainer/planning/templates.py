@@ -71,10 +71,6 @@ class Stage:
     time_ns: int  # forward + backward of one micro-batch, with intra-stage all-reduce
     memory_bytes: float  # per GPU
 
-    @property
-    def time_s(self) -> float:
-        return self.time_ns * TIME_UNIT_S
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "layerStart": self.layer_start,
@@ -105,19 +101,9 @@ class PipelineTemplate:
     def iteration_time_s(self) -> float:
         return self.iteration_time_ns * TIME_UNIT_S
 
-    @property
-    def bottleneck_ns(self) -> int:
-        return self.stages[self.bottleneck].time_ns
-
     def time_for_ns(self, microbatches: int) -> int:
         """1F1B iteration time for ``microbatches`` micro-batches: exact, linear in them."""
         return pipeline_time([s.time_ns for s in self.stages], microbatches)
-
-    def stage_of_layer(self, layer: int) -> Stage:
-        for stage in self.stages:
-            if stage.layer_start <= layer < stage.layer_end:
-                return stage
-        raise KeyError(f"layer {layer} is not in this template")
 
     def to_dict(self) -> dict[str, Any]:
         return {

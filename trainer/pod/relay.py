@@ -37,7 +37,12 @@ from urllib.parse import parse_qs, quote
 import httpx
 from pydantic import ValidationError
 
-from bulkhead.api.client import ControlClient, ControlError, ControlRequestError, MemberCredential
+from bulkhead.api.client import (
+    ControlError,
+    ControlRequestError,
+    HttpControlClient,
+    MemberCredential,
+)
 from bulkhead.api.protocol import (
     API_PREFIX,
     FaultKind,
@@ -47,7 +52,7 @@ from bulkhead.api.protocol import (
     RegisterRequest,
     RegisterResponse,
 )
-from bulkhead.trainer.runtime.control import is_gone
+from bulkhead.trainer.runtime.control_client import is_gone
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,7 @@ class PodRelay:
         self._http: httpx.AsyncClient | None = None
         self._closing = threading.Event()
         self._poller: threading.Thread | None = None
-        self._poll_client: ControlClient | None = None
+        self._poll_client: HttpControlClient | None = None
         # Liveness of each local rank: open polls and the last request's start or end.
         self._open_polls = [0] * processes
         # Bumped by ``renew``: a request of a replaced process that ends later (its long
@@ -161,8 +166,8 @@ class PodRelay:
         if self._http is not None:
             await self._http.aclose()
 
-    def _connect(self, worker: str | None) -> ControlClient:
-        return ControlClient(
+    def _connect(self, worker: str | None) -> HttpControlClient:
+        return HttpControlClient(
             self._upstream_url,
             self._token,
             self.job,
@@ -267,7 +272,7 @@ class PodRelay:
         """Best effort: why the pod failed (``internal_error``: it exits next; the manager
         replaces it) or restarted its processes in place (``processes_restarted``)."""
         view = self.view
-        client = ControlClient(
+        client = HttpControlClient(
             self._upstream_url,
             self._token,
             self.job,

@@ -1,10 +1,9 @@
-"""The elastic worker runtime: per-generation process groups, state sync, the training loop.
+"""The elastic worker runtime: one worker's life across membership generations.
 
-- ``sampler``: which stream positions each rank trains on at a step (pure).
-- ``group``: the TCPStore this worker hosts and the torch.distributed group of a generation.
-- ``state``: the training state and its broadcast from the newest surviving replica.
-- ``step``: one data-parallel optimizer step (gradients weighted by samples).
-- ``control``: the control-endpoint interface and the membership watcher thread.
+- ``control_client``: the client side of the control protocol (the ``ControlChannel``
+  interface, the membership watcher and progress reporter threads).
+- ``probe``: after a failed collective, which peers this worker cannot reach.
+- ``timeline``: where a worker's time goes between generations.
 - ``samples_log``: the consumed-samples log rank 0 keeps in local mode.
 - ``checkpointing``: the adapter to the checkpoint engine (snapshots, restore, peer ring).
 - ``node_agent``: reports to this node's agent (step, loss, step time, stragglers).

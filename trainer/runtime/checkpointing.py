@@ -26,9 +26,9 @@ from typing import Any
 from bulkhead.api.protocol import MembershipView
 from bulkhead.api.status import Member
 from bulkhead.trainer.checkpoint.client import SidecarUnavailable
-from bulkhead.trainer.checkpoint.engine import CheckpointEngine, CheckpointError
 from bulkhead.trainer.checkpoint.records import Topology
 from bulkhead.trainer.checkpoint.restore import ANY_SHARD, Restored
+from bulkhead.trainer.checkpoint.trainer_side import CheckpointEngine, CheckpointError
 from bulkhead.trainer.engine.state import HeldState
 from bulkhead.trainer.engine.world import world_order
 from bulkhead.trainer.parallel.plan import ParallelPlan, shard_id

@@ -49,12 +49,12 @@ from bulkhead.trainer.engine.engine import (
 )
 from bulkhead.trainer.engine.evaluate import EvalResult, evaluate
 from bulkhead.trainer.engine.parallelize import build_engine
-from bulkhead.trainer.engine.state import Adoption, HeldState, describe_adoption
+from bulkhead.trainer.engine.state import HeldState, describe_adoption
 from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
 from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.runtime.checkpointing import RestoredState, StorageProgress
-from bulkhead.trainer.runtime.control import (
-    ControlClient,
+from bulkhead.trainer.runtime.control_client import (
+    ControlChannel,
     MembershipWatcher,
     Reporter,
     is_gone,
@@ -131,7 +131,7 @@ class ElasticTrainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        connect: Callable[[], ControlClient],
+        connect: Callable[[], ControlChannel],
         identity: WorkerIdentity,
         dataset: TokenDataset,
         samples_log: SamplesLog | None = None,
@@ -165,7 +165,6 @@ class ElasticTrainer:
         self.last_result: StepResult | None = None
         self._state_source: str | None = None  # how this generation got its state
         self._newer_since: float | None = None  # when a newer generation was first seen
-        self._adoption: Adoption | None = None
         self._plan_reported: list[str] = []  # the layout lines rank 0 last reported
         # Fed the compute times each step's all-reduce already carries: no extra collective.
         self.stragglers = StragglerDetector(every_steps=20)
@@ -365,7 +364,6 @@ class ElasticTrainer:
             self._state_source = "checkpoint" if adoption.source != "fresh" else "fresh"
         else:
             self._state_source = "checkpoint" if restored is not None else adoption.source
-        self._adoption = adoption
         if self.samples_log is not None and world.rank == 0:
             self.samples_log.reconcile(engine.completed_steps, view.generation, world.world_size)
         log.info("%s", describe_adoption(adoption, plan))

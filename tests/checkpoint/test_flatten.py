@@ -11,7 +11,7 @@ from ckpt_helpers import assert_state_is, make_state
 
 from bulkhead.trainer.checkpoint import checksum
 from bulkhead.trainer.checkpoint.checksum import Workers, split_spans
-from bulkhead.trainer.checkpoint.layout import (
+from bulkhead.trainer.checkpoint.flatten import (
     ALIGN,
     SkeletonError,
     assemble,

@@ -40,7 +40,7 @@ from bulkhead.api.spec import CheckpointConfig
 from bulkhead.trainer.checkpoint import metrics
 from bulkhead.trainer.checkpoint.checksum import Workers, default_threads
 from bulkhead.trainer.checkpoint.client import SidecarClient, SidecarUnavailable
-from bulkhead.trainer.checkpoint.layout import copy_into, plan_layout
+from bulkhead.trainer.checkpoint.flatten import copy_into, plan_layout
 from bulkhead.trainer.checkpoint.paths import DEFAULT_SHM_DIR, default_socket
 from bulkhead.trainer.checkpoint.records import SlotMeta, Topology, check_name
 from bulkhead.trainer.checkpoint.restore import Restored, RestoreOptions, Restorer

@@ -19,7 +19,7 @@ from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.parallel.pipeline_plan import unit_fetches
 from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
-from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
+from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
 from bulkhead.trainer.planning.experts import (
@@ -269,31 +269,7 @@ def plan(
     out: dict[str, Any] = {"job": job.metadata.name, "nodes": n, "faultTolerance": f}
     if sizes_note:
         console.print(f"[yellow]{sizes_note}[/yellow]")
-    pods = [f"w{i}" for i in range(spec.workers)]
-
-    def ranks_of(workers: list[str]) -> list[str]:  # each pod's G processes, by rank
-        return [w for w in workers for _ in range(cfg.parallelism.processes_per_worker)]
-
-    trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
-    console.print(engine_plan_table(trained, "What this version's engine trains", cfg))
-    out["engine"] = engine_plan_dict(trained)
-    if fail:
-        survivors = ranks_of(pods[fail:] or pods[:1])
-        after = make_plan(2, survivors, survivors, cfg)
-        title = f"The engine after losing {fail} worker(s)"
-        console.print(engine_plan_table(after, title, cfg))
-        out["engineAfterFailure"] = engine_plan_dict(after)
-        if trained.pipelines is not None and after.pipelines is not None:
-            table, fetches = fetches_table(trained, after)
-            console.print(table)
-            lost = sorted({f.unit for f in fetches if not f.holders})
-            console.print(
-                f"units to fetch: {len(fetches)}; units with no surviving holder "
-                f"(restored from the checkpoint): {lost or 'none'}"
-            )
-            out["engineFetches"] = [
-                {"worker": f.worker, "unit": f.unit, "holders": list(f.holders)} for f in fetches
-            ]
+    out |= _engine_plans(console, cfg, spec.workers, fail)
     console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
                   "(the engine above runs one trainer process per GPU).[/dim]")  # fmt: skip
     try:
@@ -314,15 +290,9 @@ def plan(
         if fail:
             if fail > len(chosen.pipelines[0].nodes):
                 lost = chosen.nodes[:fail]
-            result = reconfigure(chosen, templates, lost, layers)
-            console.print(pipelines_table(result.plan, f"After losing {fail}", result.fates))
-            console.print(transfers_table(result.transfers))
-            console.print(
-                f"layer shards to fetch: {len(result.transfers)}, "
-                f"{result.network_bytes / GIB:.2f} GiB over the network; "
-                f"layers lost with every replica: {list(result.missing_layers) or 'none'}"
+            out["reconfiguration"] = _reconfiguration(
+                console, chosen, templates, lost, layers, f"After losing {fail}"
             )
-            out["reconfiguration"] = result.to_dict()
         if cfg.shape.moe_blocks:
             out["experts"] = _experts(console, cfg.shape.num_experts, n, gpus_per_node,
                                       slots_per_gpu, spec, expert_skew, fail, lost)  # fmt: skip
@@ -331,6 +301,58 @@ def plan(
     if json_out:
         json_out.write_text(json.dumps(out, indent=2))
         console.print(f"wrote {json_out}")
+
+
+def _engine_plans(console: Console, cfg: TrainConfig, workers: int, fail: int) -> dict[str, Any]:
+    """What this version's engine trains on ``workers`` pods, and after losing ``fail``."""
+    pods = [f"w{i}" for i in range(workers)]
+
+    def ranks_of(workers: list[str]) -> list[str]:  # each pod's G processes, by rank
+        return [w for w in workers for _ in range(cfg.parallelism.processes_per_worker)]
+
+    out: dict[str, Any] = {}
+    trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
+    console.print(engine_plan_table(trained, "What this version's engine trains", cfg))
+    out["engine"] = engine_plan_dict(trained)
+    if not fail:
+        return out
+    survivors = ranks_of(pods[fail:] or pods[:1])
+    after = make_plan(2, survivors, survivors, cfg)
+    title = f"The engine after losing {fail} worker(s)"
+    console.print(engine_plan_table(after, title, cfg))
+    out["engineAfterFailure"] = engine_plan_dict(after)
+    if trained.pipelines is not None and after.pipelines is not None:
+        table, fetches = fetches_table(trained, after)
+        console.print(table)
+        lost = sorted({f.unit for f in fetches if not f.holders})
+        console.print(
+            f"units to fetch: {len(fetches)}; units with no surviving holder "
+            f"(restored from the checkpoint): {lost or 'none'}"
+        )
+        out["engineFetches"] = [
+            {"worker": f.worker, "unit": f.unit, "holders": list(f.holders)} for f in fetches
+        ]
+    return out
+
+
+def _reconfiguration(
+    console: Console,
+    chosen: Instantiation,
+    templates: TemplateSet,
+    lost: list[str],
+    layers: list[LayerCost],
+    title: str,
+) -> dict[str, Any]:
+    """The cluster-scale plan after losing ``lost``: pipelines, shards that move."""
+    result = reconfigure(chosen, templates, lost, layers)
+    console.print(pipelines_table(result.plan, title, result.fates))
+    console.print(transfers_table(result.transfers))
+    console.print(
+        f"layer shards to fetch: {len(result.transfers)}, "
+        f"{result.network_bytes / GIB:.2f} GiB over the network; "
+        f"layers lost with every replica: {list(result.missing_layers) or 'none'}"
+    )
+    return result.to_dict()
 
 
 def _plan_config(spec: Any) -> tuple[TrainConfig, str | None]:

@@ -1,7 +1,7 @@
 """The runtime's view of the control endpoint: a client interface and two background threads.
 
-``ControlClient`` is what the runtime needs from the trainer-side control client
-(``bulkhead.api.client.ControlClient``, which identifies the polling worker itself); each
+``ControlChannel`` is what the runtime needs from the trainer-side control client
+(``bulkhead.api.client.HttpControlClient``, which identifies the polling worker itself); each
 thread that blocks on the endpoint gets its own client.
 ``MembershipWatcher`` long-polls membership so a newer generation is seen while training
 (a worker that polls is also alive to the lifecycle manager). ``Reporter`` posts progress
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 _GONE_STATUSES = {404, 409}
 
 
-class ControlClient(Protocol):
+class ControlChannel(Protocol):
     def register(self, request: RegisterRequest) -> RegisterResponse: ...
 
     def membership(self, after: int = 0, timeout_s: float = 30.0) -> MembershipView: ...
@@ -68,7 +68,7 @@ def is_gone(exc: BaseException) -> bool:
 class MembershipWatcher:
     """Keeps the newest published MembershipView, long-polling in a daemon thread."""
 
-    def __init__(self, client: ControlClient, poll_s: float, retry_s: float = 0.5) -> None:
+    def __init__(self, client: ControlChannel, poll_s: float, retry_s: float = 0.5) -> None:
         self._client = client
         self._poll_s = poll_s
         self._retry_s = retry_s
@@ -150,7 +150,7 @@ class Reporter:
     missed in one request, never a backlog of requests.
     """
 
-    def __init__(self, client: ControlClient, interval_s: float = 0.0) -> None:
+    def __init__(self, client: ControlChannel, interval_s: float = 0.0) -> None:
         self._client = client
         self._interval_s = interval_s
         self._cond = threading.Condition()
