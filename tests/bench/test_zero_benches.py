@@ -81,3 +81,21 @@ def test_gpu_smoke_scenarios_on_gloo(tmp_path: Path) -> None:
     assert kill["passed"], kill
     assert kill["lost_steps"] == 0
     assert kill["adoption"] == ["peers"]
+
+
+def test_precision_bench_quick(tmp_path: Path) -> None:
+    out = tmp_path / "precision.json"
+    run_bench("precision", out)
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["precision"], c["activationCheckpointing"]) for c in cases] == [
+        ("fp32", "none"), ("bf16", "none"), ("bf16", "full")
+    ]  # fmt: skip
+    for case in cases:
+        # The state is fp32 in either precision and the planner predicts it exactly.
+        for kind in ("params", "grads", "optimizer"):
+            assert case["measured"][kind] == case["predicted"][kind], (case, kind)
+        assert case["measured"]["activations"] > 0
+    fp32, bf16, checkpointed = (c["measured"]["activations"] for c in cases)
+    assert bf16 < 0.7 * fp32  # bf16 activations (the loss's fp32 logits stay)
+    assert checkpointed < 0.5 * bf16  # full checkpointing keeps only the blocks' inputs
+    assert cases[1]["measured"]["autocast_weight_copies"] > 0  # bf16 compute happened

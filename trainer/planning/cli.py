@@ -297,7 +297,7 @@ def plan(
     console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
                   "(the engine above runs one trainer process per GPU).[/dim]")  # fmt: skip
     try:
-        layers = estimate_layer_costs(cfg.shape, gpu, batch.micro_batch_size)
+        layers = estimate_layer_costs(cfg.shape, gpu, batch.micro_batch_size, cfg.precision)
         templates = generate_templates(layers, gpu, n)
         console.print(templates_table(templates))
         chosen = instantiate(templates, _node_names(n), f, microbatches)

@@ -6,10 +6,14 @@ the output head. ``estimate_layer_costs`` derives the costs analytically from th
 ``GpuSpec``; ``bulkhead.trainer.planning.profile`` measures them on real modules
 instead. Both produce the same ``LayerCost`` records, so the planners do not care which.
 
-Memory follows mixed-precision Adam (the ZeRO paper's K = 12): 2 bytes of bf16 parameters,
-2 of gradients and 12 of fp32 master weights plus two moments per parameter. Activation
-bytes per micro-batch follow Korthikanti et al. (s*b*h*(34 + 5*a*s/h) per decoder block,
-bf16, no recomputation).
+Memory follows what the trainer allocates (``trainer.engine.precision``) in either
+precision: the parameters the optimizer updates are fp32 (4 bytes, the master weights),
+gradients are fp32 (4, reduced in fp32) and AdamW keeps two fp32 moments (8): 16 bytes per
+parameter, split 4 / 4 / 8 (not the ZeRO paper's 2 / 2 / 12 of a separate bf16 copy: under
+bf16 only FSDP2's transiently gathered parameters are bf16). The precision sets the
+activations' element size: bytes per micro-batch follow Korthikanti et al. (s*b*h*(34 +
+5*a*s/h) per decoder block for 2-byte elements, no recomputation), doubled in fp32; the
+head keeps the logits in the compute dtype plus their fp32 copy for the loss.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PARAM_BYTES = 2  # bf16 weights
-GRAD_BYTES = 2  # bf16 gradients
-OPTIMIZER_BYTES = 12  # fp32 master + Adam m and v
+PARAM_BYTES = 4  # fp32 master weights (the optimizer's parameters), in either precision
+GRAD_BYTES = 4  # fp32 gradients (reduced in fp32)
+OPTIMIZER_BYTES = 8  # AdamW's two fp32 moments
+ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}  # bytes per activation value, by trainer.precision
 
 
 @dataclass(frozen=True)
@@ -128,9 +133,10 @@ class ModelShape:
 
 
 def estimate_layer_costs(
-    model: ModelShape, gpu: GpuSpec, micro_batch_size: int = 1
+    model: ModelShape, gpu: GpuSpec, micro_batch_size: int = 1, precision: str = "fp32"
 ) -> list[LayerCost]:
-    """Analytic per-unit costs: embedding, every decoder block, head.
+    """Analytic per-unit costs: embedding, every decoder block, head, for
+    ``precision`` (``spec.trainer.precision``).
 
     Forward FLOPs are 2 per multiply-accumulate of every weight a token touches (an MoE
     block's ``top_k`` active experts; every expert counts for memory), plus a block's
@@ -139,15 +145,20 @@ def estimate_layer_costs(
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
+    element = ACTIVATION_BYTES[precision]
     d, s, heads = model.d_model, model.seq_len, model.n_heads
     tokens = micro_batch_size * s
-    block_act = s * micro_batch_size * d * (34 + 5 * heads * s / d)
+    block_act = s * micro_batch_size * d * (34 + 5 * heads * s / d) * element / 2
+    # Logits in the compute dtype, and in fp32 for the loss (the same tensor in fp32).
+    logits = tokens * model.vocab_size * (element + 4 if element != 4 else 4)
     layers = []
     for unit in model.units:
         if unit.kind == "embedding":
-            flops, act = 2 * tokens * d, tokens * d * PARAM_BYTES
+            flops, act = 2 * tokens * d, tokens * d * element
         elif unit.kind == "head":
-            flops, act = 2 * tokens * unit.active_params, tokens * model.vocab_size * 4
+            flops, act = 2 * tokens * unit.active_params, logits
         else:  # projections and MLP or experts, plus QK^T and AV
             flops, act = 2 * tokens * unit.active_params + 2 * 2 * tokens * s * d, block_act
         layers.append(_layer(unit.name, unit.params, flops, act, gpu))
