@@ -9,9 +9,9 @@ state), trains two steps, and measures
   (``Engine.state_bytes``), against ``plan.state_bytes_per_rank`` (what ``bulkhead plan``
   and the ZeRO accounting predict: 4 + 4 + 8 bytes per parameter in either precision);
 - activations: the bytes of the distinct tensors autograd saves for backward during one
-  micro-batch's forward (``saved_tensors_hooks``; parameters excluded; autocast's bf16
-  copies of the weights reported apart), against the planner's
-  ``estimate_layer_costs(..., precision)`` summed over the units;
+  micro-batch's forward (``saved_tensors_hooks``; parameters excluded, autocast's bf16
+  copies of the weights included: they live as long), and how many of them are bf16,
+  against the planner's ``estimate_layer_costs(..., precision)`` summed over the units;
 - the process's peak RSS.
 
 Sharded layouts hold 1/S of the same fp32 state: ``bench/zero.py`` measures them against
@@ -53,19 +53,16 @@ def config(quick: bool, precision: str, checkpointing: str) -> Any:
 
 
 def _activation_bytes(engine: Any, dataset: Any) -> tuple[int, int]:
-    """(saved activation bytes, autocast weight-copy bytes) of one micro-batch's forward."""
+    """(bytes saved for backward, of which bf16) of one micro-batch's forward."""
     import torch
 
-    params = list(engine.model.parameters())
-    weights = {p.untyped_storage().data_ptr() for p in params}
-    shapes = {tuple(p.shape) for p in params}
+    weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     seen: dict[int, tuple[int, bool]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            cast = t.dtype == torch.bfloat16 and tuple(t.shape) in shapes and t.dim() == 2
-            seen[ptr] = (t.untyped_storage().nbytes(), cast)
+        if ptr not in weights:  # parameters are state, not activations
+            seen[ptr] = (t.untyped_storage().nbytes(), t.dtype == torch.bfloat16)
         return t
 
     cfg = engine.cfg
@@ -74,9 +71,7 @@ def _activation_bytes(engine: Any, dataset: Any) -> tuple[int, int]:
         out = engine.model(batch.inputs, batch.targets)
     out.lm_loss.backward()
     engine.optimizer.zero_grad(set_to_none=True)
-    acts = sum(n for n, cast in seen.values() if not cast)
-    casts = sum(n for n, cast in seen.values() if cast)
-    return acts, casts
+    return sum(n for n, _ in seen.values()), sum(n for n, bf16 in seen.values() if bf16)
 
 
 def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
@@ -96,10 +91,10 @@ def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
         for _ in range(2):
             engine.step(dataset)
         held, predicted = engine.state_bytes()
-        acts, casts = _activation_bytes(engine, dataset)
+        acts, bf16 = _activation_bytes(engine, dataset)
         layers = estimate_layer_costs(cfg.shape, GpuSpec(), cfg.micro_batch_size, precision)
         measured = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
-                    "activations": acts, "autocast_weight_copies": casts}  # fmt: skip
+                    "activations": acts, "activations_bf16": bf16}  # fmt: skip
         estimate = sum(c.activation_bytes for c in layers)
         queue.put(
             {
