@@ -1,9 +1,9 @@
 """Per-rank memory in bf16 and fp32: measured tensor bytes next to the planner's prediction.
 
-For each precision (``spec.trainer.precision``) and activation checkpointing setting, a
-worker process builds the engine exactly as a trainer does (``build_engine`` on a world of
-one rank: what each data-parallel rank holds, since data parallelism replicates the whole
-state), trains two steps, and measures
+For each family, precision (``spec.trainer.precision``) and activation checkpointing
+setting, a worker process builds the engine exactly as a trainer does (``build_engine``
+on a world of one rank: what each data-parallel rank holds, since data parallelism
+replicates the whole state), trains two steps, and measures
 
 - parameters, gradients and optimizer state: the bytes of the tensors the engine holds
   (``Engine.state_bytes``), against ``plan.state_bytes_per_rank`` (what ``bulkhead plan``
@@ -11,7 +11,8 @@ state), trains two steps, and measures
 - activations: the bytes of the distinct tensors autograd saves for backward during one
   micro-batch's forward (``saved_tensors_hooks``; parameters excluded, autocast's bf16
   copies of the weights included: they live as long), and how many of them are bf16,
-  against the planner's ``estimate_layer_costs(..., precision)`` summed over the units;
+  against the planner's ``estimate_layer_costs(..., precision, checkpointing)`` summed
+  over the units (a checkpointed block's kept input included: the hooks see it);
 - the process's peak RSS.
 
 Sharded layouts hold 1/S of the same fp32 state: ``bench/zero.py`` measures them against
@@ -30,14 +31,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = [("fp32", "none"), ("bf16", "none"), ("bf16", "full")]
+CASES = [
+    ("gpt", "fp32", "none"),
+    ("gpt", "bf16", "none"),
+    ("gpt", "bf16", "full"),
+    ("llama", "fp32", "none"),
+    ("llama", "bf16", "none"),
+]
 
 
-def config(quick: bool, precision: str, checkpointing: str) -> Any:
+def config(quick: bool, family: str, precision: str, checkpointing: str) -> Any:
     from bulkhead.api.spec import TrainingJobSpec
     from bulkhead.trainer.config import train_config
 
-    model = {"preset": "tiny"} if quick else {"preset": "small"}
+    model = {"family": family, "preset": "tiny" if quick else "small"}
     spec = TrainingJobSpec.model_validate(
         {
             "workers": 1,
@@ -74,7 +81,7 @@ def _activation_bytes(engine: Any, dataset: Any) -> tuple[int, int]:
     return sum(n for n, _ in seen.values()), sum(n for n, bf16 in seen.values() if bf16)
 
 
-def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
+def _case(quick: bool, family: str, precision: str, checkpointing: str, queue: Any) -> None:
     import torch
 
     from bulkhead.trainer.engine.device import pick_device
@@ -84,7 +91,7 @@ def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
     from _engine_runs import dataset_for, solo_world
 
     torch.set_num_threads(1)
-    cfg = config(quick, precision, checkpointing)
+    cfg = config(quick, family, precision, checkpointing)
     world, engine = solo_world(cfg, pick_device())
     try:
         dataset = dataset_for(cfg)
@@ -92,12 +99,15 @@ def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
             engine.step(dataset)
         held, predicted = engine.state_bytes()
         acts, bf16 = _activation_bytes(engine, dataset)
-        layers = estimate_layer_costs(cfg.shape, GpuSpec(), cfg.micro_batch_size, precision)
+        layers = estimate_layer_costs(
+            cfg.shape, GpuSpec(), cfg.micro_batch_size, precision, checkpointing
+        )
         measured = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
                     "activations": acts, "activations_bf16": bf16}  # fmt: skip
         estimate = sum(c.activation_bytes for c in layers)
         queue.put(
             {
+                "family": family,
                 "precision": precision,
                 "activationCheckpointing": checkpointing,
                 "measured": measured,
@@ -114,6 +124,20 @@ def _case(quick: bool, precision: str, checkpointing: str, queue: Any) -> None:
         world.close()
 
 
+def _result(proc: Any, queue: Any) -> dict[str, Any]:
+    """The case's figures; a worker that died says so at once (its traceback is above)."""
+    import queue as queues
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1)
+        except queues.Empty:
+            if not proc.is_alive():
+                raise SystemExit(f"a case's worker exited with code {proc.exitcode}") from None
+    raise SystemExit("a case's worker took more than 600 s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
@@ -122,26 +146,26 @@ def main() -> None:
     started = time.monotonic()
     ctx = mp.get_context("spawn")  # a fresh process per case: its own peak RSS
     results = []
-    for precision, checkpointing in CASES:
+    for case in CASES:
         queue = ctx.Queue()
-        proc = ctx.Process(target=_case, args=(args.quick, precision, checkpointing, queue))
+        proc = ctx.Process(target=_case, args=(args.quick, *case, queue))
         proc.start()
         try:
-            results.append(queue.get(timeout=600))
+            results.append(_result(proc, queue))
         finally:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    header = ("precision", "AC", "kind", "measured", "predicted", "ratio")
-    print("{:>9} {:>5} {:>12} {:>12} {:>12} {:>6}".format(*header))
+    header = ("family", "precision", "AC", "kind", "measured", "predicted", "ratio")
+    print("{:>6} {:>9} {:>5} {:>12} {:>12} {:>12} {:>6}".format(*header))
     for r in results:
         for kind in ("params", "grads", "optimizer", "activations"):
             m, p = r["measured"][kind], r["predicted"][kind]
             r.setdefault("ratio", {})[kind] = m / p if p else None
             ratio = f"{m / p:6.2f}" if p else "     -"
-            print(f"{r['precision']:>9} {r['activationCheckpointing']:>5} {kind:>12} {m:>12,} "
-                  f"{p:>12,} {ratio}")  # fmt: skip
-        print(f"{'':>9} {'':>5} {'rss peak':>12} {r['peak_rss_bytes']:>12,}")
+            print(f"{r['family']:>6} {r['precision']:>9} {r['activationCheckpointing']:>5} "
+                  f"{kind:>12} {m:>12,} {p:>12,} {ratio}")  # fmt: skip
+        print(f"{'':>6} {'':>9} {'':>5} {'rss peak':>12} {r['peak_rss_bytes']:>12,}")
     out = {"quick": args.quick, "cases": results, "seconds": time.monotonic() - started}
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))

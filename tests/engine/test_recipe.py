@@ -15,10 +15,9 @@ from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.parallelize import build_engine
 from bulkhead.trainer.engine.precision import compute_dtype, fsdp_policy
-from bulkhead.trainer.engine.recompute import checkpointed_blocks
 from bulkhead.trainer.engine.world import open_world
 from bulkhead.trainer.parallel.plan import make_plan, state_bytes_per_rank
-from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs
+from bulkhead.trainer.planning.costs import GpuSpec, estimate_layer_costs, recomputed_blocks
 
 
 def config(precision: str, checkpointing: str = "none", family: str = "gpt") -> TrainConfig:
@@ -37,11 +36,11 @@ def config(precision: str, checkpointing: str = "none", family: str = "gpt") -> 
 
 
 def test_blocks_each_mode_recomputes() -> None:
-    assert checkpointed_blocks(5, "none") == []
-    assert checkpointed_blocks(5, "full") == [0, 1, 2, 3, 4]
-    assert checkpointed_blocks(5, "selective") == [0, 2, 4]
+    assert recomputed_blocks(5, "none") == []
+    assert recomputed_blocks(5, "full") == [0, 1, 2, 3, 4]
+    assert recomputed_blocks(5, "selective") == [0, 2, 4]
     with pytest.raises(ValueError, match=r"spec\.trainer\.activationCheckpointing"):
-        checkpointed_blocks(5, "attention")
+        recomputed_blocks(5, "attention")
 
 
 def test_precision_settings() -> None:
@@ -100,8 +99,12 @@ def test_the_planner_predicts_state_alike_and_activations_by_precision() -> None
         assert (a.param_bytes, a.grad_bytes, a.optimizer_bytes) == (
             4 * a.param_bytes // 4, a.param_bytes, 2 * a.param_bytes
         )  # fmt: skip
-        if a.name.startswith("block"):
-            assert a.activation_bytes == 2 * b.activation_bytes
+        if a.name.startswith("block"):  # bf16: half, plus fp32 norms and weight copies
+            tokens_d = 4 * shape.seq_len * shape.d_model
+            assert a.activation_bytes == 68 * tokens_d
+            assert b.activation_bytes == (34 + 4) * tokens_d + 2 * a.param_bytes // 4
+    full = estimate_layer_costs(shape, GpuSpec(), 4, "bf16", "full")
+    assert [c.activation_bytes for c in full[1:-1]] == [16 * shape.seq_len * shape.d_model] * 2
     params = sum(u.params for u in shape.units if u.name != "head")  # the head is tied
     one_rank = state_bytes_per_rank(make_plan(1, ["w0"], ["w0"], config("bf16")).zero, params)
     assert one_rank.total == 16 * params

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "full", "selective")
+from bulkhead.trainer.planning.costs import recomputed_blocks
 
 _recomputing = 0  # depth of recomputations running now (backward runs on one thread)
 
@@ -51,26 +51,13 @@ def _contexts() -> tuple[Any, Any]:
     return nullcontext(), _recomputation()
 
 
-def checkpointed_blocks(num_blocks: int, mode: str) -> list[int]:
-    """The indices of the blocks ``mode`` recomputes."""
-    if mode not in MODES:
-        raise ValueError(
-            f"spec.trainer.activationCheckpointing: must be one of {MODES}, got {mode!r}"
-        )
-    if mode == "full":
-        return list(range(num_blocks))
-    if mode == "selective":
-        return list(range(0, num_blocks, 2))
-    return []
-
-
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> list[int]:
     """Make ``mode``'s blocks recompute in backward; returns their indices."""
-    chosen = checkpointed_blocks(len(blocks), mode)
+    chosen = recomputed_blocks(len(blocks), mode)
     for i in chosen:
         block = blocks[i]
         # An instance attribute takes precedence over the class's forward in __call__.

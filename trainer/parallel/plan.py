@@ -295,6 +295,7 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
         cfg.micro_batch_size,
         cfg.parallelism.processes_per_worker,
         cfg.precision,
+        cfg.activation_checkpointing,
     )
 
 
