@@ -673,6 +673,23 @@ class TrainerConfig(SpecModel):
         None, description="Validation loss on held-out data (omit: no evaluation)."
     )
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed of the model initialisation.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description=(
+            "Compute precision. bf16: forward and backward in bfloat16 (autocast; under "
+            "ZeRO, parameters gathered in bf16), with fp32 master weights, optimizer "
+            "state, gradient reductions and loss; pipeline activations and expert tokens "
+            "travel in bf16. fp32: everything in float32."
+        ),
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description=(
+            "Recompute decoder blocks' activations in backward instead of keeping them: "
+            "none; full (every block); selective (every other block: 1st, 3rd, ...). "
+            "Trades about one extra forward of the checkpointed blocks for their memory."
+        ),
+    )
     log_interval_steps: int = Field(
         1, ge=1, le=1_000_000, description="Progress report every n steps."
     )

@@ -273,7 +273,8 @@ def plan(
     console.print(f"[dim]Below: the planners at cluster scale, {gpus_per_node} GPUs per node "
                   "(the engine above runs one trainer process per GPU).[/dim]")  # fmt: skip
     try:
-        layers = estimate_layer_costs(cfg.shape, gpu, batch.micro_batch_size)
+        layers = estimate_layer_costs(cfg.shape, gpu, batch.micro_batch_size, cfg.precision,
+                                      cfg.activation_checkpointing)  # fmt: skip
         templates = generate_templates(layers, gpu, n)
         console.print(templates_table(templates))
         chosen = instantiate(templates, _node_names(n), f, microbatches)
@@ -281,7 +282,8 @@ def plan(
         need = max(s.memory_bytes for p in chosen.pipelines for s in p.template.stages)
         console.print(
             f"Fits: the most loaded GPU needs {need / GIB:.1f} GiB (training state and "
-            f"activations) of {gpu.usable_memory_bytes / GIB:.1f} GiB usable "
+            f"{cfg.precision} activations, checkpointing {cfg.activation_checkpointing}) "
+            f"of {gpu.usable_memory_bytes / GIB:.1f} GiB usable "
             f"({gpu_memory_gb:g} GiB GPUs, {gpus_per_node} per node)"
         )
         out["memory"] = {"maxBytesPerGpu": need, "usableBytesPerGpu": gpu.usable_memory_bytes}

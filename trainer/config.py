@@ -198,6 +198,8 @@ class TrainConfig:
     # A directory of pretrained weights a fresh start reads instead of the seeded
     # initialization (``spec.trainer.model.pretrained.path``).
     pretrained: str | None = None
+    precision: str = "fp32"  # spec.trainer.precision: "fp32" or "bf16"
+    activation_checkpointing: str = "none"  # spec.trainer.activationCheckpointing
 
     @property
     def shape(self) -> ModelShape:
@@ -237,6 +239,8 @@ def train_config(spec: TrainingJobSpec) -> TrainConfig:
         seed=trainer.seed,
         data=trainer.data,
         eval=trainer.eval,
+        precision=trainer.precision,
+        activation_checkpointing=trainer.activation_checkpointing,
         log_interval_steps=trainer.log_interval_steps,
         report_interval_s=trainer.report_interval_seconds,
         timeouts=Timeouts(

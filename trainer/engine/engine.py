@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from bulkhead.trainer.data import ByteDataset, step_positions
 from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.optim import lr_at
+from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import (
     PretrainedReader,
     hf_reader,
@@ -392,6 +393,10 @@ class Engine:
     def _after_commit(self) -> None:
         """Runs on every rank after each committed step (at a step boundary)."""
 
+    def autocast(self) -> AbstractContextManager[object]:
+        """The context every forward pass runs in (``precision``: bf16 autocast or none)."""
+        return autocast(self.cfg.precision, self.world.device.device)
+
     def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
         """Forward and backward of this rank's share of step ``step``, gradients weighted
         by sample share of the global batch: (lm loss x samples, aux loss x samples, this
@@ -441,7 +446,8 @@ class Engine:
                     else nullcontext()
                 )
                 with accumulate:
-                    out = forward(batch.inputs.to(device), batch.targets.to(device))
+                    with self.autocast():
+                        out = forward(batch.inputs.to(device), batch.targets.to(device))
                     weight = len(positions) / gb
                     (out.total(aux_coef) * weight).backward()
                 assert out.lm_loss is not None

@@ -95,7 +95,8 @@ def _passes(engine: Engine, dataset: TokenDataset, batches: int) -> tuple[float,
         for positions in passes:
             used = positions or [step_positions(b, gb)[0]]  # an empty pass still communicates
             batch = dataset.batch(used)
-            out = engine.model(batch.inputs.to(device), batch.targets.to(device))
+            with engine.autocast():
+                out = engine.model(batch.inputs.to(device), batch.targets.to(device))
             assert out.lm_loss is not None
             if positions:
                 lm_sum += out.lm_loss.item() * len(positions)
@@ -112,7 +113,7 @@ def _stage_passes(engine: PipelineEngine, dataset: TokenDataset, batches: int) -
     cfg, world = engine.cfg, engine.world
     gb = cfg.global_batch_size
     device = world.device.device
-    dtype = next(p for p in engine.model.parameters() if not p.is_meta).dtype
+    dtype = engine.wire
     rows = engine.layout.rows(stage.pipeline, world.rank)
     lm_sum, count = 0.0, 0
 

@@ -10,7 +10,8 @@ all-gather the per-expert counts -> the planner's quotas (the same on every rank
 a rank's own replica first) -> uneven all-to-all of the assignments -> each hosted expert
 on its rows -> the reverse all-to-all -> combine with the router weights. Nothing is
 dropped or padded. The all-to-alls are autograd functions, so each token's gradient goes
-back to the rank that routed it.
+back to the rank that routed it. Under bf16 precision the tokens, the experts' outputs and
+their gradients cross in bf16 (``QuotaDispatch.wire``).
 
 After backward (``ExpertEngine._reduce_gradients``): the dense gradients are summed over
 all ranks (each rank's loss is weighted by its share of the global batch), and each
@@ -41,6 +42,7 @@ from bulkhead.trainer.engine.engine import GroupedEngine, _materialize_optimizer
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
 from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.recompute import recomputing
 from bulkhead.trainer.engine.state import HeldState, execute_transfer
 from bulkhead.trainer.engine.world import Team
 from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing
@@ -86,8 +88,12 @@ class QuotaDispatch:
     only the path of the routed tokens to the experts differs from ``local_dispatch``.
     """
 
-    def __init__(self, team: Team, num_experts: int, replicas: np.ndarray) -> None:
+    def __init__(
+        self, team: Team, num_experts: int, replicas: np.ndarray, wire: torch.dtype | None = None
+    ) -> None:
         self.team = team  # the ranks the experts are spread over (ranks below: team ranks)
+        # The dtype routed tokens travel in (bf16 under bf16 precision; None: as they are).
+        self.wire = wire
         self.replicas = replicas  # (experts, team ranks): slots of each expert on each rank
         # Global assignments per expert since the last rebalance (the same on every rank).
         self.load = np.zeros(num_experts, dtype=np.int64)
@@ -97,20 +103,25 @@ class QuotaDispatch:
         experts_of = routing.chosen.reshape(-1)
         local = torch.bincount(experts_of, minlength=layer.num_experts)
         counts = self.team.all_gather(local).cpu().numpy()  # (ranks, experts)
-        self.load += counts.sum(axis=0)
+        if not recomputing():  # a checkpointed block's second pass routes the same tokens
+            self.load += counts.sum(axis=0)
         layout = DispatchLayout.of(self.team.rank, counts, self.replicas)
         order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(tokens.device)
         token_of = order // top_k  # assignment a is slot a % k of token a // k
         group = self.team.group
+        sent = tokens[token_of]
+        if self.wire is not None:
+            sent = sent.to(self.wire)
         received = all_to_all_single_autograd(
-            tokens[token_of], layout.output_splits, layout.input_splits, group
+            sent, layout.output_splits, layout.input_splits, group
         )
         # Derived from ``received`` even when no row is for an expert here, so that every
         # rank's backward runs both reverse all-to-alls (they are collective).
         outputs = received * 0.0
         for e, rows in layout.received_rows().items():
             index = torch.from_numpy(rows).to(tokens.device)
-            outputs = outputs.index_copy(0, index, layer.experts[str(e)](received[index]))
+            out = layer.experts[str(e)](received[index])
+            outputs = outputs.index_copy(0, index, out.to(outputs.dtype))
         returned = all_to_all_single_autograd(
             outputs, layout.input_splits, layout.output_splits, group
         )
@@ -128,10 +139,15 @@ def host_experts(layer: MoELayer, hosted: tuple[int, ...], device: torch.device)
 
 
 def distribute_experts(
-    model: CausalLM, plan: ExpertPlan, team: Team, device: torch.device, blocks: range | None = None
+    model: CausalLM,
+    plan: ExpertPlan,
+    team: Team,
+    device: torch.device,
+    blocks: range | None = None,
+    wire: torch.dtype | None = None,
 ) -> dict[int, QuotaDispatch]:
     """Every MoE layer of the plan (in ``blocks``, if given) hosts this rank's experts and
-    dispatches over ``team``; returns the dispatchers by block."""
+    dispatches over ``team`` (tokens sent in ``wire``); returns the dispatchers by block."""
     layers = model.moe_layers()
     hosted = plan.hosted(team.rank)
     out = {}
@@ -140,7 +156,7 @@ def distribute_experts(
             continue
         layer = layers[placement.layer]
         host_experts(layer, hosted[placement.layer], device)
-        dispatch = QuotaDispatch(team, layer.num_experts, placement.replica_matrix())
+        dispatch = QuotaDispatch(team, layer.num_experts, placement.replica_matrix(), wire)
         layer.dispatch = dispatch
         out[placement.layer] = dispatch
     return out

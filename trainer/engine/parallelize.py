@@ -3,13 +3,15 @@
 One function per parallelism, each a no-op when the plan does not use it, applied in
 the order their dependencies impose:
 
+0. ``apply_activation_checkpointing`` (``recompute``): the chosen blocks recompute their
+   activations in backward (set on the blocks before anything wraps or shards them);
 1. ``apply_pipeline``: a pipeline stage gives storage only to its units' modules (the
    model arrives on the meta device) and forms its worker pod's group;
 2. ``apply_experts``: each MoE layer keeps the experts this rank hosts and dispatches
    tokens by the plan's quotas (before FSDP2, which must never see the experts: each is
    whole on the ranks hosting it);
 3. ``apply_zero``: FSDP2 shards the blocks and the root over the world's HSDP mesh, or
-   over the stage's pod under pipelines;
+   over the stage's pod under pipelines (with the precision's ``MixedPrecisionPolicy``);
 4. ``apply_data_parallel``: DDP when the state is replicated over several ranks and
    nothing else reduces gradients.
 
@@ -35,6 +37,8 @@ from bulkhead.trainer.engine.experts import ExpertEngine, QuotaDispatch, distrib
 from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.pipeline import PipelineEngine
+from bulkhead.trainer.engine.precision import compute_dtype, fsdp_policy
+from bulkhead.trainer.engine.recompute import apply_activation_checkpointing
 from bulkhead.trainer.engine.world import Team, World
 from bulkhead.trainer.engine.zero import zero_shard
 from bulkhead.trainer.models.protocol import (
@@ -63,14 +67,22 @@ class Layout:
         return [p for p in self.model.parameters() if not p.is_meta]
 
 
-def parallelize(model: CausalLM, plan: ParallelPlan, world: World) -> Layout:
-    """Apply ``plan`` to ``model`` on this rank of ``world`` (see the module docstring)."""
+def parallelize(
+    model: CausalLM,
+    plan: ParallelPlan,
+    world: World,
+    precision: str = "fp32",
+    activation_checkpointing: str = "none",
+) -> Layout:
+    """Apply ``plan`` to ``model`` on this rank of ``world`` (see the module docstring);
+    ``precision`` and ``activation_checkpointing``: the spec's values."""
     if plan.world_size != world.world_size:
         raise ValueError(f"plan for {plan.world_size} ranks, world of {world.world_size}")
     layout = Layout(model)
+    apply_activation_checkpointing(model.blocks, activation_checkpointing)
     apply_pipeline(layout, plan, world)
-    apply_experts(layout, plan, world)
-    apply_zero(layout, plan, world)
+    apply_experts(layout, plan, world, precision)
+    apply_zero(layout, plan, world, precision)
     apply_data_parallel(layout, plan, world)
     world.seal()  # every group of the generation exists now
     return layout
@@ -88,25 +100,29 @@ def apply_pipeline(layout: Layout, plan: ParallelPlan, world: World) -> None:
             layout.team = _pod_team(world, plan.processes_per_worker)
 
 
-def apply_experts(layout: Layout, plan: ParallelPlan, world: World) -> None:
-    """MoE layers host this rank's experts and dispatch by the quotas: over the world, or
-    under pipelines over the stage's pod (the stage's blocks only)."""
+def apply_experts(layout: Layout, plan: ParallelPlan, world: World, precision: str) -> None:
+    """MoE layers host this rank's experts and dispatch by the quotas (tokens in the
+    precision's wire dtype): over the world, or under pipelines over the stage's pod (the
+    stage's blocks only)."""
     if plan.experts is None:
         return
     device = world.device.device
+    wire = compute_dtype(precision)
     if plan.pipelines is None:
-        layout.dispatches = distribute_experts(layout.model, plan.experts, world.team(), device)
+        layout.dispatches = distribute_experts(
+            layout.model, plan.experts, world.team(), device, wire=wire
+        )
         return
     units = plan.pipelines.units(world.rank)
     if units:
         assert layout.team is not None
         blocks = range(max(units.start - 1, 0), units.stop - 1)
         layout.dispatches = distribute_experts(
-            layout.model, plan.experts, layout.team, device, blocks
+            layout.model, plan.experts, layout.team, device, blocks, wire
         )
 
 
-def apply_zero(layout: Layout, plan: ParallelPlan, world: World) -> None:
+def apply_zero(layout: Layout, plan: ParallelPlan, world: World, precision: str) -> None:
     """FSDP2 per the plan's ZeRO stage; hosted experts and absent (meta) units stay outside.
     Expert parallelism without pipelines keeps the dense state replicated (its gradients
     are summed by hand, as the experts'), so ZeRO applies there only inside a stage."""
@@ -126,7 +142,9 @@ def apply_zero(layout: Layout, plan: ParallelPlan, world: World) -> None:
         groups = ParamGroups(layout.model)
         experts = {p for n, p in layout.model.named_parameters() if groups.expert_of(n)}
     with world.guard("sharding the model"):
-        layout.root = zero_shard(layout.model, plan.zero, device_type, mesh, experts)
+        layout.root = zero_shard(
+            layout.model, plan.zero, device_type, mesh, experts, fsdp_policy(precision)
+        )
 
 
 def apply_data_parallel(layout: Layout, plan: ParallelPlan, world: World) -> None:
@@ -161,7 +179,7 @@ def build_engine(
             else build_empty(cfg.family, cfg.model, "cpu")
         ).to(device)
         initialized, kind = initialize, Engine
-    layout = parallelize(model, plan, world)
+    layout = parallelize(model, plan, world, cfg.precision, cfg.activation_checkpointing)
     optimizer = make_optimizer(model, cfg.optimizer, layout.held)
     _materialize_optimizer(model, optimizer)
     engine = kind(plan, world, cfg, layout, optimizer)

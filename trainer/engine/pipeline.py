@@ -19,12 +19,13 @@ sends the sum on, the last stage takes the loss of the total, and the statistics
 gradients flow back like the activations'. A balance loss is of the rows a process runs:
 each of a pod's processes takes it over its share of the micro-batch (as a data-parallel
 rank takes it per micro-batch), so it equals one process running micro-batches that size.
-Sends do not block; each receive is posted one pass ahead (the transfer overlaps the
-current pass) and its wait blocks inside gloo: a dead neighbour fails it at once (its
-connection resets), and a hung one is cut off by the runtime's abort monitor once a newer
-generation exists (``World.abort``), as for FSDP2's waits. Every micro-batch's loss is
-weighted by its share of the global batch, so the gradients summed over the pipelines are
-the data-parallel gradient.
+Under bf16 precision the activations and their gradients cross between stages in bf16
+(``wire``); the statistics stay fp32. Sends do not block; each receive is posted one pass
+ahead (the transfer overlaps the current pass) and its wait blocks inside gloo: a dead
+neighbour fails it at once (its connection resets), and a hung one is cut off by the
+runtime's abort monitor once a newer generation exists (``World.abort``), as for FSDP2's
+waits. Every micro-batch's loss is weighted by its share of the global batch, so the
+gradients summed over the pipelines are the data-parallel gradient.
 
 Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
@@ -55,6 +56,7 @@ from bulkhead.trainer.engine.engine import GroupedEngine, _shardable
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
 from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.precision import wire_dtype
 from bulkhead.trainer.engine.state import HeldState, _local
 from bulkhead.trainer.engine.zero import begin_microbatch
 from bulkhead.trainer.models.protocol import build_meta
@@ -257,10 +259,18 @@ class PipelineEngine(GroupedEngine):
     def _stage_forward(
         self, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(output activations or logits, summed balance loss, language-model loss,
-        pooled MoE statistics of the stage's blocks)."""
-        out = self.model(x, targets, units=(stage.start, stage.stop))
-        return out.logits, out.aux_loss, out.lm_loss, out.aux_stats
+        """(output activations in the wire dtype or logits, summed balance loss,
+        language-model loss, pooled MoE statistics of the stage's blocks)."""
+        with self.autocast():
+            out = self.model(x, targets, units=(stage.start, stage.stop))
+        logits = out.logits if stage.last else out.logits.to(self.wire)
+        return logits, out.aux_loss, out.lm_loss, out.aux_stats
+
+    @functools.cached_property
+    def wire(self) -> torch.dtype:
+        """The dtype of the activations (and their gradients) between stages."""
+        held = next(p for p in self.model.parameters() if not p.is_meta)
+        return wire_dtype(self.cfg.precision, held.dtype)
 
     def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
         stage = self.stage
@@ -272,7 +282,7 @@ class PipelineEngine(GroupedEngine):
         batches = self.layout.rows(stage.pipeline, world.rank)
         aux_coef = cfg.aux_coef
         device = world.device.device
-        dtype = next(p for p in self.model.parameters() if not p.is_meta).dtype
+        dtype = self.wire
         self.model.train()
         passes: dict[int, _Pass] = {}
         sending: list[tuple[dist.Work, torch.Tensor]] = []

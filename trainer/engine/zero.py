@@ -23,6 +23,10 @@ Under pipelines a stage is sharded over its worker pod's processes alone (``mesh
 pod's group) and only the units the stage holds: the others stay on the meta device,
 outside FSDP2 (``ignored_params``).
 
+Mixed precision (``policy``, see ``precision``): under bf16, FSDP2 gathers parameters in
+bf16 and reduce-scatters gradients in fp32 into fp32 sharded gradients; the shards it
+keeps (master weights) stay fp32.
+
 Gradients are *summed* (divide factor 1): each rank already weights its loss by its share
 of the global batch, so the sum is the gradient of the global batch's mean loss.
 """
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from bulkhead.trainer.parallel.plan import ZeroPlan
 
@@ -66,21 +70,22 @@ def zero_shard(
     device_type: str,
     mesh: DeviceMesh | None = None,
     ignored: set[nn.Parameter] | None = None,
+    policy: MixedPrecisionPolicy | None = None,
 ) -> FSDPModule:
     """Shard ``model`` in place per ``plan`` over ``mesh`` (default: the world's HSDP
-    mesh); parameters on the meta device and ``ignored`` ones are left out. Returns the
-    root FSDP module."""
+    mesh); parameters on the meta device and ``ignored`` ones are left out; ``policy``:
+    FSDP2's mixed precision (default: none). Returns the root FSDP module."""
     if not plan.sharded:
         raise ValueError("zero_shard needs a sharded plan (stage > 0, shard groups of >= 2)")
     mesh = mesh if mesh is not None else zero_mesh(plan, device_type)
     after_forward = reshard_after_forward(plan)
     absent = {p for p in model.parameters() if p.is_meta} | (ignored or set())
+    common = {"mesh": mesh, "ignored_params": absent or None,
+              "mp_policy": policy or MixedPrecisionPolicy()}  # fmt: skip
     for unit in sharded_units(model):
-        fully_shard(
-            unit, mesh=mesh, reshard_after_forward=after_forward, ignored_params=absent or None
-        )
+        fully_shard(unit, reshard_after_forward=after_forward, **common)
     # The root (embeddings, final norm, tied head) is needed again first in backward.
-    root = fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=absent or None)
+    root = fully_shard(model, reshard_after_forward=False, **common)
     for module in fsdp_modules(model):  # these two setters are not recursive
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL then reduces zero-copy).

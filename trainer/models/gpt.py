@@ -190,7 +190,10 @@ class GPT(CausalLM):
         logits = self.head(self.ln_f(x))
         lm_loss = None
         if targets is not None:
-            lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            # In fp32 whatever the compute precision (bf16 logits lose the loss's digits).
+            lm_loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+            )
         return ModelOutput(logits=logits, lm_loss=lm_loss, aux_loss=aux)
 
 

@@ -181,20 +181,27 @@ class PipelineLayout:
         return lines
 
 
-def unit_costs(model: ModelShape, micro_batch_size: int) -> list[LayerCost]:
+def unit_costs(
+    model: ModelShape, micro_batch_size: int, precision: str, checkpointing: str
+) -> list[LayerCost]:
     """The planner's costs of the units, one (per-process) micro-batch each."""
-    return estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size)
+    return estimate_layer_costs(model, PLANNING_DEVICE, micro_batch_size, precision, checkpointing)
 
 
 def template_set(
-    model: ModelShape, pp: PipelineParallelism, ranks: int, micro_batch_size: int
+    model: ModelShape,
+    pp: PipelineParallelism,
+    ranks: int,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    checkpointing: str = "none",
 ) -> TemplateSet:
     """Templates for every pipeline length the spec allows on ``ranks`` workers."""
     units = len(model.units)
     lo = min(pp.min_stages, ranks, units)
     hi = min(pp.max_stages or units, ranks, units)
     hi = max(hi, lo)
-    layers = unit_costs(model, micro_batch_size)
+    layers = unit_costs(model, micro_batch_size, precision, checkpointing)
     found = generate_templates(layers, PLANNING_DEVICE, hi)
     kept = tuple(t for t in found.templates if lo <= t.num_nodes <= hi)
     if not kept:
@@ -210,6 +217,8 @@ def plan_pipelines(
     global_batch_size: int,
     micro_batch_size: int,
     width: int = 1,
+    precision: str = "fp32",
+    checkpointing: str = "none",
 ) -> PipelineLayout:
     """The pipelines of a generation of ``ranks`` ranks, worker pods of ``width``
     consecutive ranks each (see the module docstring).
@@ -221,7 +230,7 @@ def plan_pipelines(
         raise PlanError(f"{ranks} ranks are not whole worker pods of {width} processes")
     workers = ranks // width
     per_process = max(1, micro_batch_size // width)
-    templates = template_set(model, pp, workers, per_process)
+    templates = template_set(model, pp, workers, per_process, precision, checkpointing)
     microbatches = -(-global_batch_size // micro_batch_size)
     names = [str(w) for w in range(workers)]
     chosen: Instantiation | None = None
@@ -267,7 +276,9 @@ def plan_pipelines(
         requested_copies=max_failures + 1,
         predicted_iteration_s=chosen.iteration_time_s,
         idle=tuple(r for r in range(ranks) if r not in used_ranks),
-        unit_seconds=tuple(c.compute_s for c in unit_costs(model, per_process)),
+        unit_seconds=tuple(
+            c.compute_s for c in unit_costs(model, per_process, precision, checkpointing)
+        ),
         width=width,
     )
 

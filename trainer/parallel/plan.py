@@ -294,6 +294,8 @@ def _pipeline_plan(ranks: int, cfg: TrainConfig) -> PipelineLayout | None:
         cfg.global_batch_size,
         cfg.micro_batch_size,
         cfg.parallelism.processes_per_worker,
+        cfg.precision,
+        cfg.activation_checkpointing,
     )
 
 
