@@ -23,7 +23,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("api", "operator", "agent", "trainer", "cli")
-LOCAL_MODE_TRAINER = {"bulkhead.trainer.pod.launcher", "bulkhead.trainer.checkpoint.paths"}
+LOCAL_MODE_TRAINER = {
+    "bulkhead.trainer.pod.launcher",
+    "bulkhead.trainer.pod.prestart",
+    "bulkhead.trainer.checkpoint.paths",
+}
 DRIVER_SIDE = ("driver", "k8s", "local", "session")
 
 

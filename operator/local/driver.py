@@ -48,8 +48,9 @@ from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
-from bulkhead.trainer.pod import prestart
 from bulkhead.trainer.pod.launcher import die_with_parent
+from bulkhead.trainer.pod.prestart import handover_line
+from bulkhead.trainer.pod.prestart import prestarted_command as default_prestarted_command
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class LocalDriver:
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
         self.prestarted = prestarted
-        self.prestarted_command = prestarted_command or prestart.prestarted_command()
+        self.prestarted_command = prestarted_command or default_prestarted_command()
         self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
         self._filling = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -190,7 +191,7 @@ class LocalDriver:
             if process.returncode is not None or process.stdin is None:
                 continue
             try:
-                process.stdin.write(prestart.handover_line(env))
+                process.stdin.write(handover_line(env))
                 await process.stdin.drain()
                 process.stdin.close()
             except (BrokenPipeError, ConnectionResetError):

@@ -79,7 +79,7 @@ class AbortMonitor:
     ``should_abort`` is polled every ``interval_s``; when it turns true the monitor calls
     ``abort`` once (for NCCL: abort every process group of the generation), which makes
     a collective blocked in the main thread return with an error. Gloo cannot be
-    interrupted this way (see engine.md); on gloo the monitor is not started.
+    interrupted this way (pytorch#130345; see failfast.py); on gloo the monitor is not started.
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 When a peer dies, gloo fails only the ranks that talk to it directly in the running
 algorithm; the others stay blocked inside the library (FSDP2's collectives cannot be
 polled) until the group timeout, and neither ``abort()`` nor a call from another thread
-wakes them (engine.md, pytorch#130345). What does wake a rank is its peer's socket
+wakes them (verified on torch 2.15; pytorch#130345). What does wake a rank is its peer's socket
 closing. So a rank that sees its generation fail shuts down every connection of that
 generation's groups: its neighbours fail at once, do the same, and the error reaches the
 whole world in a few round trips instead of a timeout.
