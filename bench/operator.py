@@ -328,10 +328,12 @@ class Bench:
             bad_node = pods[victim]["spec"]["nodeName"]
             survivor = sorted(pods)[-1]
             poll = asyncio.create_task(
-                http.get(
-                    "/membership",
-                    params={"after": generation, "timeout": 60, "worker": survivor},
-                    headers={MEMBER_HEADER: workers.credentials[survivor]},  # it names a member
+                _retrying_transport(
+                    lambda: http.get(
+                        "/membership",
+                        params={"after": generation, "timeout": 60, "worker": survivor},
+                        headers={MEMBER_HEADER: workers.credentials[survivor]},  # a member's
+                    )
                 )
             )
             await asyncio.sleep(0.2)  # the long poll is parked at the endpoint
@@ -408,6 +410,18 @@ class Bench:
         async with asyncio.timeout(300):
             await workers.newcomer.wait()
         return time.perf_counter() - t0
+
+
+async def _retrying_transport(call: Any, attempts: int = 3) -> httpx.Response:
+    """``call()`` again when a kept-alive connection turns out closed by the endpoint (its
+    idle deadline passed while the bench created nodes): what a worker's client does."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _free_port() -> int:
