@@ -58,9 +58,34 @@ def rebuild(
     so the next completed step closes them. ``wall_offset_s`` = wall clock - ``now``'s clock.
     """
     config = PolicyConfig.from_spec(spec, suspect_grace_s)
+    slots, unseen = _slots_after_restart(job, config, status, live, started, now)
+    state = _state_from_status(job, config, status, slots, unseen, now, wall_offset_s)
+    state, decisions = _drop_superseded_members(state, live, now)
+    for slot in slots:
+        if slot.status != "starting":
+            continue
+        wid = worker_id(job, slot.index, slot.incarnation)
+        if wid in live:
+            decisions.append(StopWorker(state.ref(slot), "unknown to the restarted manager"))
+        state, more = decide(state, WorkerExited(wid, reason="Lost"), now)
+        decisions.extend(more)
+    state, more = decide(state, Tick(), now)
+    return state, decisions + more
+
+
+def _slots_after_restart(
+    job: str,
+    config: PolicyConfig,
+    status: TrainingJobStatus,
+    live: Mapping[str, str],
+    started: Mapping[int, int] | None,
+    now: float,
+) -> tuple[tuple[Slot, ...], frozenset[str]]:
+    """Each slot as the restarted manager takes it over, and the ids of incarnations the
+    previous manager started that are neither running nor members (never reused)."""
     members = {m.worker: m for m in status.membership.members}
     newest = _newest_incarnations([*live, *members], config.slots)
-    unseen: set[str] = set()  # started by the previous manager, neither running nor members
+    unseen: set[str] = set()
     # The previous manager started incarnation 0 of every slot when it opened the job
     # (drivers record only the later ones): a slot whose first worker is gone without a
     # trace must not get its id again.
@@ -69,12 +94,6 @@ def rebuild(
         if 0 <= index < config.slots and incarnation > newest.get(index, -1):
             unseen.add(worker_id(job, index, incarnation))
             newest[index] = incarnation
-    view = MembershipView(
-        **status.membership.model_dump(),
-        state="running" if status.membership.generation else "forming",
-        total_steps=config.total_steps,
-    )
-    has_progress = status.step > 0 or status.loss is not None
     slots = []
     for index in range(config.slots):
         incarnation = newest.get(index, -1)
@@ -95,14 +114,33 @@ def rebuild(
             # Running but unknown to us, or a member that is gone: the next incarnation.
             slot = replace(slot, status="starting", node=live.get(wid, ""))
         slots.append(slot)
+    return tuple(slots), frozenset(unseen)
+
+
+def _state_from_status(
+    job: str,
+    config: PolicyConfig,
+    status: TrainingJobStatus,
+    slots: tuple[Slot, ...],
+    unseen: frozenset[str],
+    now: float,
+    wall_offset_s: float,
+) -> LifecycleState:
+    """The policy state the persisted status describes, over the taken-over slots."""
+    view = MembershipView(
+        **status.membership.model_dump(),
+        state="running" if status.membership.generation else "forming",
+        total_steps=config.total_steps,
+    )
+    has_progress = status.step > 0 or status.loss is not None
     registered_members = frozenset(s.index for s in slots if s.status == "registered")
-    state = LifecycleState(
+    return LifecycleState(
         job=job,
         config=config,
         phase=status.phase,
-        slots=tuple(slots),
+        slots=slots,
         membership=view,
-        dead=frozenset(unseen),
+        dead=unseen,
         step=status.step,
         has_progress=has_progress,
         step_generation=status.membership.generation,
@@ -123,17 +161,6 @@ def rebuild(
         if status.membership.generation
         else 0,
     )
-    state, decisions = _drop_superseded_members(state, live, now)
-    for slot in slots:
-        if slot.status != "starting":
-            continue
-        wid = worker_id(job, slot.index, slot.incarnation)
-        if wid in live:
-            decisions.append(StopWorker(state.ref(slot), "unknown to the restarted manager"))
-        state, more = decide(state, WorkerExited(wid, reason="Lost"), now)
-        decisions.extend(more)
-    state, more = decide(state, Tick(), now)
-    return state, decisions + more
 
 
 def _drop_superseded_members(
