@@ -24,6 +24,7 @@ class ConditionView:
     reason: str
     message: str
     since: float  # when the status last changed
+    severity: Severity | None = None  # of the problem shown (None: healthy)
 
     type: str = CONDITION_TYPE
 
@@ -50,9 +51,8 @@ class NodeHealth:
         if top is not None:
             self._last_bad = now
             since = previous.since if previous.status == "True" else now
-            self.view = ConditionView(
-                "True", str(top.reason), format_message(top, len(relevant) - 1), since
-            )
+            message = format_message(top, len(relevant) - 1)
+            self.view = ConditionView("True", str(top.reason), message, since, top.severity)
         elif previous.status == "True" and now - self._last_bad >= self._healthy_period_s:
             self.view = ConditionView("False", HEALTHY_REASON, HEALTHY_MESSAGE, now)
         # Messages carry live numbers; only status, reason or severity changes are news (the
@@ -60,5 +60,5 @@ class NodeHealth:
         return self.view, _identity(self.view) != _identity(previous)
 
 
-def _identity(view: ConditionView) -> tuple[str, str, str]:
-    return (view.status, view.reason, view.message.split(":", 1)[0])
+def _identity(view: ConditionView) -> tuple[str, str, str | None]:
+    return (view.status, view.reason, view.severity)

@@ -104,3 +104,17 @@ def test_health_ignores_unconfigured_severities_and_prefers_critical():
     critical = Problem(Reason.XID_ERROR, "pci x", "critical", "XID 79", since=2, last_seen=2)
     view, _ = health.update([_problem("warning"), critical], now=2)
     assert (view.status, view.reason) == ("True", "XidError")
+
+
+def test_health_news_is_a_change_of_status_reason_or_severity_not_of_message_numbers():
+    """The severity travels as data in the view; a refreshed message alone is no news."""
+    health = NodeHealth(healthy_period_s=10, severities=["warning", "critical"], now=0)
+    warning = Problem(Reason.XID_ERROR, "pci x", "warning", "XID 13, 1 time", since=1, last_seen=1)
+    view, changed = health.update([warning], now=1)
+    assert (view.severity, changed) == ("warning", True)
+    again = Problem(Reason.XID_ERROR, "pci x", "warning", "XID 13, 7 times", since=1, last_seen=2)
+    view, changed = health.update([again], now=2)
+    assert "7 times" in view.message and not changed
+    worse = Problem(Reason.XID_ERROR, "pci x", "critical", "XID 13, 9 times", since=1, last_seen=3)
+    view, changed = health.update([worse], now=3)
+    assert (view.severity, changed) == ("critical", True)
