@@ -56,7 +56,9 @@ def test_every_bench_has_a_smoke_test():
     benches = {p.stem for p in (REPO / "bench").glob("*.py") if not p.stem.startswith("_")}
     tests = "\n".join(p.read_text() for p in (REPO / "tests").rglob("test_*.py"))
     covered = set(EXPECTED_KEYS) | {
-        b for b in benches if re.search(rf'"bench"\s*/\s*"{b}\.py"|bench/{b}\.py', tests)
+        b
+        for b in benches
+        if re.search(rf'"bench"\s*/\s*"{b}\.py"|bench/{b}\.py|run_bench\("{b}"', tests)
     }
     assert benches <= covered, f"benches without a --quick smoke test: {benches - covered}"
 
