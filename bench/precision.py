@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bulkhead.operator.local.children import end_children_on_exit
+
 CASES = [
     ("gpt", "fp32", "none"),
     ("gpt", "bf16", "none"),
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="Write the figures as JSON here.")
     parser.add_argument("--quick", action="store_true", help="The tiny preset.")
     args = parser.parse_args()
+    end_children_on_exit()  # a timeout or Ctrl-C leaves no case's process behind
     started = time.monotonic()
     ctx = mp.get_context("spawn")  # a fresh process per case: its own peak RSS
     results = []
