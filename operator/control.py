@@ -368,7 +368,7 @@ def create_control_app(
     async def faults(
         report: FaultReport, session: Session, credential: Credential = None
     ) -> Directive:
-        session.authenticate(report.worker, credential, f"{report.kind} fault")
+        session.authenticate_fault(report, credential)
         return await session.fault(report)
 
     @app.post(API_PREFIX + "/{job}/complete", response_model=Directive)

@@ -169,6 +169,7 @@ class JobSession(Generic[D]):
         self.spec = opening.spec
         self.tokens = JobTokens(token, token_source, clock, self.job_name)
         self.credentials = MemberCredentials(self.job_name, member_key)
+        self._credentialed: set[str] = set()  # workers this session gave a credential
         self._claims: dict[str, str | None] = {}  # worker -> the claim it registered with
         self._clock = clock
         self._tick_s = tick_seconds
@@ -261,10 +262,38 @@ class JobSession(Generic[D]):
         self._check_retry(req, credential)
         self._touch(req.worker)
         self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
+        self._credentialed.add(req.worker)
         return RegisterResponse(
             worker=req.worker,
             generation=self._state.generation,
             credential=self.credentials.issue(req.worker),
+        )
+
+    def authenticate_fault(self, report: FaultReport, credential: str | None) -> None:
+        """``authenticate`` for a fault report, with one exception: a worker that has not
+        registered has no credential yet, and its own user error (a bad spec or data found
+        before it joins) must still reach the job's status. Only ``user_error``, only for
+        the current incarnation of a slot that never registered in this session."""
+        if (
+            report.kind == "user_error"
+            and credential is None
+            and self._never_registered(report.worker)
+        ):
+            log.info(
+                "job %s: user error of %s before its registration (no credential yet)",
+                self.job_name,
+                report.worker,
+            )
+            return
+        self.authenticate(report.worker, credential, f"{report.kind} fault")
+
+    def _never_registered(self, worker: str) -> bool:
+        slot = self._state.slot_of(worker)
+        return (
+            slot is not None
+            and slot.status != "registered"
+            and worker not in self._credentialed
+            and all(m.worker != worker for m in self._state.membership.members)
         )
 
     def authenticate(self, worker: str, credential: str | None, route: str) -> None:

@@ -226,3 +226,25 @@ def test_a_rotated_job_token_admits_new_pods_and_keeps_running_members(
             )
             assert wrong.status_code == 401
         assert h.token_reads - before <= 1
+
+
+def test_a_worker_that_never_registered_may_report_its_own_user_error() -> None:
+    """A worker that finds a bad spec or missing data before it joins has no credential
+    yet: its user error still fails the job with its message. Only that: not for a slot
+    that registered, nor for an incarnation that is not the slot's current one."""
+    with Harness(JOB, _spec()) as h:
+        for slot, wid in enumerate((W0, W1)):
+            h.client(wid).register(RegisterRequest(worker=wid, address=f"127.0.0.1:{7300 + slot}"))
+        prefix = f"{h.url}/v1/jobs/{JOB}"
+        token_only = {"Authorization": f"Bearer {h.token}"}
+
+        def user_error(worker: str) -> httpx.Response:
+            body = {"worker": worker, "generation": 0, "kind": "user_error", "message": "no-data"}
+            return httpx.post(f"{prefix}/faults", json=body, headers=token_only)
+
+        assert user_error(W1).status_code == 401  # registered: its credential is needed
+        assert user_error(f"{JOB}-w2-1").status_code in (401, 404)  # not the current one
+        assert h.session.status.phase != "Failed"
+        assert user_error(W2).status_code == 200
+        h.wait_for(lambda: h.session.status.phase == "Failed")
+        assert "no-data" in h.session.status.message
