@@ -173,19 +173,12 @@ class PlayedWorkers:
             "address": f"{pod['status'].get('podIP', '127.0.0.1')}:29500",
             "claim": secrets.token_urlsafe(24),
         }
+        # A kept-alive connection the endpoint closed as it was reused is retried: a
+        # repeated registration of the same worker, address and claim is accepted.
         async with self.limit:
-            for attempt in range(3):
-                try:
-                    answer = await self.http.post("/register", json=body)
-                    answer.raise_for_status()
-                    self.credentials[body["worker"]] = answer.json()["credential"]
-                    return
-                except httpx.TransportError:
-                    # A keep-alive connection the endpoint closed as it was reused (both
-                    # processes starved on a loaded machine): a repeated registration of
-                    # the same worker, address and claim is accepted.
-                    if attempt == 2:
-                        raise
+            answer = await _retrying_transport(lambda: self.http.post("/register", json=body))
+        answer.raise_for_status()
+        self.credentials[body["worker"]] = answer.json()["credential"]
 
 
 class Bench:
@@ -414,7 +407,8 @@ class Bench:
 
 async def _retrying_transport(call: Any, attempts: int = 3) -> httpx.Response:
     """``call()`` again when a kept-alive connection turns out closed by the endpoint (its
-    idle deadline passed while the bench created nodes): what a worker's client does."""
+    idle deadline passed, or both processes starved on a loaded machine): what a worker's
+    client does."""
     for attempt in range(attempts):
         try:
             return await call()
