@@ -99,10 +99,17 @@ def test_the_planner_predicts_state_alike_and_activations_by_precision() -> None
         assert (a.param_bytes, a.grad_bytes, a.optimizer_bytes) == (
             4 * a.param_bytes // 4, a.param_bytes, 2 * a.param_bytes
         )  # fmt: skip
-        if a.name.startswith("block"):  # bf16: half, plus fp32 norms and weight copies
-            tokens_d = 4 * shape.seq_len * shape.d_model
-            assert a.activation_bytes == 68 * tokens_d
-            assert b.activation_bytes == (34 + 4) * tokens_d + 2 * a.param_bytes // 4
+        if a.name.startswith("block"):
+            # gpt's count per token: LayerNorm inputs and statistics and the attention's
+            # log-sum-exp in fp32; normalised inputs, q, k, v, attention output (6d) and
+            # the MLP's GELU input and output (2 x 4d) in the compute dtype. bf16 halves
+            # the compute values and keeps a bf16 copy of the weights.
+            d, tokens = shape.d_model, 4 * shape.seq_len
+            fp32_values, compute_values = 2 * d + 4 + shape.n_heads, 6 * d + 8 * d
+            assert a.activation_bytes == tokens * 4 * (fp32_values + compute_values)
+            assert b.activation_bytes == tokens * (
+                4 * fp32_values + 2 * compute_values
+            ) + 2 * (a.param_bytes // 4)
     full = estimate_layer_costs(shape, GpuSpec(), 4, "bf16", "full")
     assert [c.activation_bytes for c in full[1:-1]] == [16 * shape.seq_len * shape.d_model] * 2
     params = sum(u.params for u in shape.units if u.name != "head")  # the head is tied

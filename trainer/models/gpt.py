@@ -18,7 +18,15 @@ from torch import nn
 
 from bulkhead.api.spec import ModelConfig
 from bulkhead.trainer.config import ModelSizes, resolve_model
-from bulkhead.trainer.models.protocol import CausalLM, ModelFamily, ModelOutput, MoELayer, Routing
+from bulkhead.trainer.models.protocol import (
+    CausalLM,
+    ModelFamily,
+    ModelOutput,
+    MoELayer,
+    Routing,
+    routed_values,
+)
+from bulkhead.trainer.planning.costs import ActivationValues
 
 
 class Expert(nn.Module):
@@ -152,6 +160,21 @@ class GPT(CausalLM):
 
     def moe_path(self, block: int) -> str:
         return f"blocks.{block}.ffn"
+
+    def activation_values(self, unit: int) -> ActivationValues:
+        s, n = self.sizes, len(self.blocks)
+        d, f = s.d_model, s.ffn_dim
+        if unit == 0:
+            return ActivationValues(int64=1)  # the token ids
+        if unit == n + 1:  # ln_f's input and statistics, fp32 log-probabilities; the head's input
+            return ActivationValues(fp32=d + 2 + s.vocab_size, compute=d)
+        # Both LayerNorms' inputs and statistics and the attention's log-sum-exp stay fp32;
+        # the normalised inputs, q, k, v (3d) and the attention output are compute values.
+        fp32, compute = 2 * d + 4 + s.n_heads, 6 * d
+        moe = self.blocks[unit - 1].ffn
+        if not isinstance(moe, MoELayer):
+            return ActivationValues(fp32=fp32, compute=compute + 2 * f)  # GELU's input, output
+        return routed_values(fp32, compute, moe, d, expert_values=2 * f + d, expert_casts=d)
 
     def decays(self, param: str, tensor: torch.Tensor) -> bool:
         return tensor.dim() >= 2 and not param.startswith(("tok_emb.", "pos_emb.", "head."))

@@ -22,8 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkhead.trainer.models.hf_config import LLAMA
-from bulkhead.trainer.models.protocol import CausalLM, ModelFamily, ModelOutput, MoELayer
+from bulkhead.trainer.models.protocol import (
+    CausalLM,
+    ModelFamily,
+    ModelOutput,
+    MoELayer,
+    routed_values,
+)
 from bulkhead.trainer.models.sizes import LlamaSizes, RopeScaling
+from bulkhead.trainer.planning.costs import ActivationValues
 
 __all__ = ["FAMILY", "Llama", "LlamaSizes", "RopeScaling"]
 
@@ -239,6 +246,24 @@ class Llama(CausalLM):
 
     def moe_path(self, block: int) -> str:
         return f"model.layers.{block}.block_sparse_moe"
+
+    def activation_values(self, unit: int) -> ActivationValues:
+        s, n = self.sizes, self.sizes.n_layers
+        d, f = s.d_model, s.ffn_dim
+        q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        if unit == 0:
+            return ActivationValues(int64=1)  # the token ids
+        if unit == n + 1:  # the norm's input, normalised input, statistic; fp32 log-probs
+            return ActivationValues(fp32=2 * d + 1 + s.vocab_size, compute=d)
+        # Each RMSNorm keeps its input and normalised input in fp32 (and a statistic), the
+        # attention its log-sum-exp; the normalised inputs, the rotated q and k, v and the
+        # attention output are compute values; under bf16, q, k and v each cast the input.
+        fp32, compute, casts = 4 * d + 2 + s.n_heads, 2 * d + 2 * q + 2 * kv, 2 * d
+        layer = self.model.layers[unit - 1]
+        if not hasattr(layer, "block_sparse_moe"):  # SwiGLU: gate, silu, up, product
+            return ActivationValues(fp32=fp32, compute=compute + 4 * f, bf16_casts=casts + d)
+        moe = layer.block_sparse_moe
+        return routed_values(fp32, compute, moe, d, expert_values=4 * f + d, expert_casts=2 * d)
 
     def decays(self, param: str, tensor: torch.Tensor) -> bool:
         return not (

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from bulkhead.trainer.planning.costs import ModelShape, UnitShape
+from bulkhead.trainer.planning.costs import ActivationValues, ModelShape, UnitShape
 
 
 @dataclass
@@ -83,6 +83,30 @@ def local_dispatch(layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> t
         contribution = expert(tokens[token_idx]) * routing.weights[token_idx, slot].unsqueeze(-1)
         out = out.index_add(0, token_idx, contribution.to(out.dtype))
     return out
+
+
+def routed_values(
+    fp32: float,
+    compute: float,
+    moe: MoELayer,
+    d_model: int,
+    expert_values: float,
+    expert_casts: float,
+) -> ActivationValues:
+    """Per-token values of a block whose feed-forward is ``moe`` under ``local_dispatch``
+    (``CausalLM.activation_values``): the block's other values (``fp32``, ``compute``),
+    plus the router's probabilities, mixing weights and their sum (fp32) and choices, plus
+    for each of the token's ``top_k`` routed copies its gathered input (fp32: the norm's
+    output), the expert's ``expert_values`` (its output included; ``expert_casts``: bf16
+    copies of the input its projections make), its mixing weight, the weighted output
+    (``index_add`` keeps it) and its index."""
+    k, d = moe.top_k, d_model
+    return ActivationValues(
+        fp32=fp32 + moe.num_experts + k + 1 + k * d,
+        compute=compute + k * (expert_values + 1 + d),
+        bf16_casts=k * expert_casts,
+        int64=2 * k,
+    )
 
 
 class MoELayer(nn.Module, ABC):
@@ -203,6 +227,12 @@ class CausalLM(nn.Module, ABC):
         targets: torch.Tensor | None = None,
         units: tuple[int, int] | None = None,
     ) -> ModelOutput: ...
+
+    def activation_values(self, unit: int) -> ActivationValues | None:
+        """What one token of unit ``unit`` keeps for backward, counted from what the
+        family's modules save (``bulkhead plan``'s activation memory; ``bench/precision.py``
+        measures it). ``None``: the planner's generic decoder-block estimate."""
+        return None
 
     def retie(self) -> None:
         """Share the tied tensors again (``to_empty`` and meta materialization untie)."""
@@ -334,7 +364,7 @@ def _model_shape(_name: str, family: ModelFamily, sizes: SizesLike) -> ModelShap
             per_expert = count_params(next(iter(layer.experts.values())))
             active -= (layer.num_experts - layer.top_k) * per_expert
             name += ".moe"
-        units.append(UnitShape(name, params, active, kind))
+        units.append(UnitShape(name, params, active, kind, model.activation_values(unit)))
     first = next(iter(moe.values()), None)
     return ModelShape(
         units=tuple(units),

@@ -13,16 +13,17 @@ parameter, split 4 / 4 / 8 (not the ZeRO paper's 2 / 2 / 12 of a separate bf16 c
 bf16 only FSDP2's transiently gathered parameters are bf16).
 
 Activations (``activation_bytes``: what autograd keeps for backward per micro-batch of b
-sequences of s tokens, width h) follow Korthikanti et al.'s 34*s*b*h bytes per decoder block
-for 2-byte values, doubled in fp32, without their 5*a*s^2*b attention-score term: the
-families attend with ``scaled_dot_product_attention``, whose fused kernels keep no score
-matrix (and their dropout is 0 by default). Under bf16 autocast the residual stream and
-the norms stay fp32 (+4*s*b*h) and autocast keeps a bf16 copy of every weight a block
-multiplies by (+2 bytes per parameter). The embedding keeps the token ids; the head the
-fp32 log-probabilities of the loss and its inputs. A recomputed block
-(``activationCheckpointing``) keeps its input alone. Measured against the trainer
-(``bench/precision.py``, tiny presets): gpt within 5 % in fp32 and bf16, llama within
-5 % in fp32 and 23 % under in bf16 (its SwiGLU and fp32 RMSNorm keep more).
+sequences of s tokens). A family counts what one token of each unit keeps, by dtype
+(``ActivationValues`` from ``CausalLM.activation_values``): under bf16 autocast the
+residual stream, norm statistics, the attention's log-sum-exp and the routing stay fp32,
+the rest is bf16, an input several projections read is cast once per projection, and
+autocast keeps a bf16 copy of every weight a unit multiplies by (+2 bytes per parameter).
+A family that declares nothing gets Korthikanti et al.'s 34*s*b*h bytes per decoder
+block for 2-byte values (doubled in fp32, +4*s*b*h of fp32 norms under bf16) without
+their attention-score term (``scaled_dot_product_attention`` keeps no score matrix). A
+recomputed block (``activationCheckpointing``) keeps its input alone. Measured against
+the trainer (``bench/precision.py``): gpt, llama and mixtral within 2 % in fp32 and bf16,
+with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -127,6 +128,24 @@ def _layer(name: str, params: float, flops_fwd: float, act: float, gpu: GpuSpec)
 
 
 @dataclass(frozen=True)
+class ActivationValues:
+    """What one token of a unit keeps for backward, in values by the dtype they are kept in.
+
+    A family declares it (``CausalLM.activation_values``), counted from what its modules
+    save; the planner turns it into bytes for the job's precision.
+    """
+
+    fp32: float = 0.0  # fp32 in either precision: residual stream, norm statistics, routing
+    compute: float = 0.0  # in the compute dtype: 2 bytes under bf16, 4 in fp32
+    bf16_casts: float = 0.0  # bf16 only: more copies of an input several projections cast
+    int64: float = 0.0  # indices: token ids, routing choices
+
+    def bytes_per_token(self, precision: str) -> float:
+        casts = 2 * self.bf16_casts if precision == "bf16" else 0.0
+        return 4 * self.fp32 + ACTIVATION_BYTES[precision] * self.compute + casts + 8 * self.int64
+
+
+@dataclass(frozen=True)
 class UnitShape:
     """One unit of a model as the planners see it (``trainer.models.protocol.model_shape``
     measures it through the model-family protocol)."""
@@ -135,6 +154,9 @@ class UnitShape:
     params: int  # parameters the unit holds (a tied tensor counted in every unit using it)
     active_params: int  # parameters one token's forward multiplies through (top-k experts)
     kind: str  # "embedding" | "block" | "head"
+    # What a token keeps for backward, as the family counts it (None: the generic
+    # decoder-block estimate of the module docstring).
+    activations: ActivationValues | None = None
 
 
 @dataclass(frozen=True)
@@ -163,13 +185,17 @@ def activation_bytes(
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     element = ACTIVATION_BYTES[precision]
     d = model.d_model
-    weight_copies = 2 * unit.params if precision == "bf16" else 0
+    if recomputed and unit.kind == "block":
+        return tokens * d * 4  # the block's input (the fp32 residual stream)
+    # Autocast keeps a bf16 copy of every weight a unit multiplies by (an embedding gathers).
+    multiplies = unit.kind != "embedding"
+    weight_copies = 2 * unit.params if precision == "bf16" and multiplies else 0
+    if unit.activations is not None:
+        return int(tokens * unit.activations.bytes_per_token(precision)) + weight_copies
     if unit.kind == "embedding":
         return tokens * 8  # the int64 token ids
     if unit.kind == "head":  # fp32 log-probabilities, the norm's and the projection's inputs
         return tokens * model.vocab_size * 4 + tokens * d * (4 + element) + weight_copies
-    if recomputed:
-        return tokens * d * 4  # the block's input (the fp32 residual stream)
     fp32_norms = tokens * d * 4 if precision == "bf16" else 0
     return tokens * d * 17 * element + fp32_norms + weight_copies
 
