@@ -107,9 +107,9 @@ def test_the_planner_predicts_state_alike_and_activations_by_precision() -> None
             d, tokens = shape.d_model, 4 * shape.seq_len
             fp32_values, compute_values = 2 * d + 4 + shape.n_heads, 6 * d + 8 * d
             assert a.activation_bytes == tokens * 4 * (fp32_values + compute_values)
-            assert b.activation_bytes == tokens * (
-                4 * fp32_values + 2 * compute_values
-            ) + 2 * (a.param_bytes // 4)
+            assert b.activation_bytes == tokens * (4 * fp32_values + 2 * compute_values) + 2 * (
+                a.param_bytes // 4
+            )
     full = estimate_layer_costs(shape, GpuSpec(), 4, "bf16", "full")
     assert [c.activation_bytes for c in full[1:-1]] == [16 * shape.seq_len * shape.d_model] * 2
     params = sum(u.params for u in shape.units if u.name != "head")  # the head is tied
