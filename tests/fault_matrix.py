@@ -388,6 +388,27 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "every spec field at its bounds (and one step past) through the real API server",
+        "the CRD (generated from api/spec.py) and bulkhead validate agree on every bound "
+        "(dryRun=All creates compared with pydantic's verdict)",
+        (
+            "tests/k8s/test_spec_bounds.py::test_the_api_server_agrees_with_pydantic_at_every_bound",
+            "tests/k8s/test_spec_bounds.py::test_each_bound_alone_is_valid_and_one_step_past_is_not",
+        ),
+    ),
+    Fault(
+        "a spec breaking a cross-field rule (topK > numExperts, minLr > lr, decay past the "
+        "last step, ...) sent with kubectl apply",
+        "refused at admission by the CRD's CEL rule, naming the field with bulkhead "
+        "validate's message (validate adds the values); rules that read the pod template's "
+        "GPUs or the shard-group arithmetic stay the operator's (Valid=False, same message)",
+        (
+            "tests/k8s/test_spec_bounds.py::"
+            "test_the_api_server_refuses_each_broken_rule_in_pydantics_words",
+            "tests/k8s/test_spec_bounds.py::test_pydantic_refuses_each_broken_rule_at_its_field",
+        ),
+    ),
+    Fault(
         "absurd timeouts (1e-300 s) and relative or '..' storage paths",
         "refused by the CRD (real API server) and by bulkhead validate, naming the field",
         (
