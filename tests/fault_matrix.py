@@ -409,6 +409,17 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the operator's wall clock stepped forward (+1 h) and back (-2 h) mid-training",
+        "no deadline moves: hang, registration and backoff timers and Lease renewals run "
+        "on monotonic clocks; the job runs every step with no recovery or restart; a node's "
+        "untaint wait is counted on the operator's own clock, never shortened by old stamps",
+        (
+            "tests/operator/test_clock_jump.py::"
+            "test_a_supervisor_whose_wall_clock_jumps_keeps_training_without_a_recovery",
+            "tests/operator/test_clock_jump.py::test_the_untaint_wait_runs_on_the_operators_own_clock",
+        ),
+    ),
+    Fault(
         "absurd timeouts (1e-300 s) and relative or '..' storage paths",
         "refused by the CRD (real API server) and by bulkhead validate, naming the field",
         (
