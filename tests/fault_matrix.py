@@ -379,12 +379,15 @@ FAULTS: tuple[Fault, ...] = (
         "job token rotated mid-job (a new token in the job's Secret)",
         "the operator re-reads the Secret when a pod presents the new token (at most once "
         "per 5 s); running workers go on with the old token and their credentials; the old "
-        "token alone registers nobody",
+        "token alone registers nobody; old and new pods' checkpoint sidecars keep accepting "
+        "each other's replicas (the replica token is the job's own, kept by a rotation)",
         (
             "tests/operator/test_k8s_operator.py::"
             "test_a_job_token_rotated_mid_job_admits_new_pods_and_keeps_running_members",
             "tests/control/test_member_credentials.py::"
             "test_a_rotated_job_token_admits_new_pods_and_keeps_running_members",
+            "tests/checkpoint/test_replica_port.py::"
+            "test_sidecars_of_pods_started_before_and_after_a_token_rotation_accept_each_other",
         ),
     ),
     Fault(

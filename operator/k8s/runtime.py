@@ -141,7 +141,10 @@ class OperatorRuntime:
             agent_report_token=self.settings.agent_report_token,
         )
         token = await self._ensure_secret(
-            ctx, names.secret_name(name), names.TOKEN_KEY, lambda v: builders.build_secret(ctx, v)
+            ctx,
+            names.secret_name(name),
+            names.TOKEN_KEY,
+            lambda v: builders.build_secret(ctx, v, secrets.token_urlsafe(32)),
         )
         member_key = await self._ensure_secret(
             ctx,
