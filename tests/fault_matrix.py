@@ -122,6 +122,16 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "rolling update of the operator with several running jobs",
+        "the new replica waits as a standby, takes the Lease when the old one exits on "
+        "SIGTERM and adopts every job from the API server: same pods, same generation, the "
+        "old replica's member credentials accepted, no restart",
+        (
+            "tests/operator/test_k8s_leader.py::"
+            "test_a_rolling_update_hands_every_job_over_without_restarting_any",
+        ),
+    ),
+    Fault(
         "API server stalls the leader's requests (two operator replicas)",
         "the leader's renewals time out at its renew deadline, every later write is refused "
         "in-process, and it exits before the standby takes the Lease",
