@@ -122,6 +122,22 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the agents' token rotated mid-job (a new token in the bulkhead-agent Secret)",
+        "no restart: the agents re-read their mounted token file when a request shows an "
+        "unknown token (at most once per 5 s) and admit the new and the replaced token, so "
+        "running pods keep reporting; the operator derives new jobs' report tokens from "
+        "the new one; a second rotation retires the first",
+        (
+            "tests/agent/test_app.py::test_a_rotated_agents_token_is_taken_without_a_restart",
+            "tests/agent/test_tokens.py::"
+            "test_a_rotation_admits_the_new_and_the_replaced_token_and_reads_are_rate_limited",
+            "tests/operator/test_k8s_agent_token.py::"
+            "test_jobs_made_after_a_rotation_get_the_new_agents_token",
+            "tests/operator/test_k8s_chart.py::"
+            "test_the_agents_token_is_a_mounted_file_so_a_rotation_needs_no_restart",
+        ),
+    ),
+    Fault(
         "rolling update of the operator with several running jobs",
         "the new replica waits as a standby, takes the Lease when the old one exits on "
         "SIGTERM and adopts every job from the API server: same pods, same generation, the "
