@@ -159,6 +159,16 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the only operator replica cut off from the API server but not from its workers",
+        "it renews no Lease within its renew deadline, stops leading and exits (no acting on "
+        "a stale view); restarted with the API server back, it resumes the job from the API "
+        "server: same pods and generation, the workers' credentials accepted, no restart",
+        (
+            "tests/operator/test_k8s_fencing.py::"
+            "test_an_operator_cut_off_from_the_api_server_stops_and_its_job_goes_on_after",
+        ),
+    ),
+    Fault(
         "NaN loss reported as a node problem, with warnings in a job's evictSeverities",
         "no node is tainted: a job's own problems never evict, and a job may only narrow the "
         "severities the cluster evicts for (an Event says what was refused)",
