@@ -15,7 +15,6 @@ name in two namespaces) never share a state.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 from typing import Any
@@ -27,7 +26,8 @@ from pydantic import ValidationError
 
 from bulkhead.agent.agent import Agent
 from bulkhead.agent.reporters.metrics import AgentMetrics
-from bulkhead.api.protocol import AGENT_REPORT_PATH, WorkerReport, job_report_token
+from bulkhead.agent.tokens import AgentTokens
+from bulkhead.api.protocol import AGENT_REPORT_PATH, WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +69,17 @@ async def _bounded_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _refused(request: Request, token: str | None, job: str | None = None) -> tuple[int, str] | None:
+def _refused(
+    request: Request, tokens: AgentTokens, job: str | None = None
+) -> tuple[int, str] | None:
     """Why the request may not go on (status, detail), or None when its token is good:
-    the agents' token, or for ``job`` that job's own."""
-    if token is None:
-        return 403, "the agent API is disabled: the agent has no token"
+    the agents' token, or for ``job`` that job's own (see ``AgentTokens``)."""
+    disabled = 403, "the agent API is disabled: the agent has no token"
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given:
-        return 401, "missing bearer token"
-    expected = token if job is None else job_report_token(token, job)
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        return 403, "invalid token"
+        return disabled if tokens.current is None else (401, "missing bearer token")
+    if not tokens.admits(given, job):
+        return disabled if tokens.current is None else (403, "invalid token")
     return None
 
 
@@ -122,7 +122,7 @@ def create_app(
     agent: Agent,
     metrics: AgentMetrics,
     node: str,
-    token: str | None,
+    tokens: AgentTokens,
     stale_after_s: float,
 ) -> FastAPI:
     """``stale_after_s``: liveness fails when no tick completed for that long."""
@@ -147,7 +147,7 @@ def create_app(
 
     @app.get("/v1/anomalies")
     def anomalies(request: Request) -> JSONResponse:
-        denied = _refused(request, token)
+        denied = _refused(request, tokens)
         if denied is not None:
             return JSONResponse({"detail": denied[1]}, status_code=denied[0])
         return JSONResponse(_json_safe(_anomalies(agent, node)))
@@ -163,7 +163,7 @@ def create_app(
                 {"detail": detail}, status_code=status, headers={"Connection": "close"}
             )
 
-        denied = _refused(request, token, job)
+        denied = _refused(request, tokens, job)
         if denied is not None:
             return reject(*denied)
         parsed = await _read_report(request)

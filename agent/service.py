@@ -29,6 +29,7 @@ from bulkhead.agent.detect.rules import RuleDetector, RuleThresholds
 from bulkhead.agent.health import NodeHealth
 from bulkhead.agent.reporters.metrics import AgentMetrics
 from bulkhead.agent.settings import AgentSettings
+from bulkhead.agent.tokens import AgentTokens, token_file_reader
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,25 @@ def build(
         severities=settings.severities,
         clock=clock,
     )
-    token = settings.report_token.get_secret_value() if settings.report_token else None
-    if token is None:
+    tokens = AgentTokens(_token_source(settings))
+    if tokens.current is None:
         log.warning("no token configured: worker reports are refused")
     app = create_app(
-        agent, metrics, settings.node_name, token, stale_after_s=max(30.0, 10 * settings.interval_s)
+        agent,
+        metrics,
+        settings.node_name,
+        tokens,
+        stale_after_s=max(30.0, 10 * settings.interval_s),
     )
     return Built(agent, metrics, app)
+
+
+def _token_source(settings: AgentSettings) -> Callable[[], str | None]:
+    """Where the agents' token is read: its file (re-read on rotation) or the setting."""
+    if settings.report_token_file is not None:
+        return token_file_reader(settings.report_token_file)
+    token = settings.report_token.get_secret_value() if settings.report_token else None
+    return lambda: token
 
 
 def serve(settings: AgentSettings) -> None:

@@ -70,6 +70,12 @@ class AgentSettings(BaseSettings):
         description="The agents' token: /v1/anomalies takes it, and each job's report token "
         "derives from it (api.protocol.job_report_token); reports are refused without one.",
     )
+    report_token_file: Path | None = Field(
+        None,
+        description="A file holding the agents' token instead (a mounted Secret key): "
+        "re-read when a request shows a token it does not know, so a rotated token is "
+        "taken without a restart and the one it replaced stays admitted (agent/tokens.py).",
+    )
     gpu: Literal["auto", "nvml", "none"] = "auto"
     kernel_log: str = Field("/dev/kmsg", description="Kernel log: /dev/kmsg, a file, or ''.")
     proc_root: Path = Path("/proc")

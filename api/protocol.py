@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+from collections.abc import Mapping
 from enum import IntEnum
 from typing import Annotated, Any, Literal
 
@@ -42,6 +43,12 @@ from bulkhead.api.status import Member, Membership
 
 API_PREFIX = "/v1/jobs"
 TOKEN_ENV = "BULKHEAD_CONTROL_TOKEN"
+# The token checkpoint sidecars (and trainers restoring from peers) show each other on the
+# replica port. It is not the job token: rotating that (a new token for new pods) must not
+# split the job's pods into two groups that refuse each other's replicas, and the job token
+# alone then opens no replica. Unset (local mode, jobs started before it existed): the job
+# token (``replica_token``).
+REPLICA_TOKEN_ENV = "BULKHEAD_REPLICA_TOKEN"
 ENDPOINT_ENV = "BULKHEAD_CONTROL_URL"
 JOB_ENV = "BULKHEAD_JOB"
 WORKER_ENV = "BULKHEAD_WORKER"
@@ -91,6 +98,11 @@ def job_report_token(agents_token: str, job: str) -> str:
     agents' token itself never leaves the operator and the agents.
     """
     return hmac.new(agents_token.encode(), job.encode(), hashlib.sha256).hexdigest()
+
+
+def replica_token(env: Mapping[str, str]) -> str | None:
+    """The replica port's token in a launch environment ``env`` (see REPLICA_TOKEN_ENV)."""
+    return env.get(REPLICA_TOKEN_ENV) or env.get(TOKEN_ENV) or None
 
 
 class WorkerExit(IntEnum):

@@ -23,8 +23,18 @@ Severity = Literal["info", "warning", "critical"]
 ModelPreset = Literal["tiny", "tiny-moe", "small", "small-moe"]
 
 
-def _rule(field: str, message: str, **ctx: Any) -> PydanticCustomError:
-    """A cross-field error located at ``field`` (dotted, camelCase, relative to the model)."""
+def _rule(
+    field: str, message: str, got: dict[str, Any] | None = None, **ctx: Any
+) -> PydanticCustomError:
+    """A cross-field error located at ``field`` (dotted, camelCase, relative to the model).
+
+    A rule the CRD checks too passes its ``cel`` twin's ``message`` unchanged and the values
+    it compares as ``got``: `kubectl apply` and `bulkhead validate` then refuse a spec in
+    the same words, validate adding the values (the API server's CEL cannot format numbers
+    within the CRD's cost budget). Other rules may use ``{name}`` placeholders from ``ctx``.
+    """
+    if got:
+        message += " (got " + ", ".join(f"{k}={v}" for k, v in got.items()) + ")"
     return PydanticCustomError("cross_field", message, {"field": field, **ctx})
 
 
@@ -58,6 +68,9 @@ class SpecModel(Model):
     model_config = ConfigDict(allow_inf_nan=False)
 
 
+_TOP_K = "must be <= numExperts"
+
+
 class MoEConfig(SpecModel):
     """Mixture-of-Experts feed-forward blocks."""
 
@@ -73,18 +86,24 @@ class MoEConfig(SpecModel):
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
         if self.top_k > self.num_experts:
-            raise _rule(
-                "topK", "must be <= numExperts ({n}), got {k}", n=self.num_experts, k=self.top_k
-            )
+            got = {"numExperts": self.num_experts, "topK": self.top_k}
+            raise _rule("topK", _TOP_K, got)
         return self
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.topK <= self.numExperts", "must be <= numExperts", "topK")
+                cel(
+                    "self.topK <= self.numExperts",
+                    _TOP_K,
+                    "topK",
+                )
             ]
         },
     )
+
+
+_FREQ_ORDER = "must be > lowFreqFactor"
 
 
 class RopeScalingConfig(SpecModel):
@@ -94,7 +113,8 @@ class RopeScalingConfig(SpecModel):
 
     rope_type: Literal["llama3"] = Field("llama3", description="The scaling rule (llama3).")
     factor: float = Field(8.0, gt=0, le=1e6, description="Scale of the long wavelengths.")
-    low_freq_factor: float = Field(1.0, gt=0, le=1e6, description="Low-frequency bound.")
+    # Below highFreqFactor's own maximum: it must stay under highFreqFactor.
+    low_freq_factor: float = Field(1.0, gt=0, lt=1e6, description="Low-frequency bound.")
     high_freq_factor: float = Field(4.0, gt=0, le=1e6, description="High-frequency bound.")
     original_max_position_embeddings: int = Field(
         8192, ge=1, le=100_000_000, description="Context length the model was pretrained at."
@@ -103,13 +123,21 @@ class RopeScalingConfig(SpecModel):
     @model_validator(mode="after")
     def _bounds_ordered(self) -> RopeScalingConfig:
         if self.high_freq_factor <= self.low_freq_factor:
-            raise _rule(
-                "highFreqFactor",
-                "must be > lowFreqFactor ({lo}), got {hi}",
-                lo=self.low_freq_factor,
-                hi=self.high_freq_factor,
-            )
+            got = {"lowFreqFactor": self.low_freq_factor, "highFreqFactor": self.high_freq_factor}
+            raise _rule("highFreqFactor", _FREQ_ORDER, got)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.highFreqFactor > self.lowFreqFactor",
+                    _FREQ_ORDER,
+                    "highFreqFactor",
+                )
+            ]
+        },
+    )
 
 
 class PretrainedConfig(SpecModel):
@@ -124,6 +152,10 @@ class PretrainedConfig(SpecModel):
             "explicit model fields must agree with it. Each rank reads only what it holds."
         ),
     )
+
+
+_HEADS = "must divide dModel"
+_KV_HEADS = "must divide nHeads"
 
 
 class ModelConfig(SpecModel):
@@ -184,17 +216,32 @@ class ModelConfig(SpecModel):
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_heads:
-            raise _rule(
-                "nHeads", "must divide dModel ({d}), got {h}", d=self.d_model, h=self.n_heads
-            )
+            raise _rule("nHeads", _HEADS, {"dModel": self.d_model, "nHeads": self.n_heads})
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise _rule(
-                "nKvHeads",
-                "must divide nHeads ({h}), got {kv}",
-                h=self.n_heads,
-                kv=self.n_kv_heads,
+                "nKvHeads", _KV_HEADS, {"nHeads": self.n_heads, "nKvHeads": self.n_kv_heads}
             )
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.dModel % self.nHeads == 0",
+                    _HEADS,
+                    "nHeads",
+                ),
+                cel(
+                    "!has(self.nKvHeads) || self.nHeads % self.nKvHeads == 0",
+                    _KV_HEADS,
+                    "nKvHeads",
+                ),
+            ]
+        },
+    )
+
+
+_STAGES = "must be >= minStages"
 
 
 class PipelineConfig(SpecModel):
@@ -237,21 +284,16 @@ class PipelineConfig(SpecModel):
     @model_validator(mode="after")
     def _bounds_ordered(self) -> PipelineConfig:
         if self.max_stages is not None and self.max_stages < self.min_stages:
-            raise _rule(
-                "maxStages",
-                "must be >= minStages ({lo}), got {hi}",
-                lo=self.min_stages,
-                hi=self.max_stages,
-            )
+            got = {"minStages": self.min_stages, "maxStages": self.max_stages}
+            raise _rule("maxStages", _STAGES, got)
         return self
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.maxStages) || !has(self.minStages) || "
-                    "self.maxStages >= self.minStages",
-                    "must be >= minStages",
+                    "!has(self.maxStages) || self.maxStages >= self.minStages",
+                    _STAGES,
                     "maxStages",
                 )
             ]
@@ -314,6 +356,9 @@ class ExpertParallelConfig(SpecModel):
         return 0 if pipelines else DEFAULT_REBALANCE_INTERVAL_STEPS
 
 
+_HPZ = "hierarchical partitioning applies to ZeRO stage 3 only"
+
+
 class ZeroConfig(SpecModel):
     """ZeRO sharding of parameters, gradients and optimizer state (FSDP2).
 
@@ -345,13 +390,27 @@ class ZeroConfig(SpecModel):
     @model_validator(mode="after")
     def _hpz_needs_stage_3(self) -> ZeroConfig:
         if self.hpz_partition_size > 1 and self.stage != 3:
-            raise _rule(
-                "hpzPartitionSize",
-                "hierarchical partitioning applies to ZeRO stage 3 only (stage is {s}), got {h}",
-                s=self.stage,
-                h=self.hpz_partition_size,
-            )
+            got = {"stage": self.stage, "hpzPartitionSize": self.hpz_partition_size}
+            raise _rule("hpzPartitionSize", _HPZ, got)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.hpzPartitionSize <= 1 || self.stage == 3",
+                    _HPZ,
+                    "hpzPartitionSize",
+                )
+            ]
+        },
+    )
+
+
+_EXPERTS_ZERO = (
+    "expert parallelism is not combined with ZeRO stage > 0 by this version of the engine "
+    "(dense parameters stay data parallel): use stage 0"
+)
 
 
 class ParallelismConfig(SpecModel):
@@ -381,21 +440,15 @@ class ParallelismConfig(SpecModel):
     @model_validator(mode="after")
     def _only_what_the_engine_runs(self) -> ParallelismConfig:
         if self.experts is not None and self.zero.stage > 0 and self.pipeline is None:
-            raise _rule(
-                "zero.stage",
-                "expert parallelism is not combined with ZeRO stage > 0 by this version of "
-                "the engine (dense parameters stay data parallel); use stage 0, got {s}",
-                s=self.zero.stage,
-            )
+            raise _rule("zero.stage", _EXPERTS_ZERO, {"stage": self.zero.stage})
         return self
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "has(self.pipeline) || !has(self.experts) || !has(self.zero) || "
-                    "!has(self.zero.stage) || self.zero.stage == 0",
-                    "expert parallelism is not combined with ZeRO stage > 0",
+                    "has(self.pipeline) || !has(self.experts) || self.zero.stage == 0",
+                    _EXPERTS_ZERO,
                     "zero.stage",
                 ),
             ]
@@ -437,6 +490,9 @@ def zero_shard_group_size(workers: int, max_failures: int, processes: int = 1) -
     return max(fitting, default=1) * processes if fitting else 1
 
 
+_MICRO = "must be <= globalBatchSize"
+
+
 class BatchConfig(SpecModel):
     """Sequences per optimizer step and per forward/backward pass."""
 
@@ -448,12 +504,11 @@ class BatchConfig(SpecModel):
     @model_validator(mode="after")
     def _micro_fits(self) -> BatchConfig:
         if self.micro_batch_size > self.global_batch_size:
-            raise _rule(
-                "microBatchSize",
-                "must be <= globalBatchSize ({g}), got {m}",
-                g=self.global_batch_size,
-                m=self.micro_batch_size,
-            )
+            got = {
+                "globalBatchSize": self.global_batch_size,
+                "microBatchSize": self.micro_batch_size,
+            }
+            raise _rule("microBatchSize", _MICRO, got)
         return self
 
     model_config = ConfigDict(
@@ -461,12 +516,16 @@ class BatchConfig(SpecModel):
             "x-kubernetes-validations": [
                 cel(
                     "self.microBatchSize <= self.globalBatchSize",
-                    "must be <= globalBatchSize",
+                    _MICRO,
                     "microBatchSize",
                 )
             ]
         },
     )
+
+
+_MIN_LR = "must be <= lr"
+_CONSTANT = "constant keeps lr after the warm-up: minLr and decaySteps apply to cosine and wsd only"
 
 
 class OptimizerConfig(SpecModel):
@@ -506,14 +565,23 @@ class OptimizerConfig(SpecModel):
     @model_validator(mode="after")
     def _schedule_fields(self) -> OptimizerConfig:
         if self.min_lr > self.lr:
-            raise _rule("minLr", "must be <= lr ({lr}), got {m}", lr=self.lr, m=self.min_lr)
+            raise _rule("minLr", _MIN_LR, {"lr": self.lr, "minLr": self.min_lr})
         if self.schedule == "constant" and (self.min_lr or self.decay_steps is not None):
-            raise _rule(
-                "schedule",
-                "constant keeps lr after the warm-up: minLr and decaySteps apply to cosine "
-                "and wsd only",
-            )
+            raise _rule("schedule", _CONSTANT)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.minLr <= self.lr", _MIN_LR, "minLr"),
+                cel(
+                    "self.schedule != 'constant' || (self.minLr == 0.0 && !has(self.decaySteps))",
+                    _CONSTANT,
+                    "schedule",
+                ),
+            ]
+        },
+    )
 
 
 class DataSource(SpecModel):
@@ -523,6 +591,11 @@ class DataSource(SpecModel):
     weight: float = Field(
         ..., gt=0, le=1e6, description="Share of the mix: weight / the sum of the weights."
     )
+
+
+_TOKENS_NEED_PATH = "format tokens reads prepared directories: set path or mix"
+_TOKENS_ONLY = "is read by format tokens only (text reads source)"
+_PATH_OR_MIX = "set path or mix, not both"
 
 
 class DataConfig(SpecModel):
@@ -572,22 +645,17 @@ class DataConfig(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!has(self.format) || self.format != 'tokens' || has(self.path) "
-                    "|| has(self.mix)",
-                    "format tokens reads prepared directories: set path or mix",
+                    "self.format != 'tokens' || has(self.path) || has(self.mix)",
+                    _TOKENS_NEED_PATH,
                     "path",
                 ),
                 cel(
-                    "!has(self.path) || (has(self.format) && self.format == 'tokens')",
-                    "path is read by format tokens only",
+                    "!has(self.path) || self.format == 'tokens'",
+                    _TOKENS_ONLY,
                     "path",
                 ),
-                cel(
-                    "!has(self.mix) || (has(self.format) && self.format == 'tokens')",
-                    "mix is read by format tokens only",
-                    "mix",
-                ),
-                cel("!has(self.mix) || !has(self.path)", "set path or mix, not both", "mix"),
+                cel("!has(self.mix) || self.format == 'tokens'", _TOKENS_ONLY, "mix"),
+                cel("!has(self.mix) || !has(self.path)", _PATH_OR_MIX, "mix"),
             ]
         },
     )
@@ -595,18 +663,17 @@ class DataConfig(SpecModel):
     @model_validator(mode="after")
     def _format_fields(self) -> DataConfig:
         if self.format == "tokens" and self.path is None and self.mix is None:
-            raise _rule("path", "format tokens reads prepared directories: set path or mix")
+            raise _rule("path", _TOKENS_NEED_PATH)
         if self.format == "text" and self.path is not None:
-            raise _rule(
-                "path",
-                "is read by format tokens only (text reads source), got {p}",
-                p=self.path,
-            )
+            raise _rule("path", _TOKENS_ONLY, {"path": self.path})
         if self.format == "text" and self.mix is not None:
-            raise _rule("mix", "is read by format tokens only (text reads source)")
+            raise _rule("mix", _TOKENS_ONLY)
         if self.path is not None and self.mix is not None:
-            raise _rule("mix", "set path or mix, not both")
+            raise _rule("mix", _PATH_OR_MIX)
         return self
+
+
+_ONE_EVAL_SOURCE = "splits the training data, path evaluates on another directory: set one"
 
 
 class EvalConfig(SpecModel):
@@ -646,11 +713,20 @@ class EvalConfig(SpecModel):
     @model_validator(mode="after")
     def _one_source(self) -> EvalConfig:
         if self.path is not None and self.held_out_fraction is not None:
-            raise _rule(
-                "heldOutFraction",
-                "splits the training data, path evaluates on another directory: set one",
-            )
+            raise _rule("heldOutFraction", _ONE_EVAL_SOURCE)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.path) || !has(self.heldOutFraction)",
+                    _ONE_EVAL_SOURCE,
+                    "heldOutFraction",
+                )
+            ]
+        },
+    )
 
     @property
     def held_out(self) -> float:
@@ -658,6 +734,13 @@ class EvalConfig(SpecModel):
         if self.path is not None:
             return 0.0
         return self.held_out_fraction if self.held_out_fraction is not None else 0.05
+
+
+_EVAL_PATH_TOKENS = (
+    "is a prepared token directory, read with data format tokens only (text data evaluates "
+    "on a held-out split: omit path)"
+)
+_DECAY_FITS = "warmupSteps + decaySteps must be <= steps"
 
 
 class TrainerConfig(SpecModel):
@@ -706,12 +789,7 @@ class TrainerConfig(SpecModel):
     @model_validator(mode="after")
     def _eval_path_is_tokens(self) -> TrainerConfig:
         if self.eval is not None and self.eval.path is not None and self.data.format != "tokens":
-            raise _rule(
-                "eval.path",
-                "is a prepared token directory, read with data format tokens only (text "
-                "data evaluates on a held-out split: omit path), got {p}",
-                p=self.eval.path,
-            )
+            raise _rule("eval.path", _EVAL_PATH_TOKENS, {"path": self.eval.path})
         return self
 
     @model_validator(mode="after")
@@ -723,14 +801,30 @@ class TrainerConfig(SpecModel):
             and decay is not None
             and opt.warmup_steps + decay > self.steps
         ):
-            raise _rule(
-                "optimizer.decaySteps",
-                "warmupSteps ({w}) + decaySteps must be <= steps ({s}), got {d}",
-                w=opt.warmup_steps,
-                s=self.steps,
-                d=decay,
-            )
+            got = {"warmupSteps": opt.warmup_steps, "decaySteps": decay, "steps": self.steps}
+            raise _rule("optimizer.decaySteps", _DECAY_FITS, got)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.eval) || !has(self.eval.path) || self.data.format == 'tokens'",
+                    _EVAL_PATH_TOKENS,
+                    "eval.path",
+                ),
+                cel(
+                    "self.optimizer.schedule == 'constant' || !has(self.optimizer.decaySteps) "
+                    "|| self.optimizer.warmupSteps + self.optimizer.decaySteps <= self.steps",
+                    _DECAY_FITS,
+                    "optimizer.decaySteps",
+                ),
+            ]
+        },
+    )
+
+
+_BACKOFF = "must be >= initialSeconds"
 
 
 class BackoffConfig(SpecModel):
@@ -746,13 +840,21 @@ class BackoffConfig(SpecModel):
     @model_validator(mode="after")
     def _ordered(self) -> BackoffConfig:
         if self.max_seconds < self.initial_seconds:
-            raise _rule(
-                "maxSeconds",
-                "must be >= initialSeconds ({i}), got {m}",
-                i=self.initial_seconds,
-                m=self.max_seconds,
-            )
+            got = {"initialSeconds": self.initial_seconds, "maxSeconds": self.max_seconds}
+            raise _rule("maxSeconds", _BACKOFF, got)
         return self
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxSeconds >= self.initialSeconds",
+                    _BACKOFF,
+                    "maxSeconds",
+                )
+            ]
+        },
+    )
 
 
 class FaultToleranceConfig(SpecModel):
@@ -850,6 +952,26 @@ class CheckpointConfig(SpecModel):
     )
 
 
+# The spec's cross-field rules the API server checks too (CEL over the whole spec); those
+# that depend on the pod template's GPUs or on the shard-group arithmetic are the
+# operator's alone (it fails such a job with Valid=False and the same message).
+_MIN_WORKERS = "must be <= workers"
+_MAX_FAILURES = "must be < workers"
+_PIPELINE_WORKERS = (
+    "maxFailures + 1 pipelines of >= minStages stages need (maxFailures + 1) x minStages workers"
+)
+_EXPERTS_NEED_MOE = (
+    "expert parallelism needs a Mixture-of-Experts model: set trainer.model.moe or a -moe preset"
+)
+_EXPERT_REPLICAS = (
+    "must be between maxFailures + 1 (so any maxFailures losses leave a replica of every "
+    "expert) and workers"
+)
+_PIPELINE = "self.trainer.parallelism.pipeline"
+_EXPERTS = "self.trainer.parallelism.experts"
+_COPIES = "(self.faultTolerance.maxFailures + 1)"
+
+
 class TrainingJobSpec(SpecModel):
     """The desired job: how many workers, what they train, how faults are handled."""
 
@@ -896,12 +1018,34 @@ class TrainingJobSpec(SpecModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.minWorkers <= self.workers", "must be <= workers", "minWorkers"),
                 cel(
-                    "!has(self.faultTolerance) || !has(self.faultTolerance.maxFailures) || "
+                    "self.minWorkers <= self.workers",
+                    _MIN_WORKERS,
+                    "minWorkers",
+                ),
+                cel(
                     "self.faultTolerance.maxFailures < self.workers",
-                    "must be < workers",
+                    _MAX_FAILURES,
                     "faultTolerance.maxFailures",
+                ),
+                cel(
+                    f"!has({_PIPELINE}) || {_COPIES} * {_PIPELINE}.minStages <= self.workers",
+                    _PIPELINE_WORKERS,
+                    "trainer.parallelism.pipeline.minStages",
+                ),
+                cel(
+                    f"!has({_EXPERTS}) || has(self.trainer.model.moe) || "
+                    "self.trainer.model.family != 'gpt' || (has(self.trainer.model.preset) && "
+                    "self.trainer.model.preset.endsWith('-moe'))",
+                    _EXPERTS_NEED_MOE,
+                    "trainer.parallelism.experts",
+                ),
+                cel(
+                    f"!has({_EXPERTS}) || has({_PIPELINE}) || !has({_EXPERTS}.minReplicas) || "
+                    f"({_COPIES} <= {_EXPERTS}.minReplicas && "
+                    f"{_EXPERTS}.minReplicas <= self.workers)",
+                    _EXPERT_REPLICAS,
+                    "trainer.parallelism.experts.minReplicas",
                 ),
             ]
         },
@@ -922,18 +1066,13 @@ class TrainingJobSpec(SpecModel):
         if self.min_workers > self.workers:
             raise _rule(
                 "minWorkers",
-                "must be <= workers ({w}), got {m}",
-                w=self.workers,
-                m=self.min_workers,
+                _MIN_WORKERS,
+                {"workers": self.workers, "minWorkers": self.min_workers},
             )
         f = self.fault_tolerance.max_failures
         if f >= self.workers:
-            raise _rule(
-                "faultTolerance.maxFailures",
-                "must be < workers ({w}), got {f}",
-                w=self.workers,
-                f=f,
-            )
+            got = {"workers": self.workers, "maxFailures": f}
+            raise _rule("faultTolerance.maxFailures", _MAX_FAILURES, got)
         gpus = trainer_gpus(self.template)
         g = self.processes_per_worker
         if g is not None and gpus and g != gpus:
@@ -963,12 +1102,8 @@ class TrainingJobSpec(SpecModel):
         if pipeline is not None and (f + 1) * pipeline.min_stages > self.workers:
             raise _rule(
                 "trainer.parallelism.pipeline.minStages",
-                "maxFailures + 1 = {r} pipelines of >= {m} stages need >= {n} workers, "
-                "the job has {w}",
-                r=f + 1,
-                m=pipeline.min_stages,
-                n=(f + 1) * pipeline.min_stages,
-                w=self.workers,
+                _PIPELINE_WORKERS,
+                {"maxFailures": f, "minStages": pipeline.min_stages, "workers": self.workers},
             )
         zero = self.trainer.parallelism.zero
         if zero.stage > 0:
@@ -1056,11 +1191,7 @@ class TrainingJobSpec(SpecModel):
         # refuses experts for a dense model with the same field in the message.
         gpt_dense = model.family == "gpt" and not (model.preset or "").endswith("-moe")
         if model.moe is None and gpt_dense:
-            raise _rule(
-                "trainer.parallelism.experts",
-                "expert parallelism needs a Mixture-of-Experts model: set trainer.model.moe "
-                "or a -moe preset",
-            )
+            raise _rule("trainer.parallelism.experts", _EXPERTS_NEED_MOE)
         if self.trainer.parallelism.pipeline is not None:
             self._check_experts_in_stages(experts)
             return
@@ -1068,11 +1199,8 @@ class TrainingJobSpec(SpecModel):
         if r is not None and not max_failures + 1 <= r <= self.workers:
             raise _rule(
                 "trainer.parallelism.experts.minReplicas",
-                "must be between maxFailures + 1 ({lo}, so any maxFailures losses leave a "
-                "replica of every expert) and workers ({w}), got {r}",
-                lo=max_failures + 1,
-                w=self.workers,
-                r=r,
+                _EXPERT_REPLICAS,
+                {"maxFailures": max_failures, "workers": self.workers, "minReplicas": r},
             )
 
 

@@ -122,6 +122,32 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the agents' token rotated mid-job (a new token in the bulkhead-agent Secret)",
+        "no restart: the agents re-read their mounted token file when a request shows an "
+        "unknown token (at most once per 5 s) and admit the new and the replaced token, so "
+        "running pods keep reporting; the operator derives new jobs' report tokens from "
+        "the new one; a second rotation retires the first",
+        (
+            "tests/agent/test_app.py::test_a_rotated_agents_token_is_taken_without_a_restart",
+            "tests/agent/test_tokens.py::"
+            "test_a_rotation_admits_the_new_and_the_replaced_token_and_reads_are_rate_limited",
+            "tests/operator/test_k8s_agent_token.py::"
+            "test_jobs_made_after_a_rotation_get_the_new_agents_token",
+            "tests/operator/test_k8s_chart.py::"
+            "test_the_agents_token_is_a_mounted_file_so_a_rotation_needs_no_restart",
+        ),
+    ),
+    Fault(
+        "rolling update of the operator with several running jobs",
+        "the new replica waits as a standby, takes the Lease when the old one exits on "
+        "SIGTERM and adopts every job from the API server: same pods, same generation, the "
+        "old replica's member credentials accepted, no restart",
+        (
+            "tests/operator/test_k8s_leader.py::"
+            "test_a_rolling_update_hands_every_job_over_without_restarting_any",
+        ),
+    ),
+    Fault(
         "API server stalls the leader's requests (two operator replicas)",
         "the leader's renewals time out at its renew deadline, every later write is refused "
         "in-process, and it exits before the standby takes the Lease",
@@ -130,6 +156,16 @@ FAULTS: tuple[Fault, ...] = (
             "test_a_stalled_leader_is_fenced_and_gone_before_the_standby_leads",
             "tests/operator/test_k8s_fencing.py::"
             "test_writes_are_refused_before_sending_once_the_fence_closes",
+        ),
+    ),
+    Fault(
+        "the only operator replica cut off from the API server but not from its workers",
+        "it renews no Lease within its renew deadline, stops leading and exits (no acting on "
+        "a stale view); restarted with the API server back, it resumes the job from the API "
+        "server: same pods and generation, the workers' credentials accepted, no restart",
+        (
+            "tests/operator/test_k8s_fencing.py::"
+            "test_an_operator_cut_off_from_the_api_server_stops_and_its_job_goes_on_after",
         ),
     ),
     Fault(
@@ -379,12 +415,47 @@ FAULTS: tuple[Fault, ...] = (
         "job token rotated mid-job (a new token in the job's Secret)",
         "the operator re-reads the Secret when a pod presents the new token (at most once "
         "per 5 s); running workers go on with the old token and their credentials; the old "
-        "token alone registers nobody",
+        "token alone registers nobody; old and new pods' checkpoint sidecars keep accepting "
+        "each other's replicas (the replica token is the job's own, kept by a rotation)",
         (
             "tests/operator/test_k8s_operator.py::"
             "test_a_job_token_rotated_mid_job_admits_new_pods_and_keeps_running_members",
             "tests/control/test_member_credentials.py::"
             "test_a_rotated_job_token_admits_new_pods_and_keeps_running_members",
+            "tests/checkpoint/test_replica_port.py::"
+            "test_sidecars_of_pods_started_before_and_after_a_token_rotation_accept_each_other",
+        ),
+    ),
+    Fault(
+        "every spec field at its bounds (and one step past) through the real API server",
+        "the CRD (generated from api/spec.py) and bulkhead validate agree on every bound "
+        "(dryRun=All creates compared with pydantic's verdict)",
+        (
+            "tests/k8s/test_spec_bounds.py::test_the_api_server_agrees_with_pydantic_at_every_bound",
+            "tests/k8s/test_spec_bounds.py::test_each_bound_alone_is_valid_and_one_step_past_is_not",
+        ),
+    ),
+    Fault(
+        "a spec breaking a cross-field rule (topK > numExperts, minLr > lr, decay past the "
+        "last step, ...) sent with kubectl apply",
+        "refused at admission by the CRD's CEL rule, naming the field with bulkhead "
+        "validate's message (validate adds the values); rules that read the pod template's "
+        "GPUs or the shard-group arithmetic stay the operator's (Valid=False, same message)",
+        (
+            "tests/k8s/test_spec_bounds.py::"
+            "test_the_api_server_refuses_each_broken_rule_in_pydantics_words",
+            "tests/k8s/test_spec_bounds.py::test_pydantic_refuses_each_broken_rule_at_its_field",
+        ),
+    ),
+    Fault(
+        "the operator's wall clock stepped forward (+1 h) and back (-2 h) mid-training",
+        "no deadline moves: hang, registration and backoff timers and Lease renewals run "
+        "on monotonic clocks; the job runs every step with no recovery or restart; a node's "
+        "untaint wait is counted on the operator's own clock, never shortened by old stamps",
+        (
+            "tests/operator/test_clock_jump.py::"
+            "test_a_supervisor_whose_wall_clock_jumps_keeps_training_without_a_recovery",
+            "tests/operator/test_clock_jump.py::test_the_untaint_wait_runs_on_the_operators_own_clock",
         ),
     ),
     Fault(

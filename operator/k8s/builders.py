@@ -90,8 +90,10 @@ def build_member_secret(ctx: JobContext, member_key: str) -> dict[str, Any]:
     }
 
 
-def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
-    """The Secret with the job's control token (workers read it through secretKeyRef)."""
+def build_secret(ctx: JobContext, token: str, replica_token: str) -> dict[str, Any]:
+    """The Secret with the job's control token and its checkpoint sidecars' replica token
+    (workers read them through secretKeyRef). A rotation replaces ``token`` only: pods
+    started before and after it keep accepting each other's replicas."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -99,6 +101,7 @@ def build_secret(ctx: JobContext, token: str) -> dict[str, Any]:
         "type": "Opaque",
         "stringData": {
             names.TOKEN_KEY: token,
+            names.REPLICA_TOKEN_KEY: replica_token,
             **(
                 {
                     names.AGENT_TOKEN_KEY: protocol.job_report_token(
@@ -145,6 +148,17 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
             "name": protocol.TOKEN_ENV,
             "valueFrom": {
                 "secretKeyRef": {"name": names.secret_name(ctx.name), "key": names.TOKEN_KEY}
+            },
+        },
+        # Optional: a job whose Secret predates it (or lost it) falls back to the job token.
+        {
+            "name": protocol.REPLICA_TOKEN_ENV,
+            "valueFrom": {
+                "secretKeyRef": {
+                    "name": names.secret_name(ctx.name),
+                    "key": names.REPLICA_TOKEN_KEY,
+                    "optional": True,
+                }
             },
         },
         _env_var(protocol.JOB_ENV, names.job_key(ctx.namespace, ctx.name)),
@@ -232,6 +246,7 @@ def _sidecar_env(ctx: JobContext) -> list[dict[str, Any]]:
         protocol.CHECKPOINT_SOCKET_ENV,
         protocol.CHECKPOINT_LOCAL_RANKS_ENV,
         protocol.TOKEN_ENV,
+        protocol.REPLICA_TOKEN_ENV,
     )
     return [
         *(contract[name] for name in wanted if name in contract),

@@ -243,16 +243,21 @@ def healthy_since(node: dict[str, Any]) -> datetime | None:
 
 
 def untaint_patch(
-    node: dict[str, Any], now: datetime, healthy_for_seconds: float | None
+    node: dict[str, Any], healthy_for_seconds: float | None, watched_healthy_s: float | None
 ) -> dict[str, Any] | None:
     """The documented untaint policy: taints stay until an admin removes them, unless
     ``healthy_for_seconds`` is set and the node has been healthy (agent reports
     ``BulkheadAnomaly=False``, Ready=True) that long; then our taint goes and our cordon too.
+
+    ``watched_healthy_s`` is how long this operator has watched the node healthy, on its
+    own monotonic clock (None: not healthy). The conditions' wall-clock stamps come from
+    other machines' clocks and ours may be stepped: they never shorten the wait.
     """
     if healthy_for_seconds is None or not has_our_taint(node):
         return None
-    since = healthy_since(node)
-    if since is None or (now - since).total_seconds() < healthy_for_seconds:
+    if healthy_since(node) is None or watched_healthy_s is None:
+        return None
+    if watched_healthy_s < healthy_for_seconds:
         return None
     meta = node.get("metadata") or {}
     annotations = meta.get("annotations") or {}

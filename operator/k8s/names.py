@@ -49,6 +49,7 @@ CHECKPOINT_MOUNT = protocol.CHECKPOINT_PVC_MOUNT
 TOKEN_KEY = "token"
 MEMBER_KEY_KEY = "member-key"
 AGENT_TOKEN_KEY = "agent-token"
+REPLICA_TOKEN_KEY = "replica-token"  # kept when the job token is rotated
 
 
 def secret_name(job: str) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -63,9 +65,31 @@ class NodeActions:
     however much routine work (pod creates, status writes) the operator has in flight.
     """
 
-    def __init__(self, client: KubeClient, event_namespace: str = "default") -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        event_namespace: str = "default",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._client = client
         self._event_namespace = event_namespace
+        self._clock = clock
+        # node -> (the healthy-since stamp it showed, our clock when we first saw it)
+        self._healthy_seen: dict[str, tuple[datetime, float]] = {}
+
+    def _watched_healthy_s(self, node: str, body: dict[str, Any]) -> float | None:
+        """How long this operator has seen ``node`` healthy without a new transition, on
+        its monotonic clock: a wall clock stepped forward (ours, or the clocks behind the
+        conditions' stamps) cannot untaint a node early. After a restart the wait starts
+        again (a taint stays longer, never shorter)."""
+        since = classify.healthy_since(body)
+        if since is None:
+            self._healthy_seen.pop(node, None)
+            return None
+        seen = self._healthy_seen.get(node)
+        if seen is None or seen[0] != since:
+            seen = self._healthy_seen[node] = (since, self._clock())
+        return self._clock() - seen[1]
 
     async def _patch_with_retry(self, node: str, make_patch: Any) -> bool:
         """Read-modify-write with the resourceVersion; True if a patch was applied."""
@@ -104,11 +128,14 @@ class NodeActions:
         """Apply the untaint policy to ``node``; True if the taint was removed."""
         if healthy_for_seconds is None:
             return False
-        now = datetime.now(UTC)
         applied = await self._patch_with_retry(
-            node, lambda body: classify.untaint_patch(body, now, healthy_for_seconds)
+            node,
+            lambda body: classify.untaint_patch(
+                body, healthy_for_seconds, self._watched_healthy_s(node, body)
+            ),
         )
         if applied:
+            self._healthy_seen.pop(node, None)
             log.info("node %s healthy for %ss: taint removed", node, healthy_for_seconds)
             await self.post_event(
                 node,

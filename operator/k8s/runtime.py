@@ -138,10 +138,13 @@ class OperatorRuntime:
             image=self.settings.image,
             shm_size_limit=self.settings.shm_size_limit,
             agent_port=self.settings.agent_port,
-            agent_report_token=self.settings.agent_report_token,
+            agent_report_token=self._agents_token(),
         )
         token = await self._ensure_secret(
-            ctx, names.secret_name(name), names.TOKEN_KEY, lambda v: builders.build_secret(ctx, v)
+            ctx,
+            names.secret_name(name),
+            names.TOKEN_KEY,
+            lambda v: builders.build_secret(ctx, v, secrets.token_urlsafe(32)),
         )
         member_key = await self._ensure_secret(
             ctx,
@@ -225,6 +228,17 @@ class OperatorRuntime:
         if any(c.type == "Valid" and c.status == "False" for c in status.conditions):
             return None
         return status
+
+    def _agents_token(self) -> str | None:
+        """The agents' token now: its file (rotated in place by the kubelet) or the setting."""
+        path = self.settings.agent_report_token_file
+        if path is None:
+            return self.settings.agent_report_token
+        try:
+            return path.read_text().strip() or None
+        except OSError as exc:
+            log.warning("cannot read the agents' token file %s: %s", path, exc)
+            return None
 
     async def _ensure_secret(
         self, ctx: JobContext, name: str, key: str, build: Callable[[str], dict[str, Any]]

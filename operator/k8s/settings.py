@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -49,6 +51,11 @@ class OperatorSettings(BaseSettings):
         None,
         description="The node agents' report token, put in each job's Secret for its workers; "
         "unset = workers report without one (agents with a token refuse them).",
+    )
+    agent_report_token_file: Path | None = Field(
+        None,
+        description="A file holding the agents' token instead (a mounted Secret key), read "
+        "for each new job: a rotated token reaches new jobs without a restart.",
     )
     status_min_interval_s: float = Field(2.0, ge=0, description="Min seconds between writes.")
     stop_grace_period_s: int = Field(30, ge=0, description="Grace period of a stopped worker.")

@@ -234,3 +234,34 @@ def test_reports_of_too_many_unknown_workers_are_refused_known_ones_still_served
     again = http.post(REPORT, content='{"worker": "w0", "step": 2}', headers=headers)
     assert again.status_code == 202
     assert len(built.agent.collectors.training.collect(built.agent.clock())) == MAX_WORKERS
+
+
+def test_a_rotated_agents_token_is_taken_without_a_restart(tmp_path, caplog):
+    """The agents' token in a file (the mounted Secret the kubelet updates): after a
+    rotation, pods made since report with the new derivation, pods made before with the
+    old one; a second rotation retires the first token; unknown tokens stay refused."""
+    token_file = tmp_path / "token"
+    token_file.write_text("agents-token-1\n")
+    settings = AgentSettings(
+        **{**TEST_SETTINGS, "report_token": None, "report_token_file": token_file}
+    )
+
+    def report(http: httpx.Client, agents_token: str) -> int:
+        auth = {"Authorization": f"Bearer {job_report_token(agents_token, JOB)}"}
+        return http.post(REPORT, json={"worker": "w0", "step": 1}, headers=auth).status_code
+
+    with caplog.at_level("WARNING"), _serve(settings) as (_, http):
+        assert report(http, "agents-token-1") == 202
+        token_file.write_text("agents-token-2\n")
+        # Re-read at most every 5 s: the new token is refused until then, never longer.
+        wait_until(lambda: report(http, "agents-token-2") == 202, "the rotated token taken")
+        assert report(http, "agents-token-1") == 202  # a pod made before the rotation
+        assert report(http, "made-up") == 403
+        token_file.write_text("agents-token-3\n")
+        wait_until(lambda: report(http, "agents-token-3") == 202, "the second rotation taken")
+        assert report(http, "agents-token-2") == 202
+        assert report(http, "agents-token-1") == 403  # two rotations ago: retired
+        assert http.get(
+            "/v1/anomalies", headers={"Authorization": "Bearer agents-token-3"}
+        ).is_success
+    assert sum("the agents' token was rotated" in r.message for r in caplog.records) == 2

@@ -35,7 +35,7 @@ def test_validate_reports_one_line_per_error_and_fails():
     lines = out.stderr.strip().splitlines()
     assert lines == [
         "tests/data/invalid/min-workers-above-workers.yaml: spec.minWorkers: "
-        "must be <= workers (2), got 3"
+        "must be <= workers (got workers=2, minWorkers=3)"
     ]
     assert "minimal.yaml: valid (minimal)" in out.stdout
 

@@ -17,10 +17,13 @@ import pytest
 from sidecar_process import spawn_sidecar
 from waiting import wait_until
 
-from bulkhead.api.protocol import TOKEN_ENV
+from bulkhead.api.protocol import REPLICA_TOKEN_ENV, TOKEN_ENV
+from bulkhead.api.spec import CheckpointConfig
+from bulkhead.trainer.checkpoint import CheckpointSettings
 from bulkhead.trainer.checkpoint.records import SnapshotRecord
 from bulkhead.trainer.checkpoint.replica import (
     MAX_CONNECTIONS,
+    ReplicaError,
     ReplicaServer,
     ReplicaStore,
     list_replicas,
@@ -219,3 +222,32 @@ def test_a_peer_advertising_a_huge_snapshot_is_skipped_and_storage_restores(
     assert restored is not None and (restored.step, restored.tier) == (10, "storage")
     assert_state_is(restored.state, 10)
     assert CORRUPT.labels(tier="peer")._value.get() == skipped_before + 1
+
+
+def test_sidecars_of_pods_started_before_and_after_a_token_rotation_accept_each_other(
+    shm_factory,
+) -> None:
+    """A job token rotated mid-job reaches new pods only. Their sidecars and trainers (real
+    sidecar processes; the trainer's token as CheckpointSettings reads it from the launch
+    environment the operator gives) use the job's replica token, which a rotation keeps:
+    old and new pods push and list each other's replicas. The job token alone, old or new,
+    opens no replica port."""
+    replica = "r3plica-token"
+    old_env = {TOKEN_ENV: "job-token-before", REPLICA_TOKEN_ENV: replica}
+    new_env = {TOKEN_ENV: "job-token-after", REPLICA_TOKEN_ENV: replica}
+    old = spawn_sidecar(shm_factory(), listen="127.0.0.1:0", env=old_env)
+    new = spawn_sidecar(shm_factory(), listen="127.0.0.1:0", env=new_env)
+    try:
+        data = b"z" * 4096
+        for env, peer, shard in ((old_env, new, "a"), (new_env, old, "b")):
+            token = CheckpointSettings.from_spec(CheckpointConfig(), "job1", env).token
+            record = _sealed(shard, ["a", "b"], 10, data)
+            assert push_replica(peer.replica_address, record, memoryview(data), token, 10)
+            held = list_replicas(peer.replica_address, "job1", token, timeout=10)
+            assert [(r.shard, r.step) for r in held] == [(shard, 10)]
+        for job_token in (old_env[TOKEN_ENV], new_env[TOKEN_ENV]):
+            with pytest.raises(ReplicaError, match="unauthorized"):
+                list_replicas(old.replica_address, "job1", job_token, timeout=10)
+    finally:
+        old.stop()
+        new.stop()

@@ -86,7 +86,7 @@ def test_schedule_settings_that_would_not_be_honoured_are_refused() -> None:
                 steps=100, optimizer=_cfg(warmup_steps=10, schedule="wsd", decay_steps=91)
             ),
             "optimizer.decaySteps",
-            r"decaySteps must be <= steps \(100\)",
+            r"decaySteps must be <= steps \(got warmupSteps=10, decaySteps=91, steps=100\)",
         ),
     ]
     for build, field, message in cases:

@@ -65,7 +65,7 @@ def test_bad_job_file_is_refused_with_the_field(tmp_path: Path) -> None:
     )
     result = CliRunner().invoke(cli, ["run", str(bad)])
     assert result.exit_code == 2
-    assert "spec.minWorkers: must be <= workers (2), got 3" in result.output
+    assert "spec.minWorkers: must be <= workers (got workers=2, minWorkers=3)" in result.output
     missing = CliRunner().invoke(cli, ["run", str(tmp_path / "nope.yaml")])
     assert missing.exit_code == 2 and "cannot read file" in missing.output
 

@@ -49,6 +49,9 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert env[protocol.AGENT_TOKEN_ENV] == {
         "secretKeyRef": {"name": "llm-control", "key": "agent-token", "optional": True}
     }
+    assert env[protocol.REPLICA_TOKEN_ENV] == {
+        "secretKeyRef": {"name": "llm-control", "key": "replica-token", "optional": True}
+    }
 
     sidecar = spec["initContainers"][-1]
     assert sidecar["name"] == "checkpoint"
@@ -61,7 +64,12 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     sidecar_env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert sidecar_env[protocol.CHECKPOINT_METRICS_PORT_ENV] == "29699"  # what the port serves
     # The sidecar gets what bulkhead-checkpointd reads, not the trainer's launch contract.
-    needed = {protocol.SHM_DIR_ENV, protocol.CHECKPOINT_SOCKET_ENV, protocol.TOKEN_ENV}
+    needed = {
+        protocol.SHM_DIR_ENV,
+        protocol.CHECKPOINT_SOCKET_ENV,
+        protocol.TOKEN_ENV,
+        protocol.REPLICA_TOKEN_ENV,
+    }
     assert needed <= set(sidecar_env)
     trainers_only = {protocol.JOB_SPEC_ENV, protocol.ENDPOINT_ENV, protocol.WORKER_ENV}
     assert not trainers_only & set(sidecar_env)
@@ -141,9 +149,9 @@ def test_service_and_secret():
     service = builders.build_service(ctx)
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == names.job_selector("llm")
-    secret = builders.build_secret(ctx, "s3cret")
+    secret = builders.build_secret(ctx, "s3cret", "r3plica")
     assert secret["metadata"]["name"] == "llm-control"
-    assert secret["stringData"] == {"token": "s3cret"}
+    assert secret["stringData"] == {"token": "s3cret", "replica-token": "r3plica"}
     members = builders.build_member_secret(ctx, "k3y")
     assert members["metadata"]["name"] == "llm-members"
     assert members["stringData"] == {"member-key": "k3y"}
@@ -151,8 +159,9 @@ def test_service_and_secret():
     # the agents' token itself) from the same Secret.
     with_agent = replace(ctx, agent_report_token="agent-t0ken", agent_port=9500)
     job_token = protocol.job_report_token("agent-t0ken", names.job_key(ctx.namespace, "llm"))
-    assert builders.build_secret(with_agent, "s3cret")["stringData"] == {
+    assert builders.build_secret(with_agent, "s3cret", "r3plica")["stringData"] == {
         "token": "s3cret",
+        "replica-token": "r3plica",
         "agent-token": job_token,
     }
     assert job_token != protocol.job_report_token("agent-t0ken", "other-namespace.llm")

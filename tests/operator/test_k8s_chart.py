@@ -85,3 +85,30 @@ def test_the_default_install_is_namespace_scoped_and_cluster_wide_is_explicit(k8
         "--set", "operator.watchNamespaces={team-a}", check=False,
     )  # fmt: skip
     assert both.returncode != 0 and "leave operator.watchNamespaces empty" in both.stderr
+
+
+def test_the_agents_token_is_a_mounted_file_so_a_rotation_needs_no_restart(k8s_cluster):
+    """The agent and the operator read the agents' token from the mounted Secret (which the
+    kubelet rewrites on rotation), never from a variable fixed at container start; deploy/
+    does the same."""
+    docs = _render(k8s_cluster)
+    deploy = [
+        d
+        for name in ("agent/daemonset.yaml", "operator/deployment.yaml")
+        for d in yaml.safe_load_all((ROOT / "deploy" / name).read_text())
+        if d
+    ]
+    for doc in docs + deploy:
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        name = doc["metadata"]["name"]
+        prefix = "BULKHEAD_AGENT" if "agent" in name else "BULKHEAD_OPERATOR_AGENT"
+        assert f"{prefix}_REPORT_TOKEN" not in env, name
+        path = env[f"{prefix}_REPORT_TOKEN_FILE"]["value"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounted = next(n for n, m in mounts.items() if path == f"{m}/token")
+        assert volumes[mounted]["secret"]["secretName"].endswith("bulkhead-agent"), name

@@ -16,14 +16,17 @@ import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
-from k8s_operator_harness import OperatorProcess, ensure_crd, wait_until
+from k8s_operator_harness import Job, OperatorProcess, ensure_crd, job_manifest, wait_until
+from test_k8s_operator import _form_generation
 
 from bulkhead.operator.k8s.kube import KubeClient, NotLeading, core_path, load_credentials
 from bulkhead.operator.k8s.leader import ElectionSettings, LeaderElector
@@ -73,6 +76,9 @@ class StallableRelay:
 
     def stall(self) -> None:
         self.flowing.clear()
+
+    def flow(self) -> None:
+        self.flowing.set()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -206,3 +212,77 @@ def test_writes_are_refused_before_sending_once_the_fence_closes(k8s_cluster, k8
 
     fenced, only_the_first = asyncio.run(scenario())
     assert fenced and only_the_first
+
+
+def test_an_operator_cut_off_from_the_api_server_stops_and_its_job_goes_on_after(
+    k8s_cluster, k8s_namespace, relay, tmp_path: Path
+) -> None:
+    """The only operator replica loses the API server (its relay stalls) but not its
+    workers: it stops leading and exits on its own (no Lease renewal within the renew
+    deadline) instead of acting on a stale view. Restarted once the API server is back (as
+    its Deployment restarts it), it resumes the job from the API server: the same pods and
+    generation, the workers' credentials accepted, training goes on with no restart."""
+    ensure_crd(k8s_cluster)
+    zone = f"z-{uuid.uuid4().hex[:6]}"
+    nodes = k8s_cluster.add_gpu_nodes(2, prefix=f"cut-{zone}", zone=zone)
+    port = _listen_port()
+    args = [
+        "--leader-elect",
+        f"--leader-election-namespace={k8s_namespace}",
+        *LEASE,
+        "--leader-election-identity=operator-a",
+    ]
+    kubeconfig = _kubeconfig_via(k8s_cluster.kubeconfig, relay.port, tmp_path / "a.kubeconfig")
+
+    def operator(log: str) -> OperatorProcess:
+        return OperatorProcess(
+            kubeconfig, k8s_namespace, tmp_path / log, *args, port=port, health_port=_listen_port()
+        )
+
+    first, second = operator("first.log"), operator("second.log")
+    try:
+        first.start()
+        k8s_cluster.kubectl("apply", "-f", "-", input=job_manifest("cut", k8s_namespace, zone, 2))
+        job = Job(k8s_cluster, k8s_namespace, "cut")
+        workers = _form_generation(job, first, 2)
+        anyone = next(iter(workers.values()))
+        view = wait_until(lambda: (v := anyone.membership(0)) and v["generation"] >= 1 and v, "gen")
+        generation = view["generation"]
+        for worker in workers.values():
+            assert worker.progress(generation, step=4)["action"] == "continue"
+        pods = {name: pod["metadata"]["uid"] for name, pod in job.running_pods().items()}
+
+        relay.stall()
+        wait_until(lambda: not first.alive(), "the cut-off operator exits", timeout=60)
+        assert first.proc is not None and first.proc.returncode == 1
+        assert "leadership lost: exiting now" in first.logs()
+
+        relay.flow()
+        second.start()
+        wait_until(
+            lambda: f"job {k8s_namespace}/cut resumed with 2 live pods" in second.logs(),
+            "the restarted operator resumes the job",
+        )
+        for worker in workers.values():
+            answer = wait_until(
+                lambda w=worker: _progress_or_none(w, generation, 9), f"{worker.id} reports"
+            )
+            assert answer["action"] == "continue", answer
+        status = wait_until(lambda: (s := job.status()) and s.get("step") == 9 and s, "step 9")
+        assert status["phase"] == "Running" and status.get("restarts", 0) == 0, status
+        assert status["membership"]["generation"] == generation, status
+        assert {n: p["metadata"]["uid"] for n, p in job.running_pods().items()} == pods
+    finally:
+        relay.flow()
+        for proc in (first, second):
+            proc.stop()
+            print(proc.logs()[-6000:])
+        k8s_cluster.delete_nodes(nodes)
+
+
+def _progress_or_none(worker: Any, generation: int, step: int) -> dict | None:
+    """The operator's answer, or None while none is up behind the control address."""
+    try:
+        return worker.progress(generation, step)
+    except httpx.HTTPError:  # refused, reset or unavailable while the operator is away
+        return None

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from k8s_operator_harness import (
     FakeWorker,
@@ -181,3 +182,64 @@ def test_the_standby_takes_over_mid_recovery_and_the_job_converges(
     slots = [p["metadata"]["labels"]["bulkhead.dev/slot"] for p in job.running_pods().values()]
     assert sorted(slots) == ["0", "1"]  # nothing duplicated by the handover
     assert "took the lease from operator-a" in second.logs()
+
+
+def test_a_rolling_update_hands_every_job_over_without_restarting_any(
+    k8s_cluster, k8s_namespace, zone, replicas
+) -> None:
+    """A rolling update of the operator Deployment: the new replica starts as a standby,
+    the old one gets SIGTERM, and the new one takes the Lease and adopts every running job
+    from the API server. No job restarts or re-forms: the same pods, the same generation,
+    the workers' credentials (issued by the old replica) still accepted, training goes on."""
+    old, new = replicas
+    old.start()
+    wait_until(lambda: holder(k8s_cluster, k8s_namespace) == "operator-a", "a leads")
+    names = ["roll-a", "roll-b", "roll-c"]
+    for name in names:
+        manifest = job_manifest(name, k8s_namespace, zone, 2)
+        k8s_cluster.kubectl("apply", "-f", "-", input=manifest)
+    jobs = {name: Job(k8s_cluster, k8s_namespace, name) for name in names}
+    workers = {name: _form_generation(job, old, 2) for name, job in jobs.items()}
+    before: dict[str, tuple[int, dict[str, str]]] = {}
+    for name, job in jobs.items():
+        anyone = next(iter(workers[name].values()))
+        view = wait_until(
+            lambda w=anyone: (v := w.membership(0)) and v["generation"] >= 1 and v,
+            f"{name}: its first generation",
+        )
+        for worker in workers[name].values():
+            assert worker.progress(view["generation"], step=3)["action"] == "continue"
+        pods = {p: pod["metadata"]["uid"] for p, pod in job.running_pods().items()}
+        before[name] = (view["generation"], pods)
+
+    new.start()
+    wait_until(lambda: "operator-b waits as a standby" in new.logs(), "b waits as a standby")
+    assert old.stop() == 0  # the old pod of the rolling update: SIGTERM, the Lease released
+    wait_until(lambda: holder(k8s_cluster, k8s_namespace) == "operator-b", "b takes the lease")
+
+    for name, job in jobs.items():
+        generation, pods = before[name]
+        wait_until(
+            lambda n=name: f"job {k8s_namespace}/{n} resumed with 2 live pods" in new.logs(),
+            f"{name} adopted by the new leader",
+        )
+        for worker in workers[name].values():
+            answer = wait_until(
+                lambda w=worker, g=generation: _progress_or_none(w, g, 7),
+                f"{name}: {worker.id} reports to the new leader",
+            )
+            assert answer["action"] == "continue", answer
+        status = wait_until(
+            lambda j=job: (s := j.status()) and s.get("step") == 7 and s, f"{name}: step 7"
+        )
+        assert status["phase"] == "Running" and status.get("restarts", 0) == 0, status
+        assert status["membership"]["generation"] == generation, status
+        assert {p: pod["metadata"]["uid"] for p, pod in job.running_pods().items()} == pods
+
+
+def _progress_or_none(worker: FakeWorker, generation: int, step: int) -> dict | None:
+    """The new leader's answer, or None while the Service has no leader behind it."""
+    try:
+        return worker.progress(generation, step)
+    except httpx.HTTPError:
+        return None

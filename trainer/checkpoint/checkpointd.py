@@ -17,7 +17,7 @@ import signal
 import threading
 from pathlib import Path
 
-from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
+from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, replica_token
 from bulkhead.trainer.checkpoint.paths import (
     DEFAULT_LISTEN,
     DEFAULT_SHM_DIR,
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 shm_dir=shm_dir,
                 socket_path=Path(args.socket) if args.socket else default_socket(shm_dir),
                 listen=_listen_of(listen, rank),
-                token=os.environ.get(TOKEN_ENV) or None,
+                token=replica_token(os.environ),
                 storage_factory=lambda root: FileStorage(root, max_write_bytes_per_s=rate),
                 poll_interval=args.poll_interval,
                 lock_timeout=args.lock_timeout,

@@ -34,7 +34,7 @@ from bulkhead.api.protocol import (
     CHECKPOINT_PVC_MOUNT,
     CHECKPOINT_SOCKET_ENV,
     SHM_DIR_ENV,
-    TOKEN_ENV,
+    replica_token,
 )
 from bulkhead.api.spec import CheckpointConfig
 from bulkhead.trainer.checkpoint import metrics
@@ -113,8 +113,9 @@ class CheckpointSettings(BaseModel):
             values["shm_dir"] = Path(env[SHM_DIR_ENV])
         if env.get(CHECKPOINT_SOCKET_ENV):
             values["socket"] = Path(env[CHECKPOINT_SOCKET_ENV])
-        if env.get(TOKEN_ENV):
-            values["token"] = env[TOKEN_ENV]
+        token = replica_token(env)
+        if token:
+            values["token"] = token
         return cls(**{**values, **runtime})
 
     @property
