@@ -238,7 +238,10 @@ class ElasticTrainer:
         def usable(view: MembershipView) -> bool:
             if view.state in ("succeeded", "failed"):
                 return True
-            return view.generation > after and includes_me(view)
+            # A ``restarting`` generation is an instruction to the pod's launcher (switch
+            # to pre-started processes), never one to form: being newer, it only ends this
+            # process's current generation.
+            return view.generation > after and view.state == "running" and includes_me(view)
 
         timeout = self.cfg.timeouts.registration_s
         deadline = time.monotonic() + timeout
