@@ -258,7 +258,12 @@ def _run_pod_launcher(
     from bulkhead.trainer.pod.launcher import run_pod
     from bulkhead.trainer.pod.relay import PodRelay
 
-    log.info("launching %d trainer processes for %s", processes, launch.worker)
+    log.info(
+        "launching %d trainer processes for %s (launcher pid %d)",
+        processes,
+        launch.worker,
+        os.getpid(),
+    )
     relay = PodRelay(
         launch.control_url,
         launch.token,

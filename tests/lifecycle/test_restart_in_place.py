@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from policy_sim import Sim, make_spec
 
+from bulkhead.api.protocol import FaultReport
 from bulkhead.operator.lifecycle.types import (
+    FaultReported,
     PublishMembership,
     RestartAll,
     StartWorker,
@@ -52,6 +54,16 @@ def test_a_nan_tells_every_live_pod_to_restart_in_place() -> None:
     assert [m.worker for m in published.view.members] == MEMBERS
     assert published.view.coordinator == "127.0.0.1:9100"  # the new processes' store
     assert _of(StopWorker, sim.log) == [] and sim.state.restarts == 1
+
+
+def test_every_members_nan_report_is_one_restart() -> None:
+    """All ranks see the same agreed loss: the reports after the first (while the restart
+    is under way, naming the old generation) restart nothing more."""
+    sim = _pods()
+    for worker in MEMBERS:  # each reports the NaN of generation 1
+        sim.feed(FaultReported(FaultReport(worker=worker, generation=1, kind="nan_loss")))
+    assert sim.state.restarts == 1
+    assert len(_of(RestartAll, sim.log)) == 1 and len(sim.published()) == 2
 
 
 def test_a_pod_gone_during_the_restart_is_replaced_the_others_kept() -> None:
