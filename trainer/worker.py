@@ -321,6 +321,9 @@ def prestarted_main() -> None:
     from bulkhead.trainer.runtime import loop  # noqa: F401
 
     import_lazy_dependencies()
+    from bulkhead.api.client import tls_context
+
+    tls_context()  # its control clients' (the CA bundle's load), made before it is needed
     ready = time.monotonic()
     line = sys.stdin.readline()
     if not line.strip():
