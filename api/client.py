@@ -11,9 +11,11 @@ holding it sends it with each request from then on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -80,6 +82,18 @@ class MemberCredential:
         return {MEMBER_HEADER: self.credential} if self.credential else {}
 
 
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (its CA bundle, or SSL_CERT_FILE / SSL_CERT_DIR), made
+    once per process: each httpx client made its own, loading the CA bundle every time
+    (0.2 s of a trainer's start per client here, on a replacement's or a restart's path)."""
+    return _tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.cache
+def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    return httpx.create_ssl_context()  # reads those variables itself
+
+
 class HttpControlClient:
     """Talks to the lifecycle manager for one worker of one job."""
 
@@ -120,6 +134,7 @@ class HttpControlClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout_s,
             transport=transport,
+            verify=tls_context(),
         )
 
     @classmethod

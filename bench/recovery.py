@@ -26,8 +26,11 @@ restart_lost_steps}}}``.
 
 ``--scaling``: a row per case, each one run: one worker of 2, 4, 8 and 16 killed (data
 parallel, and ZeRO-3 on the dense model as examples/local-zero.yaml, hpZ blocks of 2 from 8),
-one trainer process of a pod of 2 killed (2 pods), and every trainer process of 4 workers
-killed at once (their checkpoint sidecars live on: a restart from shared memory). Each
+one trainer process of a pod of 2 killed (2 pods), every trainer process of 4 workers
+killed at once (their checkpoint sidecars live on: a restart from shared memory), and a
+NaN loss (chaos ``nan``), which restarts the job from its checkpoint: with pods of 2 their
+launchers switch to their pre-started processes (``nan-pods-2x2``; the pods are kept),
+single-process workers are stopped and started afresh (``nan-dp-4``). Each
 row: seconds from the kill to the next completed step (events.jsonl and metrics.jsonl),
 steps redone, restarts, and for each worker started from a pre-started process how long
 before its imports had finished (local mode keeps up to 4 started ahead); the pod row
@@ -339,14 +342,23 @@ class ScalingCase:
     zero: bool = False
     pods: bool = False  # 2 trainer processes per worker pod; local rank 1 of pod 1 killed
     kill_all: bool = False  # every trainer process at once (the sidecars live on)
+    nan: bool = False  # chaos nan: a NaN loss, which restarts the job from its checkpoint
 
     @property
     def torchrun(self) -> bool:
         """Whether torchrun runs the same job (one process per worker, state it can load
         whole on every rank: data parallel)."""
-        return not (self.zero or self.pods)
+        return not (self.zero or self.pods or self.nan)
+
+    @property
+    def late(self) -> bool:
+        """Whether the fault comes late: the run's pre-started processes (started once the
+        job, or the pod, trains) must have finished their imports to stand in."""
+        return self.kill_all or self.pods or self.nan
 
     def chaos(self, kill_step: int) -> str:
+        if self.nan:  # of a pod: its local rank 0
+            return f"nan:worker=1@step={kill_step}"
         if self.kill_all:
             return ",".join(f"kill:worker={w}@step={kill_step}" for w in range(self.workers))
         return f"kill:worker=1{'.1' if self.pods else ''}@step={kill_step}"
@@ -361,6 +373,10 @@ def scaling_cases(quick: bool) -> list[ScalingCase]:
     cases.append(ScalingCase("pod-2x2", 2, pods=True))
     all_n = 2 if quick else 4
     cases.append(ScalingCase(f"all-{all_n}", all_n, kill_all=True))
+    # A NaN restarts the whole job: pods of 2 switch to their pre-started processes (kept),
+    # single-process workers are stopped and started afresh (from the local pool).
+    cases.append(ScalingCase("nan-pods-2x2", 2, pods=True, nan=True))
+    cases.append(ScalingCase(f"nan-dp-{all_n}", all_n, nan=True))
     return cases
 
 
@@ -412,7 +428,8 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
     )  # fmt: skip
     if case.pods:  # the pod's pre-started processes took over (else a new pod replaced it)
         events = _read(run_dir / "events.jsonl")
-        row["restarted_in_place"] = any(e["reason"] == "WorkerRestarted" for e in events)
+        took_over = "RestartingInPlace" if case.nan else "WorkerRestarted"
+        row["restarted_in_place"] = any(e["reason"] == took_over for e in events)
     if case.torchrun:
         victims = list(range(case.workers)) if case.kill_all else [1]
         runs = torchrun_runs(case.workers, steps, [kill_step], run_dir / "torchrun", victims,
@@ -439,7 +456,7 @@ def scaling(args: argparse.Namespace) -> None:
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         for case in cases:
-            n, k = (all_steps, all_kill) if case.kill_all or case.pods else (steps, kill_step)
+            n, k = (all_steps, all_kill) if case.late else (steps, kill_step)
             rows[case.name] = row = scaling_row(case, n, k, Path(tmp, case.name))
             theirs = ""
             if "torchrun_kill_to_step_s" in row:

@@ -87,6 +87,22 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "NaN loss (or a hang that re-forming did not cure) with multi-process worker pods",
+        "the job restarts from its checkpoint once (whatever the number of ranks reporting); "
+        "every live pod is told to switch to its pre-started trainer processes and is kept "
+        "(same pod, slot and incarnation); only pods really gone are replaced; "
+        "single-process pods are stopped and started afresh",
+        (
+            "tests/local/test_restart_in_place.py::"
+            "test_a_nan_restart_switches_live_pods_to_their_pre_started_processes",
+            "tests/lifecycle/test_restart_in_place.py::"
+            "test_a_nan_tells_every_live_pod_to_restart_in_place",
+            "tests/lifecycle/test_restart_in_place.py::"
+            "test_a_pod_gone_during_the_restart_is_replaced_the_others_kept",
+            "tests/lifecycle/test_restart_in_place.py::test_every_members_nan_report_is_one_restart",
+        ),
+    ),
+    Fault(
         "worker pod deleted",
         "treated as a worker exit; replaced in process",
         (

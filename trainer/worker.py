@@ -258,7 +258,12 @@ def _run_pod_launcher(
     from bulkhead.trainer.pod.launcher import run_pod
     from bulkhead.trainer.pod.relay import PodRelay
 
-    log.info("launching %d trainer processes for %s", processes, launch.worker)
+    log.info(
+        "launching %d trainer processes for %s (launcher pid %d)",
+        processes,
+        launch.worker,
+        os.getpid(),
+    )
     relay = PodRelay(
         launch.control_url,
         launch.token,
@@ -316,6 +321,9 @@ def prestarted_main() -> None:
     from bulkhead.trainer.runtime import loop  # noqa: F401
 
     import_lazy_dependencies()
+    from bulkhead.api.client import tls_context
+
+    tls_context()  # its control clients' (the CA bundle's load), made before it is needed
     ready = time.monotonic()
     line = sys.stdin.readline()
     if not line.strip():

@@ -136,8 +136,11 @@ class PolicyActions:
 
         With ``keep_live`` (workers were lost, the rest are healthy) the live workers stay:
         they restore in place, from the snapshot in their own memory, and their sidecars
-        keep the replicas the replacements restore from. Otherwise (a hang, a NaN) every
-        worker is stopped and started afresh.
+        keep the replicas the replacements restore from. Otherwise (a hang, a NaN) the
+        live members' processes must go: where pods keep pre-started trainer processes
+        (``restart_in_place``) each live member is told to switch to them (``restart_view``)
+        and keeps its pod, slot and incarnation; else every worker is stopped and started
+        afresh. Either way a pod that is really gone is replaced.
         """
         s = self.state
         if s.restarts >= self.cfg.max_restarts:
@@ -148,21 +151,35 @@ class PolicyActions:
         self.emit(RestartAll(reason, restart))
         self.event("Restarting", f"restart {restart} from checkpoint: {reason}", warning=True)
         start_at = self.now + self.cfg.backoff(restart)
+        in_place = not keep_live and self.cfg.restart_in_place
         dead = set(self.state.dead)
         slots = []
+        switching: set[str] = set()  # members told to switch to their pre-started processes
         for slot in self.state.slots:
-            if slot.status in ("starting", "registered"):
-                if keep_live:
-                    slots.append(slot)
+            wid = s.ref(slot).id
+            if slot.status in ("starting", "registered") and wid not in dead:
+                if keep_live or (in_place and not self.is_member(slot)):
+                    slots.append(slot)  # a spare or a starting replacement: nothing to redo
+                    continue
+                if in_place:
+                    switching.add(wid)
+                    slots.append(replace(slot, status="starting"))  # registers again
                     continue
                 self.emit(StopWorker(s.ref(slot), f"restart from checkpoint: {reason}"))
             if slot.status != "pending":
-                dead.add(s.ref(slot).id)
+                dead.add(wid)
                 slot = Slot(
                     slot.index, slot.incarnation + 1, "pending", crash_streak=slot.crash_streak
                 )
             slots.append(replace(slot, start_at=start_at))
         view = self.state.membership.model_copy(update={"state": "restarting"})
+        if switching:
+            view = self.restart_view(switching)
+            self.event(
+                "RestartingInPlace",
+                f"generation {view.generation}: {len(switching)} live worker pod(s) switch to "
+                "their pre-started trainer processes",
+            )
         self.state = replace(
             self.state,
             slots=tuple(slots),
@@ -175,6 +192,25 @@ class PolicyActions:
             productive=frozenset(),
             deadline=start_at + self.cfg.registration_timeout_s,
             phase="Recovering",
+        )
+        if switching:
+            self.emit(PublishMembership(view))
+
+    def restart_view(self, switching: set[str]) -> MembershipView:
+        """The instruction to restart in place, as the membership poll's answer: a new
+        generation in state ``restarting`` whose members are the pods to switch. Trainers
+        never form it (it is not ``running``), and being newer it ends their current
+        generation; each pod's launcher replaces its processes with pre-started ones."""
+        s = self.state
+        members = [m for m in s.membership.members if m.worker in switching]
+        return MembershipView(
+            generation=max(s.generation + 1, s.generation_floor),
+            coordinator=s.membership.coordinator,
+            members=[m.model_copy(update={"rank": rank}) for rank, m in enumerate(members)],
+            state="restarting",
+            resume_step=s.membership.resume_step,
+            restore_from_checkpoint=True,
+            total_steps=self.cfg.total_steps,
         )
 
     def publish(self, why: str, name_joined: bool = False) -> None:

@@ -208,7 +208,10 @@ class _Rules:
             warning=True,
         )
         if report.kind == "nan_loss":
-            self.act.restart_all("nan_loss")
+            # Every rank of the generation sees the same agreed loss: one restart for all
+            # their reports (the others come while it is under way, or name an old one).
+            if not self.state.restarting and report.generation == self.state.generation:
+                self.act.restart_all("nan_loss")
             return
         if report.kind == "internal_error":
             # A pod's launcher saying the pod failed (a trainer process died or went

@@ -60,6 +60,9 @@ class PolicyConfig:
     spares: int = 0  # registered workers kept out of training, to replace a lost member
     # checkpoint.allowFreshStart: starting over from step 0 after a step was persisted.
     allow_fresh_start: bool = False
+    # Every worker pod runs a launcher that keeps pre-started trainer processes: a restart
+    # of the whole job (a hang, a NaN) switches live pods to those instead of replacing them.
+    restart_in_place: bool = False
 
     @property
     def slots(self) -> int:
@@ -87,6 +90,7 @@ class PolicyConfig:
             suspect_grace_s=suspect_grace_s,
             spares=ft.spares,
             allow_fresh_start=spec.checkpoint.allow_fresh_start,
+            restart_in_place=spec.trainer_processes > 1,
         )
 
     def backoff(self, attempt: int) -> float:

@@ -4,6 +4,9 @@ Grammar (comma-separated faults)::
 
     FAULT   := ACTION ":" TARGET "@" TRIGGER
     ACTION  := "kill" (SIGKILL the worker process) | "hang" (SIGSTOP it)
+             | "nan" (SIGUSR1 its trainer process, local rank 0 of a pod unless one is named:
+               it fills its weights with NaN before its next step, as a numerical blow-up
+               would; the job's NaN check then restarts it from its checkpoint)
     TARGET  := "worker=" SLOT ["." LOCAL_RANK] | "random"
     TRIGGER := "step=" N (once, when training has completed step N)
              | "every=" DURATION (repeatedly; DURATION like 30s, 2m, 500ms)
@@ -12,7 +15,7 @@ With a local rank the fault hits one trainer process of a multi-process pod (one
 process crashing or wedging), not the whole pod: the pod's launcher must notice it.
 
 Examples: ``kill:worker=1@step=40``, ``kill:random@every=30s``, ``hang:worker=2@step=80``,
-``kill:worker=1.1@step=40`` (local rank 1 of worker 1's pod).
+``kill:worker=1.1@step=40`` (local rank 1 of worker 1's pod), ``nan:worker=0@step=30``.
 The schedule is pure: ``due()`` says which faults fire given the step and the time; the
 local driver carries them out. No worker cooperation is needed.
 """
@@ -24,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-ChaosAction = Literal["kill", "hang"]
+ChaosAction = Literal["kill", "hang", "nan"]
 
 _FAULT = re.compile(
     r"^(?P<action>[a-z]+):(?P<target>worker=(?P<slot>\d+)(?:\.(?P<rank>\d+))?|random)"
@@ -72,8 +75,8 @@ def parse_chaos(
                 "kill:worker=1.1@step=40"
             )
         action = match["action"]
-        if action not in ("kill", "hang"):
-            raise ChaosError(f"chaos fault {part!r}: unknown action {action!r} (kill or hang)")
+        if action not in ("kill", "hang", "nan"):
+            raise ChaosError(f"chaos fault {part!r}: unknown action {action!r} (kill, hang or nan)")
         slot = int(match["slot"]) if match["slot"] is not None else None
         if slot is not None and workers is not None and slot >= workers:
             raise ChaosError(

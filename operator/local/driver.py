@@ -10,7 +10,9 @@ An optional sidecar launcher starts a checkpoint sidecar next to each worker.
 With ``prestarted`` > 0 the driver keeps that many worker processes started ahead (torch
 and the trainer imported, waiting for their launch environment on stdin): a replacement or
 a restarted worker takes one and skips the seconds of a cold start; the pool is refilled
-once the job is Running again, so refilling never competes with a recovery for the CPU.
+once the job is Running again, and a pool process still importing when a recovery starts
+is paused (SIGSTOP) until it ends: on one machine its imports would take CPU the
+survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class LocalDriver:
         self.prestarted_command = prestarted_command or default_prestarted_command()
         self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
         self._filling = False
+        self._pool_paused = False  # a recovery is under way: the pool waits (SIGSTOP)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ Driver
@@ -190,6 +193,7 @@ class LocalDriver:
             process = self._ready.pop(0)
             if process.returncode is not None or process.stdin is None:
                 continue
+            _killpg(process.pid, signal.SIGCONT)  # needed now, whatever the pool's state
             try:
                 process.stdin.write(handover_line(env))
                 await process.stdin.drain()
@@ -202,7 +206,7 @@ class LocalDriver:
 
     async def fill_prestarted(self) -> None:
         """Start pre-started workers up to ``prestarted`` (their imports take seconds)."""
-        if self._filling or self._closing:
+        if self._filling or self._closing or self._pool_paused:
             return
         self._filling = True
         try:
@@ -218,6 +222,8 @@ class LocalDriver:
                 self._ready.append(process)
                 if self._closing:  # shutdown began meanwhile: it kills what it finds
                     _killpg(process.pid, signal.SIGKILL)
+                elif self._pool_paused:  # a recovery began meanwhile
+                    _killpg(process.pid, signal.SIGSTOP)
         finally:
             self._filling = False
 
@@ -233,6 +239,19 @@ class LocalDriver:
 
     async def record_event(self, reason: str, message: str, warning: bool = False) -> None:
         self.recorder.event(reason, message, warning=warning)
+        if reason in _RECOVERY_STARTS:
+            self._pause_pool(True)
+        elif reason == "Recovered":
+            self._pause_pool(False)
+
+    def _pause_pool(self, paused: bool) -> None:
+        """Stop (or continue) the pre-started processes not handed over yet."""
+        if paused == self._pool_paused:
+            return
+        self._pool_paused = paused
+        for process in self._ready:
+            if process.returncode is None:
+                _killpg(process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self.status = status
@@ -255,10 +274,20 @@ class LocalDriver:
 
     def inject(self, action: str, slot: int, local_rank: int | None = None) -> WorkerRef | None:
         """SIGKILL (``kill``) or SIGSTOP (``hang``) the worker process of a slot, or with
-        ``local_rank`` only that trainer process of the pod (None if there is none now)."""
+        ``local_rank`` only that trainer process of the pod (None if there is none now);
+        ``nan``: SIGUSR1 its trainer process (of a pod: local rank 0 unless one is named),
+        which poisons its weights before its next step."""
         wp = self.live_slots().get(slot)
         if wp is None:
             return None
+        if action == "nan":
+            pid = wp.process.pid
+            if self.spec.trainer_processes > 1:
+                pid = _trainer_process(pid, local_rank or 0)
+            if pid is None:
+                return None
+            os.kill(pid, signal.SIGUSR1)
+            return wp.ref
         if local_rank is not None:
             pid = _trainer_process(wp.process.pid, local_rank)
             if pid is None:
@@ -335,6 +364,11 @@ class LocalDriver:
         )
         if not self._closing:
             self._observe(WorkerExited(wp.ref.id, exit_code, sig, ""))
+
+
+# The events that start a recovery (the lifecycle policy's, in decision order before the
+# replacements it starts) and the one that ends it.
+_RECOVERY_STARTS = frozenset({"WorkerLost", "WorkerRestarted", "Restarting"})
 
 
 def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:

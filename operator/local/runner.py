@@ -304,7 +304,9 @@ class LocalRun:
                 continue  # a step fault stays due; a periodic one waits for its next turn
             self.schedule.fired(index)
             self.failures_injected += 1
-            what = "SIGKILL" if fault.action == "kill" else "SIGSTOP (hang)"
+            what = {"kill": "SIGKILL", "hang": "SIGSTOP (hang)", "nan": "SIGUSR1 (NaN weights)"}[
+                fault.action
+            ]
             target = ref.id if fault.local_rank is None else f"{ref.id} process {fault.local_rank}"
             recorder.event("FaultInjected", f"{fault}: {what} {target} at step {step}", True)
 

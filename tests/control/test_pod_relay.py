@@ -318,6 +318,30 @@ def test_a_pod_trains_once_it_stayed_in_a_running_generation_and_not_in_a_replac
     assert relay.trains(10.0, now=310.0)
 
 
+def test_a_restarting_generation_naming_the_pod_asks_it_once_to_restart_in_place() -> None:
+    """The manager's instruction (a hang or NaN restart) is a ``restarting`` generation
+    naming the pod; once the launcher renewed its processes, the same one asks no more."""
+    relay = PodRelay("http://127.0.0.1:1", "t", JOB, f"{JOB}-w0-0", 2, poll_s=1.0)
+
+    def seen(generation: int, state: str, workers: list[str]) -> CachedView:
+        members = [Member(rank=i, worker=w, address="a:1") for i, w in enumerate(workers)]
+        view = MembershipView(generation=generation, state=state, members=members)
+        return CachedView(view, b"", f"g{generation}-{state}", f"{JOB}-w0-0" in workers, 0.0)
+
+    both = [f"{JOB}-w0-0", f"{JOB}-w1-0"]
+    relay._view = seen(3, "running", both)
+    assert relay.restart_requested() is None
+    relay._view = seen(4, "restarting", [f"{JOB}-w1-0"])  # another pod's instruction
+    assert relay.restart_requested() is None
+    relay._view = seen(4, "restarting", both)
+    requested = relay.restart_requested()
+    assert requested is not None and requested.generation == 4
+    relay.renew()  # the launcher switched processes: the new ones never see generation 4
+    assert relay.restart_requested() is None
+    relay._view = seen(5, "running", both)
+    assert relay.restart_requested() is None
+
+
 # ------------------------------------------------------------------ the launcher
 
 

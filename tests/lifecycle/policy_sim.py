@@ -22,13 +22,15 @@ from bulkhead.operator.lifecycle.types import (
 )
 
 
-def make_spec(workers: int = 4, **fault_tolerance: Any) -> TrainingJobSpec:
+def make_spec(workers: int = 4, processes: int = 1, **fault_tolerance: Any) -> TrainingJobSpec:
+    """``processes``: trainer processes per worker pod (more than one: pods with launchers)."""
     ft = {"maxFailures": 1, "maxRestarts": 2, "hangTimeoutSeconds": 10.0}
     ft.update(fault_tolerance)
     return TrainingJobSpec.model_validate(
         {
             "workers": workers,
             "minWorkers": min(2, workers),
+            **({"processesPerWorker": processes} if processes > 1 else {}),
             "trainer": {"steps": 100},
             "faultTolerance": ft,
         }

@@ -10,7 +10,7 @@ from bulkhead.operator.local.chaos import ChaosError, ChaosSchedule, Fault, pars
 def test_parses_every_documented_form() -> None:
     faults = parse_chaos(
         "kill:worker=1@step=40, kill:random@every=30s,hang:worker=2@step=80,"
-        "kill:worker=1.1@step=9,hang:worker=0.0@every=1m",
+        "kill:worker=1.1@step=9,hang:worker=0.0@every=1m,nan:worker=2@step=7",
         workers=3,
         processes=2,
     )
@@ -20,6 +20,7 @@ def test_parses_every_documented_form() -> None:
         Fault("hang", 2, at_step=80),
         Fault("kill", 1, at_step=9, local_rank=1),
         Fault("hang", 0, every_s=60.0, local_rank=0),
+        Fault("nan", 2, at_step=7),
     ]
     assert str(faults[3]) == "kill:worker=1.1@step=9"
     assert parse_chaos("kill:random@every=500ms")[0].every_s == 0.5

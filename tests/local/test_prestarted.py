@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psutil
+from waiting import wait_until
 
 from bulkhead.api.protocol import LOG_FILE_ENV, WORKER_ENV, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
@@ -59,6 +60,44 @@ def test_a_started_worker_takes_a_prestarted_process_and_the_rest_end_with_the_r
     assert log.strip() == f"pid {taken} worker job-w0-0"  # it got that worker's env
     assert len(left) == 1 and left[0] != taken
     assert not psutil.pid_exists(left[0]) or psutil.Process(left[0]).status() == "zombie"
+
+
+def test_the_pool_waits_stopped_during_a_recovery_and_a_taken_process_runs(
+    tmp_path: Path,
+) -> None:
+    """From a loss to the Recovered event the pool's processes are stopped (their imports
+    would take CPU the survivors need); one taken meanwhile runs (it is the replacement);
+    the rest run again once the recovery ended."""
+
+    async def scenario() -> tuple[bool, str]:
+        spec = TrainingJobSpec.model_validate({"workers": 2})
+        driver = LocalDriver(
+            "job", spec, tmp_path, RunRecorder(tmp_path), "http://127.0.0.1:1", "token",
+            lambda _: None, prestarted=2, prestarted_command=[sys.executable, "-c", WAITING],
+        )  # fmt: skip
+        await driver.fill_prestarted()
+        pool = [psutil.Process(p.pid) for p in driver._ready]
+        await driver.record_event("WorkerLost", "job-w1-0 exited: SIGKILL", warning=True)
+        # A signal's effect is not synchronous: wait for it (fails after the timeout).
+        stopped = wait_until(
+            lambda: all(p.status() == psutil.STATUS_STOPPED for p in pool), "pool stopped", 30
+        )
+        ref = WorkerRef("job", 1, 1)
+        await driver.start_worker(ref)
+        taken = driver._procs[ref.id].process
+        await asyncio.wait_for(taken.wait(), 30)  # it ran to its end: not stopped
+        log = (tmp_path / "logs" / f"{ref.id}.log").read_text()
+        await driver.record_event("Recovered", "SIGKILL: training resumed")
+        left = [psutil.Process(p.pid) for p in driver._ready]
+        resumed = wait_until(
+            lambda: all(p.status() != psutil.STATUS_STOPPED for p in left), "pool resumed", 30
+        )
+        await driver.shutdown(grace_s=1)
+        return stopped and resumed and len(left) == 1, log
+
+    ok, log = asyncio.run(scenario())
+    assert ok
+    assert "worker job-w1-1" in log
 
 
 def test_prestarted_main_imports_then_runs_the_worker_its_environment_names(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import sysconfig
 from pathlib import Path
 
@@ -28,14 +29,22 @@ _FILE_SEPARATOR = b"\n\n"
 
 
 def stdlib_files() -> list[Path]:
-    """The interpreter's standard library ``*.py`` files (no installed packages), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    """The interpreter's standard library ``*.py`` files (no installed packages), sorted.
+
+    A walk that prunes the skipped directories rather than ``rglob`` and a filter: every
+    worker start (a replacement, a restart) runs it, and the glob cost 1.6 s of CPU here
+    (it walked site-packages too), against 0.1 s."""
+    root = sysconfig.get_paths()["stdlib"]
+    found: list[tuple[str, Path]] = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
+        relative = os.path.relpath(directory, root)
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.endswith(".py") and os.path.isfile(path):
+                key = name if relative == "." else f"{relative.replace(os.sep, '/')}/{name}"
+                found.append((key, Path(path)))
+    return [path for _, path in sorted(found, key=lambda item: item[0])]
 
 
 def source_files(source: str) -> list[Path]:

@@ -16,6 +16,9 @@ per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It
   ones and reports ``processes_restarted``: the manager drops the pod from the next
   generation (the other pods recover in process) and takes it in again once its new
   processes registered; the pod is not replaced and no process starts cold;
+- when the manager restarts the whole job (a hang, a NaN: a ``restarting`` generation
+  naming this pod in its membership poll's answer), does the same without a report, or,
+  with no pre-started process ready, starts its processes anew: the pod is kept either way;
 - otherwise fails the pod as a whole: the launcher exits with that process's code
   (``WorkerExit``, else 1) and a new pod replaces this one;
 - exits 0 once every process finished, and 3 when told to stop (SIGTERM) or refused.
@@ -168,19 +171,30 @@ class PodLauncher:
                     "pre-started a process for local rank %d (pid %d)", rank, self.waiting[rank].pid
                 )
 
-    def _restart_in_place(self, why: str) -> bool:
+    def _restart_in_place(self, why: str, instructed: bool = False) -> bool:
         """The pre-started processes take the place of every process of the pod (False when
-        one of them is missing: then the pod fails)."""
+        one of them is missing: then the pod fails). ``instructed``: the manager restarts
+        the job and told this pod to (``relay.restart_requested``): nothing to report, and
+        without pre-started processes the pod starts its processes anew rather than fail."""
         waiting = [self.waiting.get(rank) for rank in range(self.relay.processes)]
         ready = [p for p in waiting if p is not None and p.poll() is None]
-        if self.prestart_command is None or len(ready) < self.relay.processes:
+        if len(ready) < self.relay.processes and not instructed:
             return False
-        log.error("%s: pre-started processes %s take over", why, [p.pid for p in ready])
         self._kill_all()  # before the report: the other pods stop waiting on this one now
         self.relay.renew()
-        self.relay.report_pod_failure(
-            f"{why}; pre-started processes take over", kind="processes_restarted"
-        )
+        if len(ready) < self.relay.processes:
+            log.warning("%s: no pre-started process for every local rank: starting anew", why)
+            self._kill(ready)
+            self.waiting.clear()
+            self.children = []
+            self._spawn()
+            self.restarts += 1
+            return True
+        log.warning("%s: pre-started processes %s take over", why, [p.pid for p in ready])
+        if not instructed:
+            self.relay.report_pod_failure(
+                f"{why}; pre-started processes take over", kind="processes_restarted"
+            )
         self.waiting.clear()
         self.children = []
         for rank, process in enumerate(ready):
@@ -213,6 +227,13 @@ class PodLauncher:
                 outcome = self.relay.registration
                 if outcome is not None and not outcome.ok:
                     return self._refused(outcome.status, outcome.message)
+            restart = self.relay.restart_requested()
+            if restart is not None:
+                why = f"the job restarts (generation {restart.generation})"
+                if self._restart_in_place(why, instructed=True):
+                    finished.clear()  # of the processes replaced
+                    continue
+                return self._fail(why)
             silent = self.relay.silent(self.silence_limit_s)
             if silent:
                 rank, quiet = silent[0]

@@ -360,6 +360,15 @@ class PodRelay:
         now = time.monotonic() if now is None else now
         return self._shown(cached.view) and now - cached.since >= settle_s
 
+    def restart_requested(self) -> MembershipView | None:
+        """The manager's instruction to restart this pod's processes in place (a restart of
+        the whole job: a hang, a NaN), once: a ``restarting`` generation naming the pod,
+        newer than the processes it would replace. None otherwise."""
+        cached = self._view
+        if cached is None or cached.view.state != "restarting" or not cached.includes_pod:
+            return None
+        return cached.view if cached.view.generation > self._floor else None
+
     def _shown(self, view: MembershipView) -> bool:
         return view.generation > self._floor or view.state in ("succeeded", "failed")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -173,6 +174,11 @@ class ElasticTrainer:
         self._own_straggler: WorkerReport | None = None
         # Where the time between two generations goes, logged at the next first step.
         self.timeline = Timeline()
+        # Local mode's chaos ``nan`` (SIGUSR1): poison this rank's weights before its next
+        # step, so the job's NaN handling runs for real. Set from the main thread only.
+        self._poison = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda *_: self._poison.set())
 
     # ------------------------------------------------------------ top level
 
@@ -238,7 +244,10 @@ class ElasticTrainer:
         def usable(view: MembershipView) -> bool:
             if view.state in ("succeeded", "failed"):
                 return True
-            return view.generation > after and includes_me(view)
+            # A ``restarting`` generation is an instruction to the pod's launcher (switch
+            # to pre-started processes), never one to form: being newer, it only ends this
+            # process's current generation.
+            return view.generation > after and view.state == "running" and includes_me(view)
 
         timeout = self.cfg.timeouts.registration_s
         deadline = time.monotonic() + timeout
@@ -403,6 +412,12 @@ class ElasticTrainer:
             # A rank told to stop (evicted, or the job is over) does not stop the others:
             # it asks everyone to switch generations after this step, and leaves alone.
             leaving = self.reporter.stop_requested.is_set()
+            if self._poison.is_set():
+                self._poison.clear()
+                poison_weights(engine.model)
+                log.warning(
+                    "chaos: this rank's weights are NaN from step %d", engine.completed_steps
+                )
             result = engine.step(
                 self.dataset, newer_generation=self._newer_generation_seen(view) or leaving
             )
@@ -657,3 +672,11 @@ class ElasticTrainer:
             self.reporter.observe(self.client.fault(report))
         except Exception as exc:
             log.warning("fault report (%s) failed: %s", kind, exc)
+
+
+def poison_weights(model: torch.nn.Module) -> None:
+    """Fill the weights this rank holds with NaN (its shard of a sharded parameter)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.fill_(float("nan"))

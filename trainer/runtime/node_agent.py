@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
+from bulkhead.api.client import tls_context
 from bulkhead.api.protocol import (
     AGENT_REPORT_PATH,
     AGENT_TOKEN_ENV,
@@ -46,7 +47,7 @@ class NodeAgentReporter:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.url = url.rstrip("/") + AGENT_REPORT_PATH.format(job=quote(job, safe=""))
-        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(headers=headers, timeout=timeout_s, verify=tls_context())
         self._queue: queue.Queue[WorkerReport | None] = queue.Queue(maxsize=queue_size)
         self._failing = False
         self.sent = 0
