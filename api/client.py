@@ -90,8 +90,9 @@ def tls_context() -> ssl.SSLContext:
 
 
 @functools.cache
-def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    return httpx.create_ssl_context()  # reads those variables itself
+def _tls_context(_cert_file: str | None, _cert_dir: str | None) -> ssl.SSLContext:
+    # The variables are the cache key only: httpx reads them itself.
+    return httpx.create_ssl_context()
 
 
 class HttpControlClient:
