@@ -136,6 +136,10 @@ def _slot_main(
                 if slot in phase.fail_commit and last:
                     _fail_after_agreement()
                 result = engine.step(dataset)
+                if result.next_plan is not None:  # as the runtime loop does
+                    moved = engine.install(result.next_plan)
+                    if rank == 0 and moved is not None:
+                        outcome.events.append(moved)
                 if rank == 0:
                     outcome.losses[result.step] = result.loss
                 if snapshot_every and engine.completed_steps % snapshot_every == 0:
@@ -144,8 +148,6 @@ def _slot_main(
             # A peer died mid-step: the state is still that of the last committed step.
             outcome.errors.append(str(exc))
         held = engine.held_state()
-        if rank == 0:
-            outcome.events.extend(getattr(engine, "rebalances", []))
         if generation == len(phases):
             state = full_state(engine)  # collective: every rank gathers
             if rank == 0:

@@ -105,6 +105,9 @@ class StepResult:
     # Forward/backward seconds of every rank (index = rank), without the wait for the
     # others under data parallelism; with ZeRO they include FSDP2's in-step gathers.
     compute_s: list[float]
+    # A new plan of this generation due after this step (an expert rebalance), the same
+    # on every rank: the caller installs it (``Engine.install``) before the next step.
+    next_plan: ParallelPlan | None = None
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -150,7 +153,7 @@ class Engine:
         optimizer: torch.optim.Optimizer,
     ) -> None:
         """Use ``parallelize.build_engine``: it builds the model and lays it out."""
-        self.plan = plan
+        self._plan = plan  # replaced only by ``install`` (plans are immutable)
         self.world = world
         self.cfg = cfg
         self.model_layout = layout
@@ -167,6 +170,18 @@ class Engine:
         self.initialized = True  # parameters hold the seeded initialization (see build)
         self._entries = self._state_entries()
         self.specs = [spec for spec, _ in self._entries]
+
+    @property
+    def plan(self) -> ParallelPlan:
+        """The plan this engine runs (its caller installs a new one: ``install``)."""
+        return self._plan
+
+    def install(self, plan: ParallelPlan) -> object:
+        """Run ``plan`` from the next step on (collective; at a step boundary). Only an
+        expert layout's placement changes within a generation (``next_plan``)."""
+        if plan != self._plan:
+            raise ValueError(f"generation {plan.generation}: this layout's plan is fixed")
+        return None
 
     # -- state as keys -----------------------------------------------------------------
 
@@ -390,8 +405,9 @@ class Engine:
         gradient norm (shares summed over ranks), or None when the local norm is global."""
         return None
 
-    def _after_commit(self) -> None:
-        """Runs on every rank after each committed step (at a step boundary)."""
+    def _next_plan(self) -> ParallelPlan | None:
+        """Runs on every rank after each committed step: a new plan due now, or None."""
+        return None
 
     def autocast(self) -> AbstractContextManager[object]:
         """The context every forward pass runs in (``precision``: bf16 autocast or none)."""
@@ -501,7 +517,6 @@ class Engine:
         if not math.isfinite(loss):
             raise NonFiniteLoss(step, loss)
         self._apply(step, local_grads, norm_sq)
-        self._after_commit()
         return StepResult(
             step=step,
             loss=loss,
@@ -510,6 +525,7 @@ class Engine:
             tokens=gb * cfg.model.seq_len,
             newer_generation=agreed.newer_generation,
             compute_s=agreed.compute_s,
+            next_plan=self._next_plan(),
         )
 
     def _agree(

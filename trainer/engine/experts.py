@@ -55,6 +55,7 @@ from bulkhead.trainer.parallel.experts_plan import (
     settle,
 )
 from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.parallel.plan import ParallelPlan
 from bulkhead.trainer.parallel.transfer import plan_transfer
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,6 @@ class ExpertEngine(GroupedEngine):
         self.specs = self._all_specs
         self._settled = False
         self._interrupted: HeldState | None = None  # state kept when a migration failed
-        self.rebalances: list[Rebalance] = []  # what each rebalance did, for events
 
     # -- adoption: the base engine's, with expert groups -------------------------------
 
@@ -250,7 +250,7 @@ class ExpertEngine(GroupedEngine):
         for p in plan.layers:
             host_experts(layers[p.layer], hosted[p.layer], self.world.device.device)
             self.dispatches[p.layer].replicas = p.replica_matrix()
-        self.plan = replace(self.plan, experts=plan)
+        self._plan = replace(self.plan, experts=plan)
         self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
         _materialize_optimizer(self.model, self.optimizer)
         self._entries = self._state_entries()
@@ -290,15 +290,17 @@ class ExpertEngine(GroupedEngine):
 
     # -- rebalancing -----------------------------------------------------------------------
 
-    def _after_commit(self) -> None:
+    def _next_plan(self) -> ParallelPlan | None:
         interval = self.expert_plan.rebalance_interval_steps
         if interval and self.completed_steps % interval == 0:
-            self.rebalance()
+            return self.rebalanced_plan()
+        return None
 
-    def rebalance(self) -> Rebalance | None:
-        """Replica counts follow the loads measured since the last rebalance (collective,
-        at a step boundary); returns what moved, None when the placement stays."""
-        started = time.perf_counter()
+    def rebalanced_plan(self) -> ParallelPlan | None:
+        """The plan whose replica counts follow the loads measured since the last
+        rebalance, settled onto the current hosts so the fewest experts move (the same on
+        every rank: the loads are global); None when nothing was measured. The loads
+        start over; ``install`` moves the replicas."""
         plan = self.expert_plan
         blocks = self.dispatches
         loads = {layer: blocks[layer].load.tolist() for layer in blocks}
@@ -317,10 +319,20 @@ class ExpertEngine(GroupedEngine):
             loads,
         )
         held = [plan.groups(r) for r in range(plan.ranks)]
-        target = settle(fresh, held_matrix(fresh, held))
-        if [p.slots for p in target.layers] == [p.slots for p in plan.layers]:
-            self.plan = replace(self.plan, experts=target)  # same placement, new loads
+        return replace(self.plan, experts=settle(fresh, held_matrix(fresh, held)))
+
+    def install(self, plan: ParallelPlan) -> Rebalance | None:
+        """Run ``plan`` (a ``rebalanced_plan``) from the next step on: host its experts
+        and fetch the states this rank lacks from their holders (collective, at a step
+        boundary); returns what moved, None when the placement stays."""
+        if replace(plan, experts=self.plan.experts) != self.plan or plan.experts is None:
+            raise ValueError(f"generation {plan.generation}: only the expert placement may change")
+        started = time.perf_counter()
+        current, target = self.expert_plan, plan.experts
+        if [p.slots for p in target.layers] == [p.slots for p in current.layers]:
+            self._plan = plan  # same placement, new loads
             return None
+        held = [current.groups(r) for r in range(current.ranks)]
         old = self.held_state()
         try:
             received = self._migrate(target, old, held)
@@ -330,13 +342,12 @@ class ExpertEngine(GroupedEngine):
             raise
         done = Rebalance(
             step=self.completed_steps,
-            loads={b: tuple(v) for b, v in loads.items()},
+            loads={p.layer: p.loads for p in target.layers},
             replicas={p.layer: p.replicas for p in target.layers},
-            copies=sum(len(target.groups(r) - held[r]) for r in range(plan.ranks)),
+            copies=sum(len(target.groups(r) - held[r]) for r in range(current.ranks)),
             bytes_received=received,
             seconds=time.perf_counter() - started,
         )
-        self.rebalances.append(done)
         log.info("%s", done.describe())
         return done
 
