@@ -255,10 +255,9 @@ class BulkheadSide:
         return self.engine.step(dataset).loss
 
     def after_warmup(self) -> None:
-        if hasattr(self.engine, "rebalanced_plan"):  # Lazarus: replicas follow the load
-            plan = self.engine.rebalanced_plan()
-            if plan is not None:
-                self.engine.install(plan)
+        plan = self.engine.rebalanced_plan()  # Lazarus: replicas follow the load
+        if plan is not None:
+            self.engine.install(plan)
 
 
 class BaselineSide:

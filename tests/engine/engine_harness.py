@@ -61,16 +61,7 @@ def free_port() -> int:
 
 def full_state(engine: Engine) -> dict[str, torch.Tensor]:
     """Every key gathered whole (collective), for comparison with a reference."""
-    from torch.distributed.tensor import DTensor
-
-    if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
-        return engine.full_state()
-
-    out = {}
-    for spec, t in engine._entries:
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
-        out[spec.name] = whole.detach().reshape(-1).clone()
-    return out
+    return engine.full_state()
 
 
 def _snapshot(engine: Engine, out_dir: str) -> None:

@@ -19,26 +19,24 @@ survivor is at the same step again without any state copy.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
-
-if TYPE_CHECKING:  # parallelize imports this module
-    from bulkhead.trainer.engine.parallelize import Layout
-from bulkhead.trainer.data import ByteDataset, step_positions
-from bulkhead.trainer.data.order import micro_batches, rank_share
+from bulkhead.trainer.data import ByteDataset
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
-from bulkhead.trainer.engine.optim import lr_at
+from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.holdings import GroupedHoldings, WholeHoldings
+from bulkhead.trainer.engine.optim import lr_at, make_optimizer
 from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import (
     PretrainedReader,
@@ -50,26 +48,18 @@ from bulkhead.trainer.engine.state import (
     CommitRecord,
     HeldState,
     _local,
-    assemble_union,
-    assemble_whole,
     execute_transfer,
-    gather_whole,
 )
 from bulkhead.trainer.engine.world import CollectiveError, World
-from bulkhead.trainer.engine.zero import after_optimizer_step, begin_microbatch
+from bulkhead.trainer.engine.zero import after_optimizer_step
 from bulkhead.trainer.models.protocol import build_seeded
-from bulkhead.trainer.parallel.layout import (
-    NOTHING,
-    Holding,
-    KeySpec,
-    Range,
-    needed_ranges,
-    ranges_of,
-)
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range
 from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes_per_rank
-from bulkhead.trainer.parallel.transfer import (
-    plan_transfer,
-)
+from bulkhead.trainer.parallel.transfer import plan_transfer
+
+if TYPE_CHECKING:  # these import this module
+    from bulkhead.trainer.engine.experts import ExpertPlacement, Rebalance
+    from bulkhead.trainer.engine.parallelize import Layout
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +100,48 @@ class StepResult:
     next_plan: ParallelPlan | None = None
 
 
+class Schedule(Protocol):
+    """How a step's forward and backward passes run on this rank (``local_step``: the
+    whole model over its share; ``pipeline``: a stage's 1F1B/GPipe schedule)."""
+
+    def forward_backward(
+        self, engine: Engine, dataset: ByteDataset, step: int
+    ) -> tuple[float, float, float]:
+        """(lm loss x samples, aux loss x samples, this rank's compute seconds), gradients
+        weighted by sample share of the global batch."""
+        ...
+
+
+class StateKeys(Protocol):
+    """A layout's state keys and the gradient sums over their holders (``local_step``:
+    every key everywhere; ``pipeline``: a stage's units; ``experts``: hosted experts)."""
+
+    def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
+        """Whether this layout's sharded holdings split ``key``."""
+        ...
+
+    def layout(
+        self, engine: Engine, entries: list[tuple[KeySpec, torch.Tensor]]
+    ) -> tuple[list[tuple[KeySpec, torch.Tensor]], list[KeySpec]]:
+        """(this rank's entries in their key groups, every key of the model's state)."""
+        ...
+
+    def reduce_gradients(self, engine: Engine, params: list[torch.Tensor]) -> float | None:
+        """Reduce gradients after backward; this rank's share of the squared global
+        gradient norm (shares summed over ranks), or None when the local norm is global."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What differs per parallelism, chosen from the plan by ``parallelize.build_engine``."""
+
+    holdings: WholeHoldings | GroupedHoldings
+    schedule: Schedule
+    keys: StateKeys
+    experts: ExpertPlacement | None = None  # Lazarus placement: settling and rebalancing
+
+
 def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
@@ -138,11 +170,6 @@ def _plain(tensors: list[torch.Tensor]) -> bool:
     return not any(isinstance(t, DTensor) for t in tensors)
 
 
-def _shardable(key: str, t: torch.Tensor) -> bool:
-    """Whether a sharded layout splits this key (FSDP2 shards every parameter on dim 0)."""
-    return key.startswith(("param/", "optim/")) and t.dim() >= 1
-
-
 class Engine:
     def __init__(
         self,
@@ -151,8 +178,10 @@ class Engine:
         cfg: TrainConfig,
         layout: Layout,
         optimizer: torch.optim.Optimizer,
+        parts: EngineParts,
     ) -> None:
-        """Use ``parallelize.build_engine``: it builds the model and lays it out."""
+        """Use ``parallelize.build_engine``: it builds the model, lays it out and picks
+        the ``parts`` of its parallelism."""
         self._plan = plan  # replaced only by ``install`` (plans are immutable)
         self.world = world
         self.cfg = cfg
@@ -163,29 +192,58 @@ class Engine:
         # The module forward and backward run through: DDP when the state is replicated
         # over several ranks, else the model itself (FSDP2 shards it in place).
         self.replicated = layout.replicated
+        self.holdings = parts.holdings
+        self.schedule = parts.schedule
+        self.keys = parts.keys
+        self.experts = parts.experts
         self.completed_steps = 0
         self._committed_norm_sq: float | None = None  # what the last committed step applied
         self._pending: tuple[int, list[torch.Tensor]] | None = None  # step, reduced grads
         self.adopted = False  # holds no state worth keeping until adopt() succeeds
         self.initialized = True  # parameters hold the seeded initialization (see build)
-        self._entries = self._state_entries()
-        self.specs = [spec for spec, _ in self._entries]
+        self._entries, self.specs = self.keys.layout(self, self._state_entries())
 
     @property
     def plan(self) -> ParallelPlan:
         """The plan this engine runs (its caller installs a new one: ``install``)."""
         return self._plan
 
-    def install(self, plan: ParallelPlan) -> object:
-        """Run ``plan`` from the next step on (collective; at a step boundary). Only an
-        expert layout's placement changes within a generation (``next_plan``)."""
+    def install(self, plan: ParallelPlan) -> Rebalance | None:
+        """Run ``plan`` from the next step on (collective; at a step boundary); returns
+        what moved. Only an expert layout's placement changes within a generation
+        (``StepResult.next_plan``, ``rebalanced_plan``)."""
+        if self.experts is not None:
+            return self.experts.install(self, plan)
         if plan != self._plan:
             raise ValueError(f"generation {plan.generation}: this layout's plan is fixed")
         return None
 
+    def rebalanced_plan(self) -> ParallelPlan | None:
+        """The plan whose expert replicas follow the load measured since the last
+        rebalance (None: no expert placement, or nothing measured)."""
+        return self.experts.rebalanced_plan(self) if self.experts is not None else None
+
+    def take_plan(self, plan: ParallelPlan, rehosted: bool) -> None:
+        """Run ``plan`` (the one place the engine's plan changes: an expert layout's
+        placement, settled or rebalanced). ``rehosted``: the model now hosts other
+        experts, so a new optimizer over them (its state comes by transfer) and the
+        state keys anew."""
+        self._plan = plan
+        if rehosted:
+            self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
+            _materialize_optimizer(self.model, self.optimizer)
+            self._entries, self.specs = self.keys.layout(self, self._state_entries())
+
+    @functools.cached_property
+    def keygroups(self) -> ParamGroups:
+        """The key group of each parameter name (units, tied weights, experts)."""
+        return ParamGroups(self.model, experts=self.plan.experts is not None)
+
     # -- state as keys -----------------------------------------------------------------
 
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        """Every key of the state this rank has storage for, with its tensor (the
+        layout's ``keys`` then group them and list the keys held elsewhere)."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         tensors: list[tuple[str, torch.Tensor]] = [
             (f"param/{name}", p) for name, p in self.model.named_parameters()
@@ -204,27 +262,18 @@ class Engine:
                 numel=t.numel(),
                 rows=t.shape[0] if t.dim() > 0 else 1,
                 dtype=str(t.dtype).removeprefix("torch."),
-                shardable=self._key_shardable(key, t),
+                shardable=self.keys.shardable(self, key, t),
             )
             if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
                 raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
             entries.append((spec, t))
         return entries
 
-    def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
-        """Whether sharded layouts of this engine split ``key``."""
-        return _shardable(key, t)
-
     @property
     def holding(self) -> Holding:
         if not self.adopted:
             return NOTHING
-        z = self.plan.zero
-        return Holding(
-            step=self.completed_steps,
-            shards=z.shard_size if z.sharded else 1,
-            index=z.shard_index(self.world.rank),
-        )
+        return self.holdings.holding_of(self.plan, self.world.rank, self.completed_steps)
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
         """Every key's flat local range (views: writing them writes the state)."""
@@ -237,6 +286,8 @@ class Engine:
 
     def held_state(self) -> HeldState:
         """This engine's state, for the next generation's engine or a snapshot."""
+        if self.experts is not None and self.experts.interrupted is not None:
+            return self.experts.interrupted  # a migration failed: the committed step's
         finish = self._finish_pending if self._pending is not None else None
         record = CommitRecord(self._committed_norm_sq, finish)
         return HeldState(self.holding, self.local_tensors(), record)
@@ -262,8 +313,15 @@ class Engine:
         return held, state_bytes_per_rank(self.plan.zero, num_params)
 
     def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """One whole state from every shard of one layout (restored from a checkpoint)."""
-        return assemble_whole(pieces, self.specs)
+        """One whole state from the pieces of one checkpoint step."""
+        return self.holdings.assemble(pieces, self.specs)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank (collective; tests and benches)."""
+        return self.holdings.full_state(
+            self.world, self.plan, self.specs, self._entries, self.local_tensors(),
+            self.completed_steps,
+        )  # fmt: skip
 
     # -- adoption ----------------------------------------------------------------------
 
@@ -377,102 +435,32 @@ class Engine:
         self.initialized = True
         log.info("fresh start from the pretrained weights in %s", directory)
 
-    # Adoption hooks: what every rank holds (collective), what each must hold, and this
-    # rank's held state as a transfer source. Layouts other than DP/ZeRO override them.
+    # Adoption: what every rank holds (collective), what each must hold, and this rank's
+    # held state as a transfer source, all from the layout's holdings policy.
 
     def _holdings(self, held: HeldState | None) -> list[Holding]:
-        mine = held.holding if held is not None else NOTHING
-        encoded = torch.tensor(mine.encode(), dtype=torch.int64, device=self.world.device.device)
-        gathered = self.world.all_gather(encoded).cpu().tolist()
-        return [Holding.decode(row) for row in gathered]
+        holdings = self.holdings.exchange(self.world, self.plan, held, self.specs)
+        if self.experts is not None:
+            self.experts.observe(self.plan, holdings)
+        return holdings
 
     def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        z = self.plan.zero
-        shards = z.shard_size if z.sharded else 1
-        return [needed_ranges(shards, z.shard_index(r), self.specs) for r in range(len(holdings))]
+        if self.experts is not None:  # the placement settled onto what the ranks hold
+            self.experts.settle_once(self)
+        return self.holdings.needs(self.plan, self.specs, len(holdings))
 
     def _source(self, held: HeldState | None) -> HeldState | None:
-        return held
+        return self.holdings.source(held, self.specs)
 
     # -- training ----------------------------------------------------------------------
 
-    # Step hooks for layouts whose forward communicates or whose gradients are reduced
-    # outside DDP/FSDP2 (expert parallelism).
-    collective_forward = False  # True: every rank runs as many passes as the busiest one
-
-    def _reduce_gradients(self, params: list[torch.Tensor]) -> float | None:
-        """Reduce gradients after backward; return this rank's share of the squared global
-        gradient norm (shares summed over ranks), or None when the local norm is global."""
-        return None
-
     def _next_plan(self) -> ParallelPlan | None:
         """Runs on every rank after each committed step: a new plan due now, or None."""
-        return None
+        return self.experts.next_plan(self) if self.experts is not None else None
 
     def autocast(self) -> AbstractContextManager[object]:
         """The context every forward pass runs in (``precision``: bf16 autocast or none)."""
         return autocast(self.cfg.precision, self.world.device.device)
-
-    def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
-        """Forward and backward of this rank's share of step ``step``, gradients weighted
-        by sample share of the global batch: (lm loss x samples, aux loss x samples, this
-        rank's compute seconds). Layouts that run passes differently override it."""
-        started = time.perf_counter()
-        cfg, plan, world = self.cfg, self.plan, self.world
-        gb = cfg.global_batch_size
-        share = rank_share(step, gb, world.rank, world.world_size)
-        passes: list[list[int]] = micro_batches(share, cfg.micro_batch_size)
-        sharded = plan.zero.sharded
-        if sharded or self.collective_forward:
-            # FSDP2's gathers (and the experts' all-to-alls) are collective: every rank
-            # runs as many passes as the rank with the largest share; extra passes carry
-            # weight 0.
-            largest = -(-gb // world.world_size)
-            passes += [[]] * (-(-largest // cfg.micro_batch_size) - len(passes))
-        elif not passes:
-            passes = [[]]  # DDP reduces in the last backward: a rank with no sample joins in
-        forward = self.replicated or self.model
-        aux_coef = cfg.aux_coef
-        device = world.device.device
-        forward.train()
-        lm_sum = aux_sum = 0.0
-        # This rank's compute time, for straggler detection, must not include waiting for
-        # the others: DDP waits for its last buckets after backward, so the clock stops when
-        # the first parameter's gradient (computed last in backward) is ready.
-        computed: list[float] = []
-        probe = (
-            next(self.model.parameters()).register_hook(
-                lambda _: computed.append(time.perf_counter())
-            )
-            if self.replicated is not None
-            else None
-        )
-        with world.guard("forward/backward"):
-            for i, positions in enumerate(passes):
-                last = i == len(passes) - 1
-                if sharded:
-                    assert self.root is not None
-                    begin_microbatch(self.root, plan.zero, last=last)
-                used = positions or [step_positions(step, gb)[0]]
-                batch = dataset.batch(used)
-                # DDP reduces gradients during the last micro-batch's backward only.
-                accumulate = (
-                    self.replicated.no_sync()
-                    if isinstance(self.replicated, DistributedDataParallel) and not last
-                    else nullcontext()
-                )
-                with accumulate:
-                    with self.autocast():
-                        out = forward(batch.inputs.to(device), batch.targets.to(device))
-                    weight = len(positions) / gb
-                    (out.total(aux_coef) * weight).backward()
-                assert out.lm_loss is not None
-                lm_sum += out.lm_loss.item() * len(positions)
-                aux_sum += out.aux_loss.item() * len(positions)
-        if probe is not None:
-            probe.remove()
-        compute_s = (computed[-1] if computed else time.perf_counter()) - started
-        return lm_sum, aux_sum, compute_s
 
     def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
         """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
@@ -483,7 +471,7 @@ class Engine:
         # FSDP2 reduces over the world's shard groups (pipelines reduce in a hook).
         sharded = plan.zero.sharded and not plan.per_rank_state
         self.optimizer.zero_grad(set_to_none=True)
-        lm_sum, aux_sum, compute_s = self._forward_backward(dataset, step)
+        lm_sum, aux_sum, compute_s = self.schedule.forward_backward(self, dataset, step)
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
         # tensors registered after backward, while gradients live on the sharded ones.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -505,7 +493,7 @@ class Engine:
             # reduced by the layout's hook.
             local_grads = [p.grad for p in params]
             with world.guard("gradient reduction"):
-                share = self._reduce_gradients(params)
+                share = self.keys.reduce_gradients(self, params)
             agreed = self._agree(
                 step, local_grads, lm_sum, aux_sum, newer_generation, share or 0.0, compute_s
             )
@@ -642,51 +630,3 @@ def materialize_by_step(optimizer: torch.optim.Optimizer) -> None:
     for slots in optimizer.state.values():
         if "step" in slots and isinstance(slots["step"], torch.Tensor):
             _local(slots["step"]).zero_()
-
-
-class GroupedEngine(Engine):
-    """Base of layouts where each rank holds whole keys of some key groups (experts,
-    pipeline stages): ``_groups(rank)`` says which; holding, adoption source, checkpoint
-    assembly and gathering follow from it."""
-
-    def _groups(self, rank: int) -> frozenset[str]:
-        raise NotImplementedError
-
-    def _holding_of(self, rank: int) -> Holding:
-        """What rank ``rank`` holds once adopted: whole keys of its groups (a layout that
-        shards them overrides this)."""
-        return Holding(
-            step=self.completed_steps,
-            shards=self.world.world_size,  # whole keys (nothing shardable): ranges ignore it
-            index=rank,
-            groups=self._groups(rank),
-        )
-
-    @property
-    def holding(self) -> Holding:
-        return self._holding_of(self.world.rank) if self.adopted else NOTHING
-
-    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        """Every rank needs what it holds once adopted."""
-        return [ranges_of(replace(self._holding_of(r), step=0), self.specs)
-                for r in range(len(holdings))]  # fmt: skip
-
-    def _groups_of(self, held: HeldState) -> frozenset[str]:
-        """The groups ``held`` really has keys of."""
-        specs = {s.name: s for s in self.specs}
-        return frozenset(specs[k].group for k in held.tensors if k in specs and specs[k].group)
-
-    def _source(self, held: HeldState | None) -> HeldState | None:
-        """``held`` with its holding listing the groups it really has."""
-        if held is None:
-            return None
-        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
-
-    def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """The whole state from the pieces of one checkpoint step (each rank's piece)."""
-        return assemble_union(pieces, self.specs)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every key whole on every rank, from its holders (collective; tests and benches)."""
-        holdings = [self._holding_of(r) for r in range(self.world.world_size)]
-        return gather_whole(self.world, self.specs, self.local_tensors(), holdings)
