@@ -7,6 +7,12 @@ state as keys (see ``parallel.layout``), so after a membership change the next g
 surviving peers, or (when some key has no surviving holder) pieces restored from the
 checkpoint ladder — through one transfer plan, whatever the parallelism.
 
+There is one ``Engine`` class: what differs per parallelism are its ``parts``
+(``parts.EngineParts``, chosen from the plan by ``parallelize.engine_parts``). The plan
+is immutable and the engine's is replaced in one place (``take_plan``): when expert
+placement settles onto the experts the ranks hold, and when the caller ``install``s a
+rebalanced plan a step returned (``StepResult.next_plan``).
+
 ``step`` runs one optimizer step on this rank's share of the global batch and commits it
 on every rank with one agreement all-reduce (``grad_sync``); nothing in the optimizer
 update communicates, so a failure before the agreement leaves every survivor's state at
@@ -25,18 +31,17 @@ import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
+from bulkhead.trainer.engine.clip import scale_, squared_norm
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.groups import ParamGroups
-from bulkhead.trainer.engine.holdings import GroupedHoldings, WholeHoldings
-from bulkhead.trainer.engine.optim import lr_at, make_optimizer
+from bulkhead.trainer.engine.optim import lr_at, make_optimizer, materialize_optimizer
 from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import (
     PretrainedReader,
@@ -48,8 +53,8 @@ from bulkhead.trainer.engine.state import (
     CommitRecord,
     HeldState,
     _local,
-    execute_transfer,
 )
+from bulkhead.trainer.engine.transfers import execute_transfer
 from bulkhead.trainer.engine.world import CollectiveError, World
 from bulkhead.trainer.engine.zero import after_optimizer_step
 from bulkhead.trainer.models.protocol import build_seeded
@@ -58,8 +63,9 @@ from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes
 from bulkhead.trainer.parallel.transfer import plan_transfer
 
 if TYPE_CHECKING:  # these import this module
-    from bulkhead.trainer.engine.experts import ExpertPlacement, Rebalance
+    from bulkhead.trainer.engine.experts import Rebalance
     from bulkhead.trainer.engine.parallelize import Layout
+    from bulkhead.trainer.engine.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -100,74 +106,8 @@ class StepResult:
     next_plan: ParallelPlan | None = None
 
 
-class Schedule(Protocol):
-    """How a step's forward and backward passes run on this rank (``local_step``: the
-    whole model over its share; ``pipeline``: a stage's 1F1B/GPipe schedule)."""
-
-    def forward_backward(
-        self, engine: Engine, dataset: ByteDataset, step: int
-    ) -> tuple[float, float, float]:
-        """(lm loss x samples, aux loss x samples, this rank's compute seconds), gradients
-        weighted by sample share of the global batch."""
-        ...
-
-
-class StateKeys(Protocol):
-    """A layout's state keys and the gradient sums over their holders (``local_step``:
-    every key everywhere; ``pipeline``: a stage's units; ``experts``: hosted experts)."""
-
-    def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
-        """Whether this layout's sharded holdings split ``key``."""
-        ...
-
-    def layout(
-        self, engine: Engine, entries: list[tuple[KeySpec, torch.Tensor]]
-    ) -> tuple[list[tuple[KeySpec, torch.Tensor]], list[KeySpec]]:
-        """(this rank's entries in their key groups, every key of the model's state)."""
-        ...
-
-    def reduce_gradients(self, engine: Engine, params: list[torch.Tensor]) -> float | None:
-        """Reduce gradients after backward; this rank's share of the squared global
-        gradient norm (shares summed over ranks), or None when the local norm is global."""
-        ...
-
-
-@dataclass(frozen=True)
-class EngineParts:
-    """What differs per parallelism, chosen from the plan by ``parallelize.build_engine``."""
-
-    holdings: WholeHoldings | GroupedHoldings
-    schedule: Schedule
-    keys: StateKeys
-    experts: ExpertPlacement | None = None  # Lazarus placement: settling and rebalancing
-
-
 def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
-
-
-def _norm_sq(grads: list[torch.Tensor]) -> float:
-    """The squared L2 norm of ``grads`` together, in double: the per-tensor norms in one
-    fused call (a Python loop of four ops per tensor cost 0.6 % of a small model's step)."""
-    if not grads:
-        return 0.0
-    if not _plain(grads):  # DTensors reduce over their mesh: one at a time
-        return sum(float(g.double().pow(2).sum()) for g in grads)
-    return float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum())
-
-
-def _scale(grads: list[torch.Tensor], coef: float) -> None:
-    """Multiply ``grads`` in place by ``coef`` (fused unless a DTensor is among them)."""
-    if grads and _plain(grads):
-        torch._foreach_mul_(grads, coef)
-        return
-    for g in grads:
-        g.mul_(coef)
-
-
-def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Whether fused (``torch._foreach_*``) kernels apply: no DTensor among ``tensors``."""
-    return not any(isinstance(t, DTensor) for t in tensors)
 
 
 class Engine:
@@ -182,7 +122,7 @@ class Engine:
     ) -> None:
         """Use ``parallelize.build_engine``: it builds the model, lays it out and picks
         the ``parts`` of its parallelism."""
-        self._plan = plan  # replaced only by ``install`` (plans are immutable)
+        self._plan = plan  # replaced only by ``take_plan`` (plans are immutable)
         self.world = world
         self.cfg = cfg
         self.model_layout = layout
@@ -231,7 +171,7 @@ class Engine:
         self._plan = plan
         if rehosted:
             self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
-            _materialize_optimizer(self.model, self.optimizer)
+            materialize_optimizer(self.model, self.optimizer)
             self._entries, self.specs = self.keys.layout(self, self._state_entries())
 
     @functools.cached_property
@@ -287,7 +227,7 @@ class Engine:
     def held_state(self) -> HeldState:
         """This engine's state, for the next generation's engine or a snapshot."""
         if self.experts is not None and self.experts.interrupted is not None:
-            return self.experts.interrupted  # a migration failed: the committed step's
+            return self.experts.interrupted  # the committed step's, a migration failed
         finish = self._finish_pending if self._pending is not None else None
         record = CommitRecord(self._committed_norm_sq, finish)
         return HeldState(self.holding, self.local_tensors(), record)
@@ -483,7 +423,7 @@ class Engine:
             local_grads = [_local(p.grad) for p in params]
             # Replicas hold identical shards: one replica group's shards make the norm.
             contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
-            norm_sq = _norm_sq(local_grads) if contributes else 0.0
+            norm_sq = squared_norm(local_grads) if contributes else 0.0
             agreed = self._agree(
                 step, local_grads, lm_sum, aux_sum, newer_generation, norm_sq, compute_s
             )
@@ -500,7 +440,7 @@ class Engine:
             if share is not None:
                 norm_sq = agreed.grad_norm_sq
             else:
-                norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
+                norm_sq = squared_norm(local_grads) if clip > 0 else 0.0
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):
             raise NonFiniteLoss(step, loss)
@@ -541,7 +481,7 @@ class Engine:
         if clip > 0:
             coef = clip / (math.sqrt(norm_sq) + 1e-6)
             if coef < 1.0:
-                _scale(local_grads, coef)
+                scale_(local_grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg.optimizer, self.cfg.steps)
         self.optimizer.step()
@@ -556,77 +496,3 @@ class Engine:
         assert self._pending is not None
         step, local_grads = self._pending
         self._apply(step, local_grads, norm_sq)
-
-
-@torch.no_grad()
-def _materialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazily built state as it is before the first step.
-
-    Adam(W) gets it created directly (``materialize_directly``); any other optimizer gets
-    one zero-gradient step at learning rate 0 (``materialize_by_step``).
-    Same structure on every rank either way, so state can be transferred into it.
-    """
-    if not materialize_directly(optimizer):
-        materialize_by_step(optimizer)
-
-
-def materialize_directly(optimizer: torch.optim.Optimizer) -> bool:
-    """The state a first step of Adam or AdamW would create, created without one; False
-    (nothing done) for another optimizer or a variant this does not know.
-
-    The step costs a DTensor dispatch of every optimizer op over every sharded parameter:
-    3.6 s of CPU for a ZeRO-3 first build on a new mesh size at 8 ranks, all of it on the
-    recovery's path. Keys, dtypes, devices and placements are those of torch's own lazy
-    initialization (a 0-d float ``step`` on the CPU, ``exp_avg``, ``exp_avg_sq`` and with
-    amsgrad ``max_exp_avg_sq``); ``tests/engine/test_materialize.py`` compares them with
-    the step's, so a torch upgrade that changes them fails there. (SGD keeps the step: with
-    weight decay its zero-gradient step leaves a momentum buffer of decay x weight, which
-    training has always started from.)
-    """
-    groups = optimizer.param_groups
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return False
-    if any(g.get("fused") or g.get("capturable") or g.get("differentiable") for g in groups):
-        return False  # their step counter lives on the device: the general way
-    if type(optimizer) is torch.optim.Adam and any(g["weight_decay"] for g in groups):
-        return False  # Adam's L2 term makes the zero-gradient step's averages nonzero
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    for group in groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")
-            state["exp_avg"] = _zeros_like(p)
-            state["exp_avg_sq"] = _zeros_like(p)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = _zeros_like(p)
-    return True
-
-
-def _zeros_like(p: torch.Tensor) -> torch.Tensor:
-    """``torch.zeros_like(p)``; for a DTensor, made from zeros of its local shard (the same
-    DTensor: mesh, placements, global shape and stride) without DTensor's dispatch, whose
-    sharding propagation costs a fresh process's first build 0.2 s of CPU."""
-    if not isinstance(p, DTensor):
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
-    local = torch.zeros_like(p.to_local(), memory_format=torch.preserve_format)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def materialize_by_step(optimizer: torch.optim.Optimizer) -> None:
-    """Any optimizer's lazily built state: one zero-gradient step at learning rate 0, then
-    step counters reset to 0."""
-    saved = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, saved, strict=True):
-        group["lr"] = lr
-    for slots in optimizer.state.values():
-        if "step" in slots and isinstance(slots["step"], torch.Tensor):
-            _local(slots["step"]).zero_()

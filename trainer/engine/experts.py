@@ -13,7 +13,7 @@ dropped or padded. The all-to-alls are autograd functions, so each token's gradi
 back to the rank that routed it. Under bf16 precision the tokens, the experts' outputs and
 their gradients cross in bf16 (``QuotaDispatch.wire``).
 
-After backward (``ExpertEngine._reduce_gradients``): the dense gradients are summed over
+After backward (``ExpertKeys.reduce_gradients``): the dense gradients are summed over
 all ranks (each rank's loss is weighted by its share of the global batch), and each
 expert's gradient is summed over the ranks hosting it, in rank order, so every replica
 takes the same step as the expert of a model trained without expert parallelism.
@@ -24,7 +24,9 @@ groups. After a membership change the plan is settled onto what the ranks hold a
 missing experts come from surviving replicas through the engine's one transfer plan; an
 expert with no surviving replica makes the adoption incomplete (checkpoint fallback).
 Every ``rebalanceIntervalSteps`` the replica counts follow the measured loads (Eq. 1),
-settled onto the current holders so the fewest experts move, through the same transfer.
+settled onto the current holders so the fewest experts move: the step returns that new
+plan (``StepResult.next_plan``) and the runtime loop installs it (``Engine.install``,
+``ExpertPlacement.install``), which moves the experts through the same transfer.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
 from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.recompute import recomputing
-from bulkhead.trainer.engine.state import HeldState, execute_transfer
+from bulkhead.trainer.engine.state import HeldState
+from bulkhead.trainer.engine.transfers import execute_transfer
 from bulkhead.trainer.engine.world import Team
 from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing
 from bulkhead.trainer.parallel.dispatch import DispatchLayout

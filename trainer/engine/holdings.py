@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from bulkhead.trainer.engine.state import HeldState, assemble_union, assemble_whole, gather_whole
+from bulkhead.trainer.engine.state import HeldState, assemble_union, assemble_whole
+from bulkhead.trainer.engine.transfers import gather_whole
 from bulkhead.trainer.engine.world import World
 from bulkhead.trainer.parallel.layout import (
     NOTHING,

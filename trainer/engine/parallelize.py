@@ -17,7 +17,9 @@ the order their dependencies impose:
 
 ``build_engine`` builds the model the plan needs (seeded, uninitialized, or a meta
 skeleton for a stage), parallelizes it, creates the optimizer over the parameters this
-rank holds and returns the engine that trains the layout.
+rank holds and returns the engine that trains the layout, composed of the parts of its
+parallelism (``engine_parts``: holdings policy, step schedule, state keys, expert
+placement).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.engine.data_parallel import wrap_data_parallel
-from bulkhead.trainer.engine.engine import Engine, EngineParts, _materialize_optimizer
+from bulkhead.trainer.engine.engine import Engine
 from bulkhead.trainer.engine.experts import (
     ExpertKeys,
     ExpertPlacement,
@@ -44,7 +46,8 @@ from bulkhead.trainer.engine.experts import (
 from bulkhead.trainer.engine.groups import ParamGroups
 from bulkhead.trainer.engine.holdings import GroupedHoldings, WholeHoldings
 from bulkhead.trainer.engine.local_step import LocalSchedule, WholeKeys
-from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.optim import make_optimizer, materialize_optimizer
+from bulkhead.trainer.engine.parts import EngineParts
 from bulkhead.trainer.engine.pipeline import (
     PipelineSchedule,
     StageKeys,
@@ -194,7 +197,7 @@ def build_engine(
         initialized = initialize
     layout = parallelize(model, plan, world, cfg.precision, cfg.activation_checkpointing)
     optimizer = make_optimizer(model, cfg.optimizer, layout.held)
-    _materialize_optimizer(model, optimizer)
+    materialize_optimizer(model, optimizer)
     engine = Engine(plan, world, cfg, layout, optimizer, engine_parts(plan, layout))
     engine.initialized = initialized
     return engine

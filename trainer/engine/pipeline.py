@@ -9,7 +9,7 @@ micro-batch. Under ZeRO the stage's units are sharded over the pod's processes b
 (``zero.zero_shard`` on the pod's group; the units of other stages stay on the meta
 device), so each process holds 1/G of its stage; without ZeRO each holds all of it.
 
-Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
+Step (``PipelineSchedule.forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
 activations from the stage before, the last computes the loss; backward receives the
 output's gradient and sends the input's gradient back. A family whose MoE loss pools the
@@ -27,16 +27,17 @@ runtime's abort monitor once a newer generation exists (``World.abort``), as for
 waits. Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients summed over the pipelines are the data-parallel gradient.
 
-Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
+Gradients (``StageKeys.reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
 processes): one stage per pipeline holds a unit (the tied embedding: every first and last
 stage). The sum runs in rank order, so every holder takes the same step: one uneven
 all-to-all per step.
 
 State: a unit's parameters and optimizer slots form the key group ``unit/<u>`` (the tied
-embedding ``unit/tied``); a rank holds its stage's groups. After a membership change the
-base engine's transfer plan brings every rank the units of its new stage from surviving
-holders; a unit no survivor holds makes the adoption incomplete (checkpoint fallback).
+embedding ``unit/tied``); a rank holds its stage's groups (``holdings.GroupedHoldings``).
+After a membership change the engine's transfer plan brings every rank the units of its
+new stage from surviving holders; a unit no survivor holds makes the adoption incomplete
+(checkpoint fallback).
 """
 
 from __future__ import annotations
@@ -367,15 +368,3 @@ class StageKeys:
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
         return sum_over_holders(engine.world, grads, {name: owners[name] for name in grads})
-
-
-def state_bytes(plan: ParallelPlan, per_group: dict[str, int], rank: int, slots: int = 2) -> int:
-    """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
-    and ``slots`` optimizer values per parameter (fp32), its stage's share of them
-    (``per_group``: ``groups.group_sizes`` of the plan's model)."""
-    held = 0
-    for group in plan.stage_groups(rank):
-        n = per_group.get(group, 0)
-        sharded = plan.zero.sharded and not group.startswith("expert/")
-        held += -(-n // plan.zero.shard_size) if sharded else n
-    return held * 4 * (2 + slots)
