@@ -168,6 +168,8 @@ def _delay_secondary_copies(engine: Engine, cycles: int) -> None:
 def _train(engine: Engine, dataset: Any, until: int, losses: dict[int, float], rank: int) -> None:
     while engine.completed_steps < until:
         result = engine.step(dataset)
+        if result.next_plan is not None:  # an expert rebalance, installed as the loop does
+            engine.install(result.next_plan)
         if rank == 0:
             losses[result.step] = result.loss
 

@@ -109,7 +109,7 @@ def versions(device: DeviceChoice) -> dict[str, Any]:
 
 
 # Private or recent torch names the trainer's recovery path uses (world.py, device.py,
-# engine.py): on another torch (2.11 on the GPU machine) a missing one is named in the
+# clip.py, optim.py): on another torch (2.11 on the GPU machine) a missing one is named in the
 # result, next to whichever check then fails on it.
 TRAINER_TORCH_NAMES = (
     "torch.distributed.distributed_c10d._world.pg_map",

@@ -1,7 +1,7 @@
 """Adam's state on a ZeRO-3 first build: the zero-gradient step vs creating it directly.
 
 Each engine built on a new mesh size creates its optimizer state before adopting any
-(``_materialize_optimizer`` in trainer/engine/engine.py), on the recovery's path. It used
+(``materialize_optimizer`` in trainer/engine/optim.py), on the recovery's path. It used
 to take one AdamW step at learning rate 0 over the DTensor shards (``materialize_by_step``,
 still the way for other optimizers); Adam(W)'s state is now created directly
 (``materialize_directly``). Here N gloo ranks, fresh processes forked from one fork server
@@ -39,7 +39,7 @@ from _engine_runs import _open, engine_config, process_context
 from bulkhead.operator.local.children import end_children_on_exit
 from bulkhead.trainer.engine import parallelize
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import materialize_by_step, materialize_directly
+from bulkhead.trainer.engine.optim import materialize_by_step, materialize_directly
 
 WAYS = ("by_step", "direct")
 
@@ -57,7 +57,7 @@ def _rank(slot: int, ranks: int, way: str, port: int, out_dir: str) -> None:
         timed["materialize_wall_s"] = time.perf_counter() - wall
 
     # build_engine calls this module's name: the way under test, the real functions.
-    parallelize._materialize_optimizer = materialize
+    parallelize.materialize_optimizer = materialize
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120))
     # As local-zero.yaml: two replica groups with hpZ blocks of 2 (from 4 ranks on).
     big = ranks >= 4

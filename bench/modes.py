@@ -255,8 +255,9 @@ class BulkheadSide:
         return self.engine.step(dataset).loss
 
     def after_warmup(self) -> None:
-        if hasattr(self.engine, "rebalance"):  # Lazarus: replicas follow the measured load
-            self.engine.rebalance()
+        plan = self.engine.rebalanced_plan()  # Lazarus: replicas follow the load
+        if plan is not None:
+            self.engine.install(plan)
 
 
 class BaselineSide:

@@ -7,7 +7,7 @@ was written on has 2 CPU cores: more than 2 busy processes share them (said in t
 
 1. **Bubble.** One pipeline of p stages (p processes, one stage each; ``minStages`` =
    ``maxStages`` = p, ``maxFailures`` 0) runs m micro-batches with 1F1B. Every step, a
-   barrier lines the ranks up, then each rank's ``_forward_backward`` (the pipelined
+   barrier lines the ranks up, then each rank's step schedule (the pipelined
    forward/backward only: no gradient exchange, no optimizer) runs between two readings of
    CLOCK_MONOTONIC (one clock for every process of the machine). wall = last rank's end -
    first rank's start; busy = each rank's forward/backward compute (``compute_s``, the
@@ -168,23 +168,23 @@ def names(n: int) -> list[str]:
 
 
 class PipelineClock:
-    """Wraps an engine's ``_forward_backward``: a barrier lines the ranks up, then the
-    pipelined forward/backward runs between two CLOCK_MONOTONIC readings (``last``)."""
+    """Wraps an engine's step schedule: a barrier lines the ranks up, then the pipelined
+    forward/backward runs between two CLOCK_MONOTONIC readings (``last``)."""
 
     def __init__(self, engine: Engine) -> None:
         self.last: dict[str, float] = {}
-        inner = engine._forward_backward
-        world = engine.world
+        self.inner = engine.schedule
+        engine.schedule = self
 
-        def timed(dataset: ByteDataset, step: int) -> tuple[float, float, float]:
-            with world.guard("bench barrier"):
-                dist.all_reduce(torch.zeros(1))  # blocking: the ranks leave it together
-            t0 = time.monotonic()
-            out = inner(dataset, step)
-            self.last = {"t0": t0, "t1": time.monotonic(), "busy": self._seconds(engine, out[2])}
-            return out
-
-        engine._forward_backward = timed  # type: ignore[method-assign]
+    def forward_backward(
+        self, engine: Engine, dataset: ByteDataset, step: int
+    ) -> tuple[float, float, float]:
+        with engine.world.guard("bench barrier"):
+            dist.all_reduce(torch.zeros(1))  # blocking: the ranks leave it together
+        t0 = time.monotonic()
+        out = self.inner.forward_backward(engine, dataset, step)
+        self.last = {"t0": t0, "t1": time.monotonic(), "busy": self._seconds(engine, out[2])}
+        return out
 
     @staticmethod
     def _seconds(engine: Engine, reported: float) -> float:

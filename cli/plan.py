@@ -18,7 +18,7 @@ from rich.table import Table
 from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.parallel.pipeline_plan import unit_fetches
-from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
+from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan, stage_state_bytes
 from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
@@ -123,7 +123,6 @@ def _stages_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
     """Every rank's stage, its share of the batch, the state it holds (parameters,
     gradients and AdamW's two slots, fp32) and its experts."""
     from bulkhead.trainer.engine.groups import group_sizes  # imports torch
-    from bulkhead.trainer.engine.pipeline import state_bytes
 
     layout = plan.pipelines
     assert layout is not None
@@ -153,7 +152,7 @@ def _stages_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
             str(rank), plan.workers[rank], str(stage.pipeline),
             f"{stage.index + 1}/{stage.stages}", f"{stage.start}-{stage.stop - 1}",
             str(len(rows)), str(sum(len(r) for r in rows)),
-            f"{state_bytes(plan, per_group, rank) / 2**20:.2f}",
+            f"{stage_state_bytes(plan, per_group, rank) / 2**20:.2f}",
         ]  # fmt: skip
         if ep is not None:
             hosted = ep.hosted(rank % plan.processes_per_worker)

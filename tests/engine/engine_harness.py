@@ -61,16 +61,7 @@ def free_port() -> int:
 
 def full_state(engine: Engine) -> dict[str, torch.Tensor]:
     """Every key gathered whole (collective), for comparison with a reference."""
-    from torch.distributed.tensor import DTensor
-
-    if hasattr(engine, "full_state"):  # layouts where no rank holds every key (experts)
-        return engine.full_state()
-
-    out = {}
-    for spec, t in engine._entries:
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
-        out[spec.name] = whole.detach().reshape(-1).clone()
-    return out
+    return engine.full_state()
 
 
 def _snapshot(engine: Engine, out_dir: str) -> None:
@@ -136,6 +127,10 @@ def _slot_main(
                 if slot in phase.fail_commit and last:
                     _fail_after_agreement()
                 result = engine.step(dataset)
+                if result.next_plan is not None:  # as the runtime loop does
+                    moved = engine.install(result.next_plan)
+                    if rank == 0 and moved is not None:
+                        outcome.events.append(moved)
                 if rank == 0:
                     outcome.losses[result.step] = result.loss
                 if snapshot_every and engine.completed_steps % snapshot_every == 0:
@@ -144,8 +139,6 @@ def _slot_main(
             # A peer died mid-step: the state is still that of the last committed step.
             outcome.errors.append(str(exc))
         held = engine.held_state()
-        if rank == 0:
-            outcome.events.extend(getattr(engine, "rebalances", []))
         if generation == len(phases):
             state = full_state(engine)  # collective: every rank gathers
             if rank == 0:

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.engine import materialize_by_step, materialize_directly
+from bulkhead.trainer.engine.optim import materialize_by_step, materialize_directly
 from bulkhead.trainer.engine.world import open_world
 
 

@@ -2,7 +2,7 @@
 
 One pipeline of two stages on two ranks (``tiny``: stage 0 = embedding + block 0, stage 1
 = block 1 + head), four micro-batches of two samples, 1F1B. Each rank first trains a few
-SGD steps with our ``PipelineEngine``, then runs torch's own ``PipelineStage`` +
+SGD steps with our pipeline engine, then runs torch's own ``PipelineStage`` +
 ``Schedule1F1B`` on the same stage split, the same seeded initial weights and the same
 data, in the same gloo world. Losses, the reduced gradients of the first step and the
 parameters and momentum buffers after the last step must agree.
@@ -40,7 +40,7 @@ from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset, step_positions
 from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.parallelize import build_engine
-from bulkhead.trainer.engine.pipeline import PipelineEngine
+from bulkhead.trainer.engine.pipeline import PipelineSchedule
 from bulkhead.trainer.engine.world import open_world
 from bulkhead.trainer.models.gpt import GPT
 from bulkhead.trainer.models.protocol import build_seeded
@@ -139,7 +139,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
     # -- our engine -------------------------------------------------------------------
     engine = build_engine(plan, world, cfg)
-    assert isinstance(engine, PipelineEngine)
+    assert isinstance(engine.schedule, PipelineSchedule)
     assert engine.adopt(None).source == "fresh"
     engine_losses = []
     for step in range(STEPS):

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.state import HeldState, execute_transfer
+from bulkhead.trainer.engine.state import HeldState
+from bulkhead.trainer.engine.transfers import execute_transfer
 from bulkhead.trainer.engine.world import open_world
 from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, needed_ranges, ranges_of
 from bulkhead.trainer.parallel.transfer import plan_transfer, rounds_needed, streams

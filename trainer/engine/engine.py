@@ -7,6 +7,12 @@ state as keys (see ``parallel.layout``), so after a membership change the next g
 surviving peers, or (when some key has no surviving holder) pieces restored from the
 checkpoint ladder — through one transfer plan, whatever the parallelism.
 
+There is one ``Engine`` class: what differs per parallelism are its ``parts``
+(``parts.EngineParts``, chosen from the plan by ``parallelize.engine_parts``). The plan
+is immutable and the engine's is replaced in one place (``take_plan``): when expert
+placement settles onto the experts the ranks hold, and when the caller ``install``s a
+rebalanced plan a step returned (``StepResult.next_plan``).
+
 ``step`` runs one optimizer step on this rank's share of the global batch and commits it
 on every rank with one agreement all-reduce (``grad_sync``); nothing in the optimizer
 update communicates, so a failure before the agreement leaves every survivor's state at
@@ -19,26 +25,23 @@ survivor is at the same step again without any state copy.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
-
-if TYPE_CHECKING:  # parallelize imports this module
-    from bulkhead.trainer.engine.parallelize import Layout
-from bulkhead.trainer.data import ByteDataset, step_positions
-from bulkhead.trainer.data.order import micro_batches, rank_share
+from bulkhead.trainer.data import ByteDataset
+from bulkhead.trainer.engine.clip import scale_, squared_norm
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
-from bulkhead.trainer.engine.optim import lr_at
+from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.optim import lr_at, make_optimizer, materialize_optimizer
 from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import (
     PretrainedReader,
@@ -50,26 +53,19 @@ from bulkhead.trainer.engine.state import (
     CommitRecord,
     HeldState,
     _local,
-    assemble_union,
-    assemble_whole,
-    execute_transfer,
-    gather_whole,
 )
+from bulkhead.trainer.engine.transfers import execute_transfer
 from bulkhead.trainer.engine.world import CollectiveError, World
-from bulkhead.trainer.engine.zero import after_optimizer_step, begin_microbatch
+from bulkhead.trainer.engine.zero import after_optimizer_step
 from bulkhead.trainer.models.protocol import build_seeded
-from bulkhead.trainer.parallel.layout import (
-    NOTHING,
-    Holding,
-    KeySpec,
-    Range,
-    needed_ranges,
-    ranges_of,
-)
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range
 from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes_per_rank
-from bulkhead.trainer.parallel.transfer import (
-    plan_transfer,
-)
+from bulkhead.trainer.parallel.transfer import plan_transfer
+
+if TYPE_CHECKING:  # these import this module
+    from bulkhead.trainer.engine.experts import Rebalance
+    from bulkhead.trainer.engine.parallelize import Layout
+    from bulkhead.trainer.engine.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -105,39 +101,13 @@ class StepResult:
     # Forward/backward seconds of every rank (index = rank), without the wait for the
     # others under data parallelism; with ZeRO they include FSDP2's in-step gathers.
     compute_s: list[float]
+    # A new plan of this generation due after this step (an expert rebalance), the same
+    # on every rank: the caller installs it (``Engine.install``) before the next step.
+    next_plan: ParallelPlan | None = None
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
-
-
-def _norm_sq(grads: list[torch.Tensor]) -> float:
-    """The squared L2 norm of ``grads`` together, in double: the per-tensor norms in one
-    fused call (a Python loop of four ops per tensor cost 0.6 % of a small model's step)."""
-    if not grads:
-        return 0.0
-    if not _plain(grads):  # DTensors reduce over their mesh: one at a time
-        return sum(float(g.double().pow(2).sum()) for g in grads)
-    return float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum())
-
-
-def _scale(grads: list[torch.Tensor], coef: float) -> None:
-    """Multiply ``grads`` in place by ``coef`` (fused unless a DTensor is among them)."""
-    if grads and _plain(grads):
-        torch._foreach_mul_(grads, coef)
-        return
-    for g in grads:
-        g.mul_(coef)
-
-
-def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Whether fused (``torch._foreach_*``) kernels apply: no DTensor among ``tensors``."""
-    return not any(isinstance(t, DTensor) for t in tensors)
-
-
-def _shardable(key: str, t: torch.Tensor) -> bool:
-    """Whether a sharded layout splits this key (FSDP2 shards every parameter on dim 0)."""
-    return key.startswith(("param/", "optim/")) and t.dim() >= 1
 
 
 class Engine:
@@ -148,9 +118,11 @@ class Engine:
         cfg: TrainConfig,
         layout: Layout,
         optimizer: torch.optim.Optimizer,
+        parts: EngineParts,
     ) -> None:
-        """Use ``parallelize.build_engine``: it builds the model and lays it out."""
-        self.plan = plan
+        """Use ``parallelize.build_engine``: it builds the model, lays it out and picks
+        the ``parts`` of its parallelism."""
+        self._plan = plan  # replaced only by ``take_plan`` (plans are immutable)
         self.world = world
         self.cfg = cfg
         self.model_layout = layout
@@ -160,17 +132,58 @@ class Engine:
         # The module forward and backward run through: DDP when the state is replicated
         # over several ranks, else the model itself (FSDP2 shards it in place).
         self.replicated = layout.replicated
+        self.holdings = parts.holdings
+        self.schedule = parts.schedule
+        self.keys = parts.keys
+        self.experts = parts.experts
         self.completed_steps = 0
         self._committed_norm_sq: float | None = None  # what the last committed step applied
         self._pending: tuple[int, list[torch.Tensor]] | None = None  # step, reduced grads
         self.adopted = False  # holds no state worth keeping until adopt() succeeds
         self.initialized = True  # parameters hold the seeded initialization (see build)
-        self._entries = self._state_entries()
-        self.specs = [spec for spec, _ in self._entries]
+        self._entries, self.specs = self.keys.layout(self, self._state_entries())
+
+    @property
+    def plan(self) -> ParallelPlan:
+        """The plan this engine runs (its caller installs a new one: ``install``)."""
+        return self._plan
+
+    def install(self, plan: ParallelPlan) -> Rebalance | None:
+        """Run ``plan`` from the next step on (collective; at a step boundary); returns
+        what moved. Only an expert layout's placement changes within a generation
+        (``StepResult.next_plan``, ``rebalanced_plan``)."""
+        if self.experts is not None:
+            return self.experts.install(self, plan)
+        if plan != self._plan:
+            raise ValueError(f"generation {plan.generation}: this layout's plan is fixed")
+        return None
+
+    def rebalanced_plan(self) -> ParallelPlan | None:
+        """The plan whose expert replicas follow the load measured since the last
+        rebalance (None: no expert placement, or nothing measured)."""
+        return self.experts.rebalanced_plan(self) if self.experts is not None else None
+
+    def take_plan(self, plan: ParallelPlan, rehosted: bool) -> None:
+        """Run ``plan`` (the one place the engine's plan changes: an expert layout's
+        placement, settled or rebalanced). ``rehosted``: the model now hosts other
+        experts, so a new optimizer over them (its state comes by transfer) and the
+        state keys anew."""
+        self._plan = plan
+        if rehosted:
+            self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
+            materialize_optimizer(self.model, self.optimizer)
+            self._entries, self.specs = self.keys.layout(self, self._state_entries())
+
+    @functools.cached_property
+    def keygroups(self) -> ParamGroups:
+        """The key group of each parameter name (units, tied weights, experts)."""
+        return ParamGroups(self.model, experts=self.plan.experts is not None)
 
     # -- state as keys -----------------------------------------------------------------
 
     def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        """Every key of the state this rank has storage for, with its tensor (the
+        layout's ``keys`` then group them and list the keys held elsewhere)."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         tensors: list[tuple[str, torch.Tensor]] = [
             (f"param/{name}", p) for name, p in self.model.named_parameters()
@@ -189,27 +202,18 @@ class Engine:
                 numel=t.numel(),
                 rows=t.shape[0] if t.dim() > 0 else 1,
                 dtype=str(t.dtype).removeprefix("torch."),
-                shardable=self._key_shardable(key, t),
+                shardable=self.keys.shardable(self, key, t),
             )
             if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
                 raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
             entries.append((spec, t))
         return entries
 
-    def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
-        """Whether sharded layouts of this engine split ``key``."""
-        return _shardable(key, t)
-
     @property
     def holding(self) -> Holding:
         if not self.adopted:
             return NOTHING
-        z = self.plan.zero
-        return Holding(
-            step=self.completed_steps,
-            shards=z.shard_size if z.sharded else 1,
-            index=z.shard_index(self.world.rank),
-        )
+        return self.holdings.holding_of(self.plan, self.world.rank, self.completed_steps)
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
         """Every key's flat local range (views: writing them writes the state)."""
@@ -222,6 +226,8 @@ class Engine:
 
     def held_state(self) -> HeldState:
         """This engine's state, for the next generation's engine or a snapshot."""
+        if self.experts is not None and self.experts.interrupted is not None:
+            return self.experts.interrupted  # the committed step's, a migration failed
         finish = self._finish_pending if self._pending is not None else None
         record = CommitRecord(self._committed_norm_sq, finish)
         return HeldState(self.holding, self.local_tensors(), record)
@@ -247,8 +253,15 @@ class Engine:
         return held, state_bytes_per_rank(self.plan.zero, num_params)
 
     def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """One whole state from every shard of one layout (restored from a checkpoint)."""
-        return assemble_whole(pieces, self.specs)
+        """One whole state from the pieces of one checkpoint step."""
+        return self.holdings.assemble(pieces, self.specs)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank (collective; tests and benches)."""
+        return self.holdings.full_state(
+            self.world, self.plan, self.specs, self._entries, self.local_tensors(),
+            self.completed_steps,
+        )  # fmt: skip
 
     # -- adoption ----------------------------------------------------------------------
 
@@ -362,101 +375,32 @@ class Engine:
         self.initialized = True
         log.info("fresh start from the pretrained weights in %s", directory)
 
-    # Adoption hooks: what every rank holds (collective), what each must hold, and this
-    # rank's held state as a transfer source. Layouts other than DP/ZeRO override them.
+    # Adoption: what every rank holds (collective), what each must hold, and this rank's
+    # held state as a transfer source, all from the layout's holdings policy.
 
     def _holdings(self, held: HeldState | None) -> list[Holding]:
-        mine = held.holding if held is not None else NOTHING
-        encoded = torch.tensor(mine.encode(), dtype=torch.int64, device=self.world.device.device)
-        gathered = self.world.all_gather(encoded).cpu().tolist()
-        return [Holding.decode(row) for row in gathered]
+        holdings = self.holdings.exchange(self.world, self.plan, held, self.specs)
+        if self.experts is not None:
+            self.experts.observe(self.plan, holdings)
+        return holdings
 
     def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        z = self.plan.zero
-        shards = z.shard_size if z.sharded else 1
-        return [needed_ranges(shards, z.shard_index(r), self.specs) for r in range(len(holdings))]
+        if self.experts is not None:  # the placement settled onto what the ranks hold
+            self.experts.settle_once(self)
+        return self.holdings.needs(self.plan, self.specs, len(holdings))
 
     def _source(self, held: HeldState | None) -> HeldState | None:
-        return held
+        return self.holdings.source(held, self.specs)
 
     # -- training ----------------------------------------------------------------------
 
-    # Step hooks for layouts whose forward communicates or whose gradients are reduced
-    # outside DDP/FSDP2 (expert parallelism).
-    collective_forward = False  # True: every rank runs as many passes as the busiest one
-
-    def _reduce_gradients(self, params: list[torch.Tensor]) -> float | None:
-        """Reduce gradients after backward; return this rank's share of the squared global
-        gradient norm (shares summed over ranks), or None when the local norm is global."""
-        return None
-
-    def _after_commit(self) -> None:
-        """Runs on every rank after each committed step (at a step boundary)."""
+    def _next_plan(self) -> ParallelPlan | None:
+        """Runs on every rank after each committed step: a new plan due now, or None."""
+        return self.experts.next_plan(self) if self.experts is not None else None
 
     def autocast(self) -> AbstractContextManager[object]:
         """The context every forward pass runs in (``precision``: bf16 autocast or none)."""
         return autocast(self.cfg.precision, self.world.device.device)
-
-    def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
-        """Forward and backward of this rank's share of step ``step``, gradients weighted
-        by sample share of the global batch: (lm loss x samples, aux loss x samples, this
-        rank's compute seconds). Layouts that run passes differently override it."""
-        started = time.perf_counter()
-        cfg, plan, world = self.cfg, self.plan, self.world
-        gb = cfg.global_batch_size
-        share = rank_share(step, gb, world.rank, world.world_size)
-        passes: list[list[int]] = micro_batches(share, cfg.micro_batch_size)
-        sharded = plan.zero.sharded
-        if sharded or self.collective_forward:
-            # FSDP2's gathers (and the experts' all-to-alls) are collective: every rank
-            # runs as many passes as the rank with the largest share; extra passes carry
-            # weight 0.
-            largest = -(-gb // world.world_size)
-            passes += [[]] * (-(-largest // cfg.micro_batch_size) - len(passes))
-        elif not passes:
-            passes = [[]]  # DDP reduces in the last backward: a rank with no sample joins in
-        forward = self.replicated or self.model
-        aux_coef = cfg.aux_coef
-        device = world.device.device
-        forward.train()
-        lm_sum = aux_sum = 0.0
-        # This rank's compute time, for straggler detection, must not include waiting for
-        # the others: DDP waits for its last buckets after backward, so the clock stops when
-        # the first parameter's gradient (computed last in backward) is ready.
-        computed: list[float] = []
-        probe = (
-            next(self.model.parameters()).register_hook(
-                lambda _: computed.append(time.perf_counter())
-            )
-            if self.replicated is not None
-            else None
-        )
-        with world.guard("forward/backward"):
-            for i, positions in enumerate(passes):
-                last = i == len(passes) - 1
-                if sharded:
-                    assert self.root is not None
-                    begin_microbatch(self.root, plan.zero, last=last)
-                used = positions or [step_positions(step, gb)[0]]
-                batch = dataset.batch(used)
-                # DDP reduces gradients during the last micro-batch's backward only.
-                accumulate = (
-                    self.replicated.no_sync()
-                    if isinstance(self.replicated, DistributedDataParallel) and not last
-                    else nullcontext()
-                )
-                with accumulate:
-                    with self.autocast():
-                        out = forward(batch.inputs.to(device), batch.targets.to(device))
-                    weight = len(positions) / gb
-                    (out.total(aux_coef) * weight).backward()
-                assert out.lm_loss is not None
-                lm_sum += out.lm_loss.item() * len(positions)
-                aux_sum += out.aux_loss.item() * len(positions)
-        if probe is not None:
-            probe.remove()
-        compute_s = (computed[-1] if computed else time.perf_counter()) - started
-        return lm_sum, aux_sum, compute_s
 
     def step(self, dataset: ByteDataset, newer_generation: bool = False) -> StepResult:
         """Run step ``completed_steps`` on this rank's share and commit it on all ranks."""
@@ -467,7 +411,7 @@ class Engine:
         # FSDP2 reduces over the world's shard groups (pipelines reduce in a hook).
         sharded = plan.zero.sharded and not plan.per_rank_state
         self.optimizer.zero_grad(set_to_none=True)
-        lm_sum, aux_sum, compute_s = self._forward_backward(dataset, step)
+        lm_sum, aux_sum, compute_s = self.schedule.forward_backward(self, dataset, step)
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
         # tensors registered after backward, while gradients live on the sharded ones.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -479,7 +423,7 @@ class Engine:
             local_grads = [_local(p.grad) for p in params]
             # Replicas hold identical shards: one replica group's shards make the norm.
             contributes = clip > 0 and plan.zero.replica_index(world.rank) == 0
-            norm_sq = _norm_sq(local_grads) if contributes else 0.0
+            norm_sq = squared_norm(local_grads) if contributes else 0.0
             agreed = self._agree(
                 step, local_grads, lm_sum, aux_sum, newer_generation, norm_sq, compute_s
             )
@@ -489,19 +433,18 @@ class Engine:
             # reduced by the layout's hook.
             local_grads = [p.grad for p in params]
             with world.guard("gradient reduction"):
-                share = self._reduce_gradients(params)
+                share = self.keys.reduce_gradients(self, params)
             agreed = self._agree(
                 step, local_grads, lm_sum, aux_sum, newer_generation, share or 0.0, compute_s
             )
             if share is not None:
                 norm_sq = agreed.grad_norm_sq
             else:
-                norm_sq = _norm_sq(local_grads) if clip > 0 else 0.0
+                norm_sq = squared_norm(local_grads) if clip > 0 else 0.0
         loss = agreed.lm_sum / gb
         if not math.isfinite(loss):
             raise NonFiniteLoss(step, loss)
         self._apply(step, local_grads, norm_sq)
-        self._after_commit()
         return StepResult(
             step=step,
             loss=loss,
@@ -510,6 +453,7 @@ class Engine:
             tokens=gb * cfg.model.seq_len,
             newer_generation=agreed.newer_generation,
             compute_s=agreed.compute_s,
+            next_plan=self._next_plan(),
         )
 
     def _agree(
@@ -537,7 +481,7 @@ class Engine:
         if clip > 0:
             coef = clip / (math.sqrt(norm_sq) + 1e-6)
             if coef < 1.0:
-                _scale(local_grads, coef)
+                scale_(local_grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg.optimizer, self.cfg.steps)
         self.optimizer.step()
@@ -552,125 +496,3 @@ class Engine:
         assert self._pending is not None
         step, local_grads = self._pending
         self._apply(step, local_grads, norm_sq)
-
-
-@torch.no_grad()
-def _materialize_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazily built state as it is before the first step.
-
-    Adam(W) gets it created directly (``materialize_directly``); any other optimizer gets
-    one zero-gradient step at learning rate 0 (``materialize_by_step``).
-    Same structure on every rank either way, so state can be transferred into it.
-    """
-    if not materialize_directly(optimizer):
-        materialize_by_step(optimizer)
-
-
-def materialize_directly(optimizer: torch.optim.Optimizer) -> bool:
-    """The state a first step of Adam or AdamW would create, created without one; False
-    (nothing done) for another optimizer or a variant this does not know.
-
-    The step costs a DTensor dispatch of every optimizer op over every sharded parameter:
-    3.6 s of CPU for a ZeRO-3 first build on a new mesh size at 8 ranks, all of it on the
-    recovery's path. Keys, dtypes, devices and placements are those of torch's own lazy
-    initialization (a 0-d float ``step`` on the CPU, ``exp_avg``, ``exp_avg_sq`` and with
-    amsgrad ``max_exp_avg_sq``); ``tests/engine/test_materialize.py`` compares them with
-    the step's, so a torch upgrade that changes them fails there. (SGD keeps the step: with
-    weight decay its zero-gradient step leaves a momentum buffer of decay x weight, which
-    training has always started from.)
-    """
-    groups = optimizer.param_groups
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return False
-    if any(g.get("fused") or g.get("capturable") or g.get("differentiable") for g in groups):
-        return False  # their step counter lives on the device: the general way
-    if type(optimizer) is torch.optim.Adam and any(g["weight_decay"] for g in groups):
-        return False  # Adam's L2 term makes the zero-gradient step's averages nonzero
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    for group in groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")
-            state["exp_avg"] = _zeros_like(p)
-            state["exp_avg_sq"] = _zeros_like(p)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = _zeros_like(p)
-    return True
-
-
-def _zeros_like(p: torch.Tensor) -> torch.Tensor:
-    """``torch.zeros_like(p)``; for a DTensor, made from zeros of its local shard (the same
-    DTensor: mesh, placements, global shape and stride) without DTensor's dispatch, whose
-    sharding propagation costs a fresh process's first build 0.2 s of CPU."""
-    if not isinstance(p, DTensor):
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
-    local = torch.zeros_like(p.to_local(), memory_format=torch.preserve_format)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def materialize_by_step(optimizer: torch.optim.Optimizer) -> None:
-    """Any optimizer's lazily built state: one zero-gradient step at learning rate 0, then
-    step counters reset to 0."""
-    saved = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, saved, strict=True):
-        group["lr"] = lr
-    for slots in optimizer.state.values():
-        if "step" in slots and isinstance(slots["step"], torch.Tensor):
-            _local(slots["step"]).zero_()
-
-
-class GroupedEngine(Engine):
-    """Base of layouts where each rank holds whole keys of some key groups (experts,
-    pipeline stages): ``_groups(rank)`` says which; holding, adoption source, checkpoint
-    assembly and gathering follow from it."""
-
-    def _groups(self, rank: int) -> frozenset[str]:
-        raise NotImplementedError
-
-    def _holding_of(self, rank: int) -> Holding:
-        """What rank ``rank`` holds once adopted: whole keys of its groups (a layout that
-        shards them overrides this)."""
-        return Holding(
-            step=self.completed_steps,
-            shards=self.world.world_size,  # whole keys (nothing shardable): ranges ignore it
-            index=rank,
-            groups=self._groups(rank),
-        )
-
-    @property
-    def holding(self) -> Holding:
-        return self._holding_of(self.world.rank) if self.adopted else NOTHING
-
-    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        """Every rank needs what it holds once adopted."""
-        return [ranges_of(replace(self._holding_of(r), step=0), self.specs)
-                for r in range(len(holdings))]  # fmt: skip
-
-    def _groups_of(self, held: HeldState) -> frozenset[str]:
-        """The groups ``held`` really has keys of."""
-        specs = {s.name: s for s in self.specs}
-        return frozenset(specs[k].group for k in held.tensors if k in specs and specs[k].group)
-
-    def _source(self, held: HeldState | None) -> HeldState | None:
-        """``held`` with its holding listing the groups it really has."""
-        if held is None:
-            return None
-        return HeldState(replace(held.holding, groups=self._groups_of(held)), held.tensors)
-
-    def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """The whole state from the pieces of one checkpoint step (each rank's piece)."""
-        return assemble_union(pieces, self.specs)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every key whole on every rank, from its holders (collective; tests and benches)."""
-        holdings = [self._holding_of(r) for r in range(self.world.world_size)]
-        return gather_whole(self.world, self.specs, self.local_tensors(), holdings)

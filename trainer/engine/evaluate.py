@@ -30,7 +30,8 @@ import torch.distributed as dist
 from bulkhead.trainer.data import TokenDataset, step_positions
 from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.engine import Engine
-from bulkhead.trainer.engine.pipeline import PipelineEngine, _Inbox
+from bulkhead.trainer.engine.local_step import LocalSchedule
+from bulkhead.trainer.engine.pipeline import PipelineSchedule, _Inbox
 from bulkhead.trainer.engine.world import CollectiveError
 from bulkhead.trainer.engine.zero import fsdp_modules
 
@@ -53,8 +54,8 @@ def evaluate(engine: Engine, dataset: TokenDataset, batches: int) -> EvalResult:
     model.eval()
     try:
         with torch.no_grad(), world.guard("evaluation"):
-            if isinstance(engine, PipelineEngine):
-                lm_sum, count = _stage_passes(engine, dataset, batches)
+            if isinstance(engine.schedule, PipelineSchedule):
+                lm_sum, count = _stage_passes(engine, engine.schedule, dataset, batches)
             else:
                 lm_sum, count = _passes(engine, dataset, batches)
         total = torch.tensor([lm_sum, float(count)], dtype=torch.float64)
@@ -83,7 +84,8 @@ def _passes(engine: Engine, dataset: TokenDataset, batches: int) -> tuple[float,
     cfg, world = engine.cfg, engine.world
     gb, micro = cfg.global_batch_size, cfg.micro_batch_size
     # The module itself, not DDP's wrapper: replicas need no communication without backward.
-    collective = engine.plan.zero.sharded or engine.collective_forward
+    assert isinstance(engine.schedule, LocalSchedule)
+    collective = engine.plan.zero.sharded or engine.schedule.collective
     largest = -(-gb // world.world_size)  # the busiest rank's samples per batch
     busiest = -(-largest // micro)
     device = world.device.device
@@ -104,17 +106,20 @@ def _passes(engine: Engine, dataset: TokenDataset, batches: int) -> tuple[float,
     return lm_sum, count
 
 
-def _stage_passes(engine: PipelineEngine, dataset: TokenDataset, batches: int) -> tuple[float, int]:
+def _stage_passes(
+    engine: Engine, pipeline: PipelineSchedule, dataset: TokenDataset, batches: int
+) -> tuple[float, int]:
     """This stage's part of every batch, forward only: the first stage reads the tokens,
     each later one receives the activations, the last computes the loss."""
-    stage = engine.stage
+    layout = pipeline.layout
+    stage = layout.stage(engine.world.rank)
     if stage is None:  # an idle rank holds nothing
         return 0.0, 0
     cfg, world = engine.cfg, engine.world
     gb = cfg.global_batch_size
     device = world.device.device
-    dtype = engine.wire
-    rows = engine.layout.rows(stage.pipeline, world.rank)
+    dtype = pipeline.wire(engine)
+    rows = layout.rows(stage.pipeline, world.rank)
     lm_sum, count = 0.0, 0
 
     def shape(i: int) -> tuple[int, ...]:
@@ -124,7 +129,7 @@ def _stage_passes(engine: PipelineEngine, dataset: TokenDataset, batches: int) -
         positions = step_positions(b, gb)
         inbox = None
         if not stage.first:
-            inbox = _Inbox(engine.layout.peer(world.rank, -1), list(range(len(rows))), shape,
+            inbox = _Inbox(layout.peer(world.rank, -1), list(range(len(rows))), shape,
                            dtype, device)  # fmt: skip
         sending: list[tuple[dist.Work, torch.Tensor]] = []
         for i, samples in enumerate(rows):
@@ -133,13 +138,13 @@ def _stage_passes(engine: PipelineEngine, dataset: TokenDataset, batches: int) -
                 batch = dataset.batch([positions[j] for j in samples])
             x = batch.inputs.to(device) if inbox is None else inbox.take(i)
             targets = batch.targets.to(device) if stage.last and batch is not None else None
-            out, _, lm, _ = engine._stage_forward(stage, x, targets)  # no balance loss
+            out, _, lm, _ = pipeline.stage_forward(engine, stage, x, targets)  # no balance loss
             if lm is not None:
                 lm_sum += lm.item() * len(samples)
                 count += len(samples)
             else:
                 sent = out.contiguous()
-                sending.append((dist.isend(sent, engine.layout.peer(world.rank, 1)), sent))
+                sending.append((dist.isend(sent, layout.peer(world.rank, 1)), sent))
         for work, _ in sending:
             work.wait()
     return lm_sum, count

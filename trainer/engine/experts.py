@@ -13,7 +13,7 @@ dropped or padded. The all-to-alls are autograd functions, so each token's gradi
 back to the rank that routed it. Under bf16 precision the tokens, the experts' outputs and
 their gradients cross in bf16 (``QuotaDispatch.wire``).
 
-After backward (``ExpertEngine._reduce_gradients``): the dense gradients are summed over
+After backward (``ExpertKeys.reduce_gradients``): the dense gradients are summed over
 all ranks (each rank's loss is weighted by its share of the global batch), and each
 expert's gradient is summed over the ranks hosting it, in rank order, so every replica
 takes the same step as the expert of a model trained without expert parallelism.
@@ -24,7 +24,9 @@ groups. After a membership change the plan is settled onto what the ranks hold a
 missing experts come from surviving replicas through the engine's one transfer plan; an
 expert with no surviving replica makes the adoption incomplete (checkpoint fallback).
 Every ``rebalanceIntervalSteps`` the replica counts follow the measured loads (Eq. 1),
-settled onto the current holders so the fewest experts move, through the same transfer.
+settled onto the current holders so the fewest experts move: the step returns that new
+plan (``StepResult.next_plan``) and the runtime loop installs it (``Engine.install``,
+``ExpertPlacement.install``), which moves the experts through the same transfer.
 """
 
 from __future__ import annotations
@@ -32,18 +34,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from bulkhead.trainer.engine.engine import GroupedEngine, _materialize_optimizer
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
-from bulkhead.trainer.engine.groups import ParamGroups
-from bulkhead.trainer.engine.optim import make_optimizer
+from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.recompute import recomputing
-from bulkhead.trainer.engine.state import HeldState, execute_transfer
+from bulkhead.trainer.engine.state import HeldState
+from bulkhead.trainer.engine.transfers import execute_transfer
 from bulkhead.trainer.engine.world import Team
 from bulkhead.trainer.models.protocol import CausalLM, MoELayer, Routing
 from bulkhead.trainer.parallel.dispatch import DispatchLayout
@@ -54,8 +56,12 @@ from bulkhead.trainer.parallel.experts_plan import (
     plan_experts,
     settle,
 )
-from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range, needed_ranges
+from bulkhead.trainer.parallel.layout import Holding, KeySpec, needed_ranges
+from bulkhead.trainer.parallel.plan import ParallelPlan
 from bulkhead.trainer.parallel.transfer import plan_transfer
+
+if TYPE_CHECKING:
+    from bulkhead.trainer.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -162,108 +168,59 @@ def distribute_experts(
     return out
 
 
-class ExpertEngine(GroupedEngine):
-    """The engine of a plan with expert placement (see the module docstring)."""
+def expert_groups(plan: ParallelPlan, rank: int) -> frozenset[str]:
+    """The key groups of the experts rank ``rank`` hosts."""
+    return _experts_of(plan).groups(rank)
 
-    collective_forward = True  # every pass all-to-alls: all ranks run the same passes
 
-    def _groups(self, rank: int) -> frozenset[str]:
-        return self.expert_plan.groups(rank)
+def all_expert_groups(plan: ParallelPlan) -> list[str]:
+    """Every expert's key group, by block then expert."""
+    ep = _experts_of(plan)
+    return [expert_group(p.layer, e) for p in ep.layers for e in range(ep.num_experts)]
 
-    @property
-    def expert_plan(self) -> ExpertPlan:
-        assert self.plan.experts is not None
-        return self.plan.experts
 
-    @property
-    def keygroups(self) -> ParamGroups:
-        if "_keygroups" not in self.__dict__:  # needed from Engine.__init__ on
-            self._keygroups = ParamGroups(self.model, experts=True)
-        return self._keygroups
+def _experts_of(plan: ParallelPlan) -> ExpertPlan:
+    assert plan.experts is not None
+    return plan.experts
 
-    # -- state as keys -----------------------------------------------------------------
 
-    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
-        """Whole keys (nothing is sharded), each expert's keys in its group; ``specs``
-        lists every expert's keys, hosted here or not (all experts have one shape)."""
-        keys = self.keygroups
-        entries = []
-        for spec, t in super()._state_entries():
+class ExpertKeys:
+    """Whole keys (nothing is sharded), each expert's in its group; the dense gradients
+    summed over all ranks, each expert's over its hosts."""
+
+    def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
+        return shardable(key, t)
+
+    def layout(
+        self, engine: Engine, entries: list[tuple[KeySpec, torch.Tensor]]
+    ) -> tuple[list[tuple[KeySpec, torch.Tensor]], list[KeySpec]]:
+        """This rank's keys, each expert's in its group, and every expert's keys, hosted
+        here or not (all experts have one shape)."""
+        keys = engine.keygroups
+        plan = _experts_of(engine.plan)
+        grouped = []
+        for spec, t in entries:
             where = keys.expert_of(spec.name)
             group = expert_group(*where) if where else ""
-            entries.append((replace(spec, shardable=False, group=group), t))
-        template = [s for s, _ in entries if s.group]
+            grouped.append((replace(spec, shardable=False, group=group), t))
+        template = [s for s, _ in grouped if s.group]
         first = keys.expert_of(template[0].name) if template else None
         one_expert = [s for s in template if keys.expert_of(s.name) == first]
-        everything = {s.name: s for s, _ in entries if not s.group}
-        for p in self.expert_plan.layers:
-            for e in range(self.expert_plan.num_experts):
+        everything = {s.name: s for s, _ in grouped if not s.group}
+        for p in plan.layers:
+            for e in range(plan.num_experts):
                 for s in one_expert:
                     name = keys.renumber(s.name, p.layer, e)
                     everything[name] = replace(s, name=name, group=expert_group(p.layer, e))
-        self._all_specs = [everything[name] for name in sorted(everything)]
-        return entries
+        return grouped, [everything[name] for name in sorted(everything)]
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.dispatches = self.model_layout.dispatches  # block -> its layer's QuotaDispatch
-        self.specs = self._all_specs
-        self._settled = False
-        self._interrupted: HeldState | None = None  # state kept when a migration failed
-        self.rebalances: list[Rebalance] = []  # what each rebalance did, for events
-
-    # -- adoption: the base engine's, with expert groups -------------------------------
-
-    def _holdings(self, held: HeldState | None) -> list[Holding]:
-        plan = self.expert_plan
-        mine = held.holding if held is not None else NOTHING
-        groups = self._groups_of(held) if held is not None else frozenset()
-        row = held_matrix(plan, [groups])[0]
-        encoded = torch.tensor([*mine.encode(), *row.tolist()], dtype=torch.int64)
-        gathered = self.world.all_gather(encoded.to(self.world.device.device)).cpu().numpy()
-        self._have = gathered[:, 3:]
-        holdings = []
-        for values in gathered:
-            step, shards, index = (int(v) for v in values[:3])
-            bits = values[3:]
-            held_groups = frozenset(
-                expert_group(p.layer, e)
-                for i, p in enumerate(plan.layers)
-                for e in range(plan.num_experts)
-                if bits[i * plan.num_experts + e]
-            )
-            holdings.append(Holding(step, shards, index, groups=held_groups))
-        return holdings
-
-    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        if not self._settled:  # once per generation: later adoptions keep the placement
-            self._rehost(settle(self.expert_plan, self._have))
-            self._settled = True
-        return super()._needs(holdings)
-
-    def _rehost(self, plan: ExpertPlan) -> None:
-        """Host ``plan``'s experts; a new optimizer (its state comes by transfer)."""
-        if plan == self.plan.experts:
-            return
-        hosted = plan.hosted(self.world.rank)
-        layers = self.model.moe_layers()
-        for p in plan.layers:
-            host_experts(layers[p.layer], hosted[p.layer], self.world.device.device)
-            self.dispatches[p.layer].replicas = p.replica_matrix()
-        self.plan = replace(self.plan, experts=plan)
-        self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
-        _materialize_optimizer(self.model, self.optimizer)
-        self._entries = self._state_entries()
-
-    # -- gradients -----------------------------------------------------------------------
-
-    def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
+    def reduce_gradients(self, engine: Engine, params: list[torch.Tensor]) -> float:
         """Dense gradients summed over all ranks, each expert's over its hosts; returns
         this rank's share of the squared global norm (each gradient counted once)."""
-        world, plan = self.world, self.expert_plan
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        world, plan = engine.world, _experts_of(engine.plan)
+        names = {id(p): name for name, p in engine.model.named_parameters()}
         grads = {names[id(p)]: p.grad for p in params}
-        keys = self.keygroups
+        keys = engine.keygroups
         dense = [g for name, g in grads.items() if keys.expert_of(name) is None]
         flat = torch.cat([g.reshape(-1) for g in dense])
         world.all_reduce(flat)
@@ -288,25 +245,66 @@ class ExpertEngine(GroupedEngine):
                 offset += g.numel()
         return norm_sq
 
-    # -- rebalancing -----------------------------------------------------------------------
 
-    def _after_commit(self) -> None:
-        interval = self.expert_plan.rebalance_interval_steps
-        if interval and self.completed_steps % interval == 0:
-            self.rebalance()
+class ExpertPlacement:
+    """The placement part of an expert layout: settled onto what the ranks hold when a
+    generation adopts its state, rebalanced to the measured loads every
+    ``rebalanceIntervalSteps`` by a new plan the caller installs."""
 
-    def rebalance(self) -> Rebalance | None:
-        """Replica counts follow the loads measured since the last rebalance (collective,
-        at a step boundary); returns what moved, None when the placement stays."""
-        started = time.perf_counter()
-        plan = self.expert_plan
+    def __init__(self, dispatches: dict[int, QuotaDispatch]) -> None:
+        self.dispatches = dispatches  # block -> its layer's QuotaDispatch
+        self._have: np.ndarray | None = None  # held_matrix of the last holdings exchange
+        self._settled = False
+        self.interrupted: HeldState | None = None  # state kept when a migration failed
+
+    # -- adoption ----------------------------------------------------------------------
+
+    def observe(self, plan: ParallelPlan, holdings: list[Holding]) -> None:
+        """Note which experts every rank holds (from the adoption's exchange)."""
+        self._have = held_matrix(_experts_of(plan), [h.groups or frozenset() for h in holdings])
+
+    def settle_once(self, engine: Engine) -> None:
+        """Lay the plan onto the experts the ranks hold, so the fewest move (once per
+        generation: later adoptions keep the placement)."""
+        if not self._settled:
+            assert self._have is not None, "settling needs the holdings exchange first"
+            self._rehost(engine, settle(_experts_of(engine.plan), self._have))
+            self._settled = True
+
+    def _rehost(self, engine: Engine, plan: ExpertPlan) -> None:
+        """Host ``plan``'s experts; the engine relays its state keys out (their state
+        comes by transfer)."""
+        if plan == engine.plan.experts:
+            return
+        hosted = plan.hosted(engine.world.rank)
+        layers = engine.model.moe_layers()
+        for p in plan.layers:
+            host_experts(layers[p.layer], hosted[p.layer], engine.world.device.device)
+            self.dispatches[p.layer].replicas = p.replica_matrix()
+        engine.take_plan(replace(engine.plan, experts=plan), rehosted=True)
+
+    # -- rebalancing -------------------------------------------------------------------
+
+    def next_plan(self, engine: Engine) -> ParallelPlan | None:
+        """After a committed step: the rebalanced plan when one is due."""
+        interval = _experts_of(engine.plan).rebalance_interval_steps
+        if interval and engine.completed_steps % interval == 0:
+            return self.rebalanced_plan(engine)
+        return None
+
+    def rebalanced_plan(self, engine: Engine) -> ParallelPlan | None:
+        """The plan whose replica counts follow the loads measured since the last
+        rebalance, settled onto the current hosts so the fewest experts move (the same on
+        every rank: the loads are global); None when nothing was measured. The loads
+        start over; ``install`` moves the replicas."""
+        plan = _experts_of(engine.plan)
         blocks = self.dispatches
         loads = {layer: blocks[layer].load.tolist() for layer in blocks}
         for dispatch in blocks.values():
             dispatch.load[:] = 0
         if not any(sum(v) for v in loads.values()):
             return None
-        ep = self.cfg.parallelism.experts
+        ep = engine.cfg.parallelism.experts
         fresh = plan_experts(
             plan.ranks,
             plan.num_experts,
@@ -317,51 +315,54 @@ class ExpertEngine(GroupedEngine):
             loads,
         )
         held = [plan.groups(r) for r in range(plan.ranks)]
-        target = settle(fresh, held_matrix(fresh, held))
-        if [p.slots for p in target.layers] == [p.slots for p in plan.layers]:
-            self.plan = replace(self.plan, experts=target)  # same placement, new loads
+        return replace(engine.plan, experts=settle(fresh, held_matrix(fresh, held)))
+
+    def install(self, engine: Engine, plan: ParallelPlan) -> Rebalance | None:
+        """Run ``plan`` (a ``rebalanced_plan``) from the next step on: host its experts
+        and fetch the states this rank lacks from their holders (collective, at a step
+        boundary); returns what moved, None when the placement stays."""
+        if replace(plan, experts=engine.plan.experts) != engine.plan or plan.experts is None:
+            raise ValueError(f"generation {plan.generation}: only the expert placement may change")
+        started = time.perf_counter()
+        current, target = _experts_of(engine.plan), plan.experts
+        if [p.slots for p in target.layers] == [p.slots for p in current.layers]:
+            engine.take_plan(plan, rehosted=False)  # same placement, new loads
             return None
-        old = self.held_state()
+        held = [current.groups(r) for r in range(current.ranks)]
+        old = engine.held_state()
         try:
-            received = self._migrate(target, old, held)
+            received = self._migrate(engine, target, old, held)
         except BaseException:
             # A peer failed mid-migration: the state of the committed step is the old one.
-            self._interrupted = old
+            self.interrupted = old
             raise
         done = Rebalance(
-            step=self.completed_steps,
-            loads={b: tuple(v) for b, v in loads.items()},
+            step=engine.completed_steps,
+            loads={p.layer: p.loads for p in target.layers},
             replicas={p.layer: p.replicas for p in target.layers},
-            copies=sum(len(target.groups(r) - held[r]) for r in range(plan.ranks)),
+            copies=sum(len(target.groups(r) - held[r]) for r in range(current.ranks)),
             bytes_received=received,
             seconds=time.perf_counter() - started,
         )
-        self.rebalances.append(done)
         log.info("%s", done.describe())
         return done
 
-    def _migrate(self, target: ExpertPlan, old: HeldState, held: list[frozenset[str]]) -> int:
+    def _migrate(
+        self, engine: Engine, target: ExpertPlan, old: HeldState, held: list[frozenset[str]]
+    ) -> int:
         """Host ``target`` and fetch what this rank lacks; returns the bytes received."""
         ranks = target.ranks
-        holdings = [Holding(self.completed_steps, ranks, r, groups=held[r]) for r in range(ranks)]
-        self._rehost(target)
-        needs = [needed_ranges(1, 0, self.specs, target.groups(r)) for r in range(ranks)]
-        transfer = plan_transfer(holdings, needs, self.specs)
+        step = engine.completed_steps
+        holdings = [Holding(step, ranks, r, groups=held[r]) for r in range(ranks)]
+        self._rehost(engine, target)
+        needs = [needed_ranges(1, 0, engine.specs, target.groups(r)) for r in range(ranks)]
+        transfer = plan_transfer(holdings, needs, engine.specs)
         assert transfer.complete, "every expert is held by some rank at a step boundary"
         return execute_transfer(
             transfer,
-            self.world,
+            engine.world,
             old,
-            self.local_tensors(),
-            needs[self.world.rank],
-            {s.name: s for s in self.specs},
+            engine.local_tensors(),
+            needs[engine.world.rank],
+            {s.name: s for s in engine.specs},
         )
-
-    def held_state(self) -> HeldState:
-        if self._interrupted is not None:
-            return self._interrupted
-        return super().held_state()
-
-    def expert_bytes(self) -> int:
-        """Bytes of expert parameters and optimizer state this rank holds."""
-        return sum(t.numel() * t.element_size() for spec, t in self._entries if spec.group)

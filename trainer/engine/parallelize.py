@@ -17,7 +17,9 @@ the order their dependencies impose:
 
 ``build_engine`` builds the model the plan needs (seeded, uninitialized, or a meta
 skeleton for a stage), parallelizes it, creates the optimizer over the parameters this
-rank holds and returns the engine that trains the layout.
+rank holds and returns the engine that trains the layout, composed of the parts of its
+parallelism (``engine_parts``: holdings policy, step schedule, state keys, expert
+placement).
 """
 
 from __future__ import annotations
@@ -32,11 +34,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.engine.data_parallel import wrap_data_parallel
-from bulkhead.trainer.engine.engine import Engine, _materialize_optimizer
-from bulkhead.trainer.engine.experts import ExpertEngine, QuotaDispatch, distribute_experts
+from bulkhead.trainer.engine.engine import Engine
+from bulkhead.trainer.engine.experts import (
+    ExpertKeys,
+    ExpertPlacement,
+    QuotaDispatch,
+    all_expert_groups,
+    distribute_experts,
+    expert_groups,
+)
 from bulkhead.trainer.engine.groups import ParamGroups
-from bulkhead.trainer.engine.optim import make_optimizer
-from bulkhead.trainer.engine.pipeline import PipelineEngine
+from bulkhead.trainer.engine.holdings import GroupedHoldings, WholeHoldings
+from bulkhead.trainer.engine.local_step import LocalSchedule, WholeKeys
+from bulkhead.trainer.engine.optim import make_optimizer, materialize_optimizer
+from bulkhead.trainer.engine.parts import EngineParts
+from bulkhead.trainer.engine.pipeline import (
+    PipelineSchedule,
+    StageKeys,
+    pipeline_groups,
+    stage_groups,
+)
 from bulkhead.trainer.engine.precision import compute_dtype, fsdp_policy
 from bulkhead.trainer.engine.recompute import apply_activation_checkpointing
 from bulkhead.trainer.engine.world import Team, World
@@ -168,23 +185,42 @@ def build_engine(
     """
     device = world.device.device
     if plan.pipelines is not None:
-        model, initialized, kind = build_meta(cfg.family, cfg.model), False, PipelineEngine
+        model, initialized = build_meta(cfg.family, cfg.model), False
     elif plan.experts is not None:
-        model = build_seeded(cfg.family, cfg.model, cfg.seed).to(device)
-        initialized, kind = True, ExpertEngine
+        model, initialized = build_seeded(cfg.family, cfg.model, cfg.seed).to(device), True
     else:
         model = (
             build_seeded(cfg.family, cfg.model, cfg.seed)
             if initialize
             else build_empty(cfg.family, cfg.model, "cpu")
         ).to(device)
-        initialized, kind = initialize, Engine
+        initialized = initialize
     layout = parallelize(model, plan, world, cfg.precision, cfg.activation_checkpointing)
     optimizer = make_optimizer(model, cfg.optimizer, layout.held)
-    _materialize_optimizer(model, optimizer)
-    engine = kind(plan, world, cfg, layout, optimizer)
+    materialize_optimizer(model, optimizer)
+    engine = Engine(plan, world, cfg, layout, optimizer, engine_parts(plan, layout))
     engine.initialized = initialized
     return engine
+
+
+def engine_parts(plan: ParallelPlan, layout: Layout) -> EngineParts:
+    """What the engine of ``plan`` runs: a pipeline stage's schedule and keys over grouped
+    holdings; the whole model with hosted experts and their placement; or the whole
+    model replicated or ZeRO-sharded."""
+    if plan.pipelines is not None:
+        return EngineParts(
+            GroupedHoldings(stage_groups, pipeline_groups, sharded=plan.zero.sharded),
+            PipelineSchedule(plan.pipelines),
+            StageKeys(),
+        )
+    if plan.experts is not None:
+        return EngineParts(
+            GroupedHoldings(expert_groups, all_expert_groups),
+            LocalSchedule(collective=True),  # every pass all-to-alls: all ranks run alike
+            ExpertKeys(),
+            ExpertPlacement(layout.dispatches),
+        )
+    return EngineParts(WholeHoldings(), LocalSchedule(), WholeKeys())
 
 
 def _pod_team(world: World, processes_per_worker: int) -> Team:

@@ -9,7 +9,7 @@ micro-batch. Under ZeRO the stage's units are sharded over the pod's processes b
 (``zero.zero_shard`` on the pod's group; the units of other stages stay on the meta
 device), so each process holds 1/G of its stage; without ZeRO each holds all of it.
 
-Step (``_forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
+Step (``PipelineSchedule.forward_backward``): the stage runs its schedule (1F1B or GPipe) over its
 pipeline's micro-batches. The first stage embeds the tokens, a later one receives the
 activations from the stage before, the last computes the loss; backward receives the
 output's gradient and sends the input's gradient back. A family whose MoE loss pools the
@@ -27,24 +27,25 @@ runtime's abort monitor once a newer generation exists (``World.abort``), as for
 waits. Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients summed over the pipelines are the data-parallel gradient.
 
-Gradients (``_reduce_gradients``): each key's gradient is summed over the ranks holding
+Gradients (``StageKeys.reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
 processes): one stage per pipeline holds a unit (the tied embedding: every first and last
 stage). The sum runs in rank order, so every holder takes the same step: one uneven
 all-to-all per step.
 
 State: a unit's parameters and optimizer slots form the key group ``unit/<u>`` (the tied
-embedding ``unit/tied``); a rank holds its stage's groups. After a membership change the
-base engine's transfer plan brings every rank the units of its new stage from surviving
-holders; a unit no survivor holds makes the adoption incomplete (checkpoint fallback).
+embedding ``unit/tied``); a rank holds its stage's groups (``holdings.GroupedHoldings``).
+After a membership change the engine's transfer plan brings every rank the units of its
+new stage from surviving holders; a unit no survivor holds makes the adoption incomplete
+(checkpoint fallback).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -52,16 +53,15 @@ from torch import nn
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset, step_positions
-from bulkhead.trainer.engine.engine import GroupedEngine, _shardable
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
-from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.precision import wire_dtype
-from bulkhead.trainer.engine.state import HeldState, _local
+from bulkhead.trainer.engine.state import _local
 from bulkhead.trainer.engine.zero import begin_microbatch
 from bulkhead.trainer.models.protocol import build_meta
 from bulkhead.trainer.parallel.experts_plan import expert_group
-from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec
+from bulkhead.trainer.parallel.layout import KeySpec
 from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     PipelineLayout,
@@ -70,6 +70,9 @@ from bulkhead.trainer.parallel.pipeline_plan import (
     unit_group,
 )
 from bulkhead.trainer.parallel.plan import ParallelPlan
+
+if TYPE_CHECKING:
+    from bulkhead.trainer.engine.engine import Engine
 
 
 def _slot_shapes(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
@@ -126,173 +129,58 @@ class _Inbox:
         return buf
 
 
-class PipelineEngine(GroupedEngine):
-    """The engine of a plan with pipelines (see the module docstring)."""
+class PipelineSchedule:
+    """A stage's step: its pipeline's micro-batches through 1F1B or GPipe (see the
+    module docstring)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.specs = self._all_specs
-        self._names = {id(p): name for name, p in self.model.named_parameters()}
+    def __init__(self, layout: PipelineLayout) -> None:
+        self.layout = layout
+        self._wire: torch.dtype | None = None
 
-    @property
-    def keygroups(self) -> ParamGroups:
-        if "_keygroups" not in self.__dict__:  # needed from Engine.__init__ on
-            self._keygroups = ParamGroups(self.model, experts=self.plan.experts is not None)
-        return self._keygroups
+    def wire(self, engine: Engine) -> torch.dtype:
+        """The dtype of the activations (and their gradients) between stages."""
+        if self._wire is None:
+            held = next(p for p in engine.model.parameters() if not p.is_meta)
+            self._wire = wire_dtype(engine.cfg.precision, held.dtype)
+        return self._wire
 
-    @property
-    def layout(self) -> PipelineLayout:
-        assert self.plan.pipelines is not None
-        return self.plan.pipelines
-
-    def _groups(self, rank: int) -> frozenset[str]:
-        return self.plan.stage_groups(rank)
-
-    @functools.cached_property
-    def _holders(self) -> dict[str, tuple[int, ...]]:
-        """Key group -> the ranks holding (some of) it, ascending (the plan is fixed for
-        an engine's life)."""
-        out: dict[str, list[int]] = {g: [] for g in self._all_groups()}
-        for rank in range(self.world.world_size):
-            for group in self._groups(rank):
-                out[group].append(rank)
-        return {g: tuple(ranks) for g, ranks in out.items()}
-
-    @functools.cached_property
-    def _owners(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name -> the ranks its gradient is summed over, ascending: the holders
-        of its group (of the same shard, for a sharded key)."""
-        z = self.plan.zero
-        mine = z.shard_index(self.world.rank)
-        specs = {s.name: s for s in self.specs}
-        return {
-            name: tuple(
-                r
-                for r in self._holders[self.keygroups.group(name)]
-                if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
-            )
-            for name in self._names.values()
-        }
-
-    def _key_shardable(self, key: str, t: torch.Tensor) -> bool:
-        """ZeRO shards the stage's keys over the pod, but for experts (outside FSDP2)."""
-        return self.plan.zero.sharded and _shardable(key, t) and not self._is_expert(key)
-
-    def _is_expert(self, key: str) -> bool:
-        return self.plan.experts is not None and self.keygroups.expert_of(key) is not None
-
-    def _holding_of(self, rank: int) -> Holding:
-        """Whole keys of the stage's units, or under ZeRO its process's shard of them."""
-        z = self.plan.zero
-        if not z.sharded:
-            return super()._holding_of(rank)
-        return Holding(
-            self.completed_steps, z.shard_size, z.shard_index(rank), groups=self._groups(rank)
-        )
-
-    @property
-    def stage(self) -> StagePlan | None:
-        return self.layout.stage(self.world.rank)
-
-    # -- state as keys -----------------------------------------------------------------
-
-    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
-        """The stage's keys (whole, in their unit's group); ``specs`` lists every key of
-        the model, held here or not."""
-        keys = self.keygroups
-        entries = [
-            (replace(spec, group=keys.group(spec.name)), t)
-            for spec, t in super()._state_entries()
-            if not t.is_meta
-        ]
-        everything = {}
-        slots = _slot_shapes(self.cfg)
-        # Every key, also of the units and experts held elsewhere.
-        whole = build_meta(self.cfg.family, self.cfg.model)
-        for name, p in whole.named_parameters():
-            group = keys.group(name)
-            rows = p.shape[0] if p.dim() else 1
-            dtype = str(p.dtype).removeprefix("torch.")
-            split = self._key_shardable(f"param/{name}", p)
-            everything[f"param/{name}"] = KeySpec(f"param/{name}", p.numel(), rows, dtype,
-                                                  split, group)  # fmt: skip
-            for slot, like_param, slot_dtype in slots:
-                key = f"optim/{name}/{slot}"
-                numel, key_rows = (p.numel(), rows) if like_param else (1, 1)
-                shardable = split and like_param
-                everything[key] = KeySpec(key, numel, key_rows, slot_dtype, shardable, group)
-        self._all_specs = [everything[k] for k in sorted(everything)]
-        held = {spec.name for spec, _ in entries}
-        if not held <= everything.keys():
-            raise AssertionError(f"keys outside the model's: {sorted(held - everything.keys())}")
-        return entries
-
-    def _all_groups(self) -> list[str]:
-        groups = [unit_group(u) for u in range(self.layout.num_units)] + [TIED]
-        ep = self.plan.experts
-        if ep is not None:
-            groups += [expert_group(p.layer, e) for p in ep.layers for e in range(ep.num_experts)]
-        return groups
-
-    # -- adoption: the base engine's, with unit groups ---------------------------------
-
-    def _holdings(self, held: HeldState | None) -> list[Holding]:
-        groups = self._all_groups()
-        mine = held.holding if held is not None else NOTHING
-        have = self._groups_of(held) if held is not None else frozenset()
-        row = [*mine.encode(), *(int(g in have) for g in groups)]
-        encoded = torch.tensor(row, dtype=torch.int64, device=self.world.device.device)
-        gathered = self.world.all_gather(encoded).cpu().tolist()
-        return [
-            Holding(
-                *values[:3],
-                groups=frozenset(g for g, bit in zip(groups, values[3:], strict=True) if bit),
-            )
-            for values in gathered
-        ]
-
-    # -- the step ----------------------------------------------------------------------
-
-    def _neighbour(self, offset: int) -> int:
-        return self.layout.peer(self.world.rank, offset)
-
-    def _stage_forward(
-        self, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
+    def stage_forward(
+        self, engine: Engine, stage: StagePlan, x: torch.Tensor, targets: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(output activations in the wire dtype or logits, summed balance loss,
         language-model loss, pooled MoE statistics of the stage's blocks)."""
-        with self.autocast():
-            out = self.model(x, targets, units=(stage.start, stage.stop))
-        logits = out.logits if stage.last else out.logits.to(self.wire)
+        with engine.autocast():
+            out = engine.model(x, targets, units=(stage.start, stage.stop))
+        logits = out.logits if stage.last else out.logits.to(self.wire(engine))
         return logits, out.aux_loss, out.lm_loss, out.aux_stats
 
-    @functools.cached_property
-    def wire(self) -> torch.dtype:
-        """The dtype of the activations (and their gradients) between stages."""
-        held = next(p for p in self.model.parameters() if not p.is_meta)
-        return wire_dtype(self.cfg.precision, held.dtype)
-
-    def _forward_backward(self, dataset: ByteDataset, step: int) -> tuple[float, float, float]:
-        stage = self.stage
+    def forward_backward(
+        self, engine: Engine, dataset: ByteDataset, step: int
+    ) -> tuple[float, float, float]:
+        """The stage's schedule over its pipeline's micro-batches (module docstring)."""
+        stage = self.layout.stage(engine.world.rank)
         if stage is None:  # idle: holds nothing, only joins the agreement
             return 0.0, 0.0, 0.0
-        cfg, world = self.cfg, self.world
+        cfg, world = engine.cfg, engine.world
         gb = cfg.global_batch_size
         positions = step_positions(step, gb)
         batches = self.layout.rows(stage.pipeline, world.rank)
         aux_coef = cfg.aux_coef
         device = world.device.device
-        dtype = self.wire
-        self.model.train()
+        dtype = self.wire(engine)
+        engine.model.train()
         passes: dict[int, _Pass] = {}
         sending: list[tuple[dist.Work, torch.Tensor]] = []
         lm_sum = aux_sum = compute = 0.0
         ops = schedule(self.layout.schedule, stage.stages, stage.index, len(batches))
 
+        def neighbour(offset: int) -> int:
+            return self.layout.peer(world.rank, offset)
+
         def shape(i: int) -> tuple[int, ...]:
             return (len(batches[i]), cfg.model.seq_len, cfg.model.d_model)
 
-        pool = self.model.aux_pool()
+        pool = engine.model.aux_pool()
         stats_size = pool.stats_size if pool is not None else 0
 
         def stats_shape(_: int) -> tuple[int, ...]:
@@ -303,16 +191,16 @@ class PipelineEngine(GroupedEngine):
             forwards = [i for kind, i in ops if kind == "F"]
             backwards = [i for kind, i in ops if kind == "B"]
             if not stage.first:
-                activations = _Inbox(self._neighbour(-1), forwards, shape, dtype, device)
+                activations = _Inbox(neighbour(-1), forwards, shape, dtype, device)
                 if stats_size:
                     stats_in = _Inbox(
-                        self._neighbour(-1), forwards, stats_shape, torch.float32, device, tag=1
+                        neighbour(-1), forwards, stats_shape, torch.float32, device, tag=1
                     )
             if not stage.last:
-                grads_in = _Inbox(self._neighbour(1), backwards, shape, dtype, device)
+                grads_in = _Inbox(neighbour(1), backwards, shape, dtype, device)
                 if stats_size:
                     stats_grads = _Inbox(
-                        self._neighbour(1), backwards, stats_shape, torch.float32, device, tag=1
+                        neighbour(1), backwards, stats_shape, torch.float32, device, tag=1
                     )
             for position, (kind, i) in enumerate(ops):
                 samples = batches[i]
@@ -328,7 +216,7 @@ class PipelineEngine(GroupedEngine):
                         inputs = activations.take(i)
                         x = inputs.requires_grad_(True)
                     started = time.perf_counter()
-                    out, aux, lm, stats = self._stage_forward(stage, x, targets)
+                    out, aux, lm, stats = self.stage_forward(engine, stage, x, targets)
                     received_stats = sent_stats = None
                     if pool is not None:
                         if stats_in is None:
@@ -344,7 +232,7 @@ class PipelineEngine(GroupedEngine):
                             aux = total.new_zeros(())
                             sent_stats = total
                             wire = total.detach()
-                            sending.append((dist.isend(wire, self._neighbour(1), tag=1), wire))
+                            sending.append((dist.isend(wire, neighbour(1), tag=1), wire))
                     compute += time.perf_counter() - started
                     aux_sum += aux.item() * len(samples)
                     weighted_aux = aux * (aux_coef * weight) if aux.requires_grad else None
@@ -353,11 +241,11 @@ class PipelineEngine(GroupedEngine):
                         out = lm * weight
                     else:
                         sent = out.detach()
-                        sending.append((dist.isend(sent, self._neighbour(1)), sent))
+                        sending.append((dist.isend(sent, neighbour(1)), sent))
                     passes[i] = _Pass(inputs, out, weighted_aux, received_stats, sent_stats)
                 else:
-                    if self.root is not None:
-                        begin_microbatch(self.root, self.plan.zero, position == len(ops) - 1)
+                    if engine.root is not None:
+                        begin_microbatch(engine.root, engine.plan.zero, position == len(ops) - 1)
                     done = passes.pop(i)
                     grads: list[torch.Tensor | None] = [
                         None if grads_in is None else grads_in.take(i)
@@ -378,33 +266,105 @@ class PipelineEngine(GroupedEngine):
                     if done.inputs is not None:
                         assert done.inputs.grad is not None
                         sent = done.inputs.grad
-                        sending.append((dist.isend(sent, self._neighbour(-1)), sent))
+                        sending.append((dist.isend(sent, neighbour(-1)), sent))
                     if done.stats_in is not None:
                         grad = done.stats_in.grad
                         sent = grad if grad is not None else torch.zeros_like(done.stats_in)
-                        sending.append((dist.isend(sent, self._neighbour(-1), tag=1), sent))
+                        sending.append((dist.isend(sent, neighbour(-1), tag=1), sent))
             for work, _ in sending:
                 work.wait()
         # Busy time per planned work, so stages of different sizes compare (stragglers).
         return lm_sum, aux_sum, compute * self.layout.work_scale(world.rank)
 
-    def _reduce_gradients(self, params: list[torch.Tensor]) -> float:
+
+def stage_groups(plan: ParallelPlan, rank: int) -> frozenset[str]:
+    """The key groups rank ``rank``'s stage holds."""
+    return plan.stage_groups(rank)
+
+
+def pipeline_groups(plan: ParallelPlan) -> list[str]:
+    """Every key group of a pipelined plan: units, the tied weights, hosted experts."""
+    assert plan.pipelines is not None
+    groups = [unit_group(u) for u in range(plan.pipelines.num_units)] + [TIED]
+    ep = plan.experts
+    if ep is not None:
+        groups += [expert_group(p.layer, e) for p in ep.layers for e in range(ep.num_experts)]
+    return groups
+
+
+class StageKeys:
+    """A stage's keys, in their units' groups (ZeRO shards them over the pod, but for
+    experts: outside FSDP2); each key's gradient summed over its holders."""
+
+    def __init__(self) -> None:
+        self._owners: dict[str, tuple[int, ...]] | None = None
+        self._names: dict[int, str] = {}
+
+    def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
+        plan = engine.plan
+        expert = plan.experts is not None and engine.keygroups.expert_of(key) is not None
+        return plan.zero.sharded and shardable(key, t) and not expert
+
+    def layout(
+        self, engine: Engine, entries: list[tuple[KeySpec, torch.Tensor]]
+    ) -> tuple[list[tuple[KeySpec, torch.Tensor]], list[KeySpec]]:
+        """The stage's keys (whole, in their unit's group) and every key of the model,
+        held here or not."""
+        keys = engine.keygroups
+        # Now, before any step: after backward under ZeRO-1/2 the module has FSDP2's
+        # gathered parameters registered, not the optimizer's.
+        self._names = {id(p): name for name, p in engine.model.named_parameters()}
+        held = [(replace(spec, group=keys.group(spec.name)), t) for spec, t in entries
+                if not t.is_meta]  # fmt: skip
+        everything = {}
+        slots = _slot_shapes(engine.cfg)
+        # Every key, also of the units and experts held elsewhere.
+        whole = build_meta(engine.cfg.family, engine.cfg.model)
+        for name, p in whole.named_parameters():
+            group = keys.group(name)
+            rows = p.shape[0] if p.dim() else 1
+            dtype = str(p.dtype).removeprefix("torch.")
+            split = self.shardable(engine, f"param/{name}", p)
+            everything[f"param/{name}"] = KeySpec(f"param/{name}", p.numel(), rows, dtype,
+                                                  split, group)  # fmt: skip
+            for slot, like_param, slot_dtype in slots:
+                key = f"optim/{name}/{slot}"
+                numel, key_rows = (p.numel(), rows) if like_param else (1, 1)
+                shardable_slot = split and like_param
+                everything[key] = KeySpec(key, numel, key_rows, slot_dtype, shardable_slot, group)
+        names = {spec.name for spec, _ in held}
+        if not names <= everything.keys():
+            raise AssertionError(f"keys outside the model's: {sorted(names - everything.keys())}")
+        return held, [everything[k] for k in sorted(everything)]
+
+    def owners(self, engine: Engine) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> the ranks its gradient is summed over, ascending: the holders
+        of its group (of the same shard, for a sharded key); the plan is fixed for an
+        engine's life."""
+        if self._owners is None:
+            plan, world = engine.plan, engine.world
+            holders: dict[str, list[int]] = {g: [] for g in pipeline_groups(plan)}
+            for rank in range(world.world_size):
+                for group in stage_groups(plan, rank):
+                    holders[group].append(rank)
+            z = plan.zero
+            mine = z.shard_index(world.rank)
+            specs = {s.name: s for s in engine.specs}
+            self._owners = {
+                name: tuple(
+                    r
+                    for r in holders[engine.keygroups.group(name)]
+                    if not specs[f"param/{name}"].shardable or z.shard_index(r) == mine
+                )
+                for name in self._names.values()
+            }
+        return self._owners
+
+    def reduce_gradients(self, engine: Engine, params: list[torch.Tensor]) -> float:
         """Each key's gradient summed over its unit's holders, in rank order; returns this
         rank's share of the squared global norm (each gradient counted once)."""
-        world, owners = self.world, self._owners
+        owners = self.owners(engine)
         # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
-        return sum_over_holders(world, grads, {name: owners[name] for name in grads})
-
-
-def state_bytes(plan: ParallelPlan, per_group: dict[str, int], rank: int, slots: int = 2) -> int:
-    """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
-    and ``slots`` optimizer values per parameter (fp32), its stage's share of them
-    (``per_group``: ``groups.group_sizes`` of the plan's model)."""
-    held = 0
-    for group in plan.stage_groups(rank):
-        n = per_group.get(group, 0)
-        sharded = plan.zero.sharded and not group.startswith("expert/")
-        held += -(-n // plan.zero.shard_size) if sharded else n
-    return held * 4 * (2 + slots)
+        return sum_over_holders(engine.world, grads, {name: owners[name] for name in grads})

@@ -421,6 +421,8 @@ class ElasticTrainer:
             result = engine.step(
                 self.dataset, newer_generation=self._newer_generation_seen(view) or leaving
             )
+            if result.next_plan is not None:  # an expert rebalance: every rank installs it
+                engine.install(result.next_plan)
             self.last_result = result
             if first:
                 self.timeline.mark("first step")
