@@ -6,6 +6,12 @@ exits with SIGKILL, mid-step, before the phase's generation forms) or *join* (a 
 process with no state). Every process records per-step losses and, at the end, the full
 state (parameters and optimizer state gathered from the shards) of rank 0 in the last
 phase, so a test compares it with a data-parallel reference.
+
+``one_process_reference(cfg, steps)`` is that reference: one rank, the same seed and data,
+hence deterministic. A session runs each configuration once, recording the state after
+every step, and serves every shorter reference of it from that run (a run of n steps
+passes through exactly the state a run of n steps ends in): the engine modules ask for
+the same configuration at 8, 10, 12, 13, 19 and 20 steps.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class Outcome:
     full_state: dict[str, torch.Tensor] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     events: list[object] = field(default_factory=list)  # e.g. expert rebalances (rank 0)
+    # completed steps -> full state after them (rank 0), when run with record_states
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -94,6 +102,7 @@ def _slot_main(
     port: int,
     out_dir: str,
     snapshot_every: int,
+    record_states: bool,
 ) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(
@@ -135,6 +144,10 @@ def _slot_main(
                     outcome.losses[result.step] = result.loss
                 if snapshot_every and engine.completed_steps % snapshot_every == 0:
                     _snapshot(engine, out_dir)
+                if record_states:
+                    state = full_state(engine)  # collective: every rank gathers
+                    if rank == 0:
+                        outcome.states[engine.completed_steps] = state
         except CollectiveError as exc:
             # A peer died mid-step: the state is still that of the last committed step.
             outcome.errors.append(str(exc))
@@ -169,12 +182,17 @@ def _store_server(port_queue) -> None:  # pragma: no cover - a tiny process
 
 
 def run_scenario(
-    cfg: TrainConfig, phases: list[Phase], tmp: Path, snapshot_every: int = 0
+    cfg: TrainConfig,
+    phases: list[Phase],
+    tmp: Path,
+    snapshot_every: int = 0,
+    record_states: bool = False,
 ) -> dict[int, Outcome]:
     """Run all phases; returns each slot's outcome (killed slots have none).
 
     ``snapshot_every``: save the state every so many steps (one holder per shard), the
     fallback for an adoption that finds some key with no surviving holder.
+    ``record_states``: rank 0's outcome gets the full state after every step (``states``).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = preloaded_context()
@@ -184,7 +202,10 @@ def run_scenario(
     port = q.get(timeout=300)
     slots = sorted({s for p in phases for s in p.slots})
     procs = {
-        s: ctx.Process(target=_slot_main, args=(s, cfg, phases, port, str(tmp), snapshot_every))
+        s: ctx.Process(
+            target=_slot_main,
+            args=(s, cfg, phases, port, str(tmp), snapshot_every, record_states),
+        )
         for s in slots
     }
     try:
@@ -203,3 +224,29 @@ def run_scenario(
         if path.exists():
             out[s] = pickle.loads(path.read_bytes())
     return out
+
+
+# At least this many steps per reference run: the longest any engine test compares.
+REFERENCE_STEPS = 20
+_references: dict[bytes, Outcome] = {}
+
+
+def one_process_reference(cfg: TrainConfig, steps: int, tmp: Path) -> Outcome:
+    """``steps`` steps of ``cfg`` on one process, run once per session and configuration.
+
+    The configuration is keyed by its pickle (what the worker process receives), so two
+    tests share a run only when they would have sent the processes the same thing.
+    """
+    key = pickle.dumps(cfg)
+    run = _references.get(key)
+    if run is None or steps not in run.states:
+        phase = Phase((0,), max(steps, REFERENCE_STEPS))
+        run = run_scenario(cfg, [phase], tmp, record_states=True)[0]
+        _references[key] = run
+    assert not run.events, "a reference with events (rebalances) is not cut to fewer steps"
+    return Outcome(
+        losses={s: loss for s, loss in run.losses.items() if s < steps},
+        adoptions=list(run.adoptions),
+        full_state=run.states[steps],
+        errors=list(run.errors),
+    )

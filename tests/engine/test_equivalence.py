@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, run_scenario
+from engine_harness import Outcome, Phase, one_process_reference, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -68,9 +68,9 @@ def assert_same_losses(result: dict[int, float], reference: dict[int, float]) ->
 @pytest.fixture(scope="module")
 def dp_reference(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
     """20 steps of the plain engine on one process."""
-    out = run_scenario(config(workers=1, max_failures=0), [Phase((0,), 20)],
-                       tmp_path_factory.mktemp("dp"))  # fmt: skip
-    return out[0]
+    return one_process_reference(
+        config(workers=1, max_failures=0), 20, tmp_path_factory.mktemp("dp")
+    )
 
 
 def test_data_parallel_ranks_equal_one_process_with_uneven_shares(tmp_path: Path) -> None:
@@ -125,9 +125,9 @@ def test_a_kill_mid_step_loses_no_step_and_reshards_4_3_4(
     assert sorted(survivor.losses) == list(range(19))
     assert_same_losses({s: survivor.losses[s] for s in range(19)},
                        {s: dp_reference.losses[s] for s in range(19)})  # fmt: skip
-    reference_19 = run_scenario(
-        config(workers=1, max_failures=0), [Phase((0,), 19)], tmp_path / "reference"
-    )[0]
+    reference_19 = one_process_reference(
+        config(workers=1, max_failures=0), 19, tmp_path / "reference"
+    )
     assert_same_state(survivor, reference_19, rtol=1e-4, atol=ADAM_ATOL)
 
 
@@ -144,9 +144,9 @@ def test_a_step_committed_by_some_ranks_only_is_completed_by_the_others(
     assert out[0].adoptions == [(1, "fresh", 0), (2, "peers", 7)]
     assert sorted(out[0].losses) == list(range(13))
     assert_same_losses(out[0].losses, {s: dp_reference.losses[s] for s in range(13)})
-    reference_13 = run_scenario(
-        config(workers=1, max_failures=0), [Phase((0,), 13)], tmp_path / "reference"
-    )[0]
+    reference_13 = one_process_reference(
+        config(workers=1, max_failures=0), 13, tmp_path / "reference"
+    )
     assert_same_state(out[0], reference_13, rtol=1e-4, atol=ADAM_ATOL)
 
 
@@ -161,7 +161,7 @@ def test_a_shard_without_surviving_holder_comes_back_from_the_checkpoint(
     survivor = out[0]
     assert survivor.adoptions == [(1, "fresh", 0), (2, "incomplete", 5), (2, "checkpoint", 4)]
     assert max(survivor.losses) == 9
-    reference_10 = run_scenario(
-        config(workers=1, max_failures=0), [Phase((0,), 10)], tmp_path / "reference"
-    )[0]
+    reference_10 = one_process_reference(
+        config(workers=1, max_failures=0), 10, tmp_path / "reference"
+    )
     assert_same_state(survivor, reference_10, rtol=1e-4, atol=ADAM_ATOL)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, run_scenario
+from engine_harness import Outcome, Phase, one_process_reference, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -71,8 +71,7 @@ def assert_same_losses(result: dict[int, float], reference: dict[int, float]) ->
 
 def reference(steps: int, tmp: Path, **trainer: object) -> Outcome:
     """Every expert on the one worker: today's MoE model, data parallel over one rank."""
-    cfg = config(workers=1, max_failures=0, **trainer)
-    return run_scenario(cfg, [Phase((0,), steps)], tmp)[0]
+    return one_process_reference(config(workers=1, max_failures=0, **trainer), steps, tmp)
 
 
 # SGD (with momentum, also state) keeps the update linear in the gradient: after three

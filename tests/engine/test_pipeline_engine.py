@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, run_scenario
+from engine_harness import Outcome, Phase, one_process_reference, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -59,7 +59,7 @@ PP = {"minStages": 2}
 def reference(steps: int, tmp: Path, preset: str = "tiny", **trainer: object) -> Outcome:
     """One process, data parallel."""
     cfg = config(workers=1, max_failures=0, preset=preset, **trainer)
-    return run_scenario(cfg, [Phase((0,), steps)], tmp)[0]
+    return one_process_reference(cfg, steps, tmp)
 
 
 def assert_same_state(result: Outcome, ref: Outcome, rtol: float, atol: float) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, run_scenario
+from engine_harness import Outcome, Phase, one_process_reference, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -44,7 +44,7 @@ def config(workers: int, max_failures: int = 1, **parallelism: object) -> TrainC
 
 
 def reference(steps: int, tmp: Path) -> Outcome:
-    return run_scenario(config(1, 0), [Phase((0,), steps)], tmp)[0]
+    return one_process_reference(config(1, 0), steps, tmp)
 
 
 def assert_same_state(result: Outcome, ref: Outcome) -> None:
