@@ -95,11 +95,11 @@ FAULTS: tuple[Fault, ...] = (
         (
             "tests/local/test_restart_in_place.py::"
             "test_a_nan_restart_switches_live_pods_to_their_pre_started_processes",
-            "tests/lifecycle/test_restart_in_place.py::"
+            "tests/lifecycle/test_policy_restart_in_place.py::"
             "test_a_nan_tells_every_live_pod_to_restart_in_place",
-            "tests/lifecycle/test_restart_in_place.py::"
+            "tests/lifecycle/test_policy_restart_in_place.py::"
             "test_a_pod_gone_during_the_restart_is_replaced_the_others_kept",
-            "tests/lifecycle/test_restart_in_place.py::test_every_members_nan_report_is_one_restart",
+            "tests/lifecycle/test_policy_restart_in_place.py::test_every_members_nan_report_is_one_restart",
         ),
     ),
     Fault(
