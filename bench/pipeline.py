@@ -233,22 +233,19 @@ def _bubble_worker(rank: int, job: BubbleJob) -> None:
         lay is not None and lay.stages == layouts[job.ms[0]].stages  # type: ignore[union-attr]
         for lay in layouts.values()
     )
-    engine = build_engine(plans[job.ms[0]], world, cfgs[job.ms[0]])
-    engine.adopt(None)
-    clock = PipelineClock(engine)
-
-    def use(m: int) -> None:  # same stages, m micro-batches
-        engine.plan, engine.cfg = plans[m], cfgs[m]
-
-    for m in job.ms:  # warm-up
-        use(m)
-        engine.step(dataset)
+    # Same stages, m micro-batches: an engine each (an engine's plan is fixed), built
+    # from the same seed.
+    engines = {m: build_engine(plans[m], world, cfgs[m]) for m in job.ms}
+    clocks = {}
+    for m, engine in engines.items():
+        engine.adopt(None)
+        clocks[m] = PipelineClock(engine)
+        engine.step(dataset)  # warm-up
     records = []
     for r in range(job.rounds):
         for m in job.ms if r % 2 == 0 else job.ms[::-1]:
-            use(m)
-            result = engine.step(dataset)
-            records.append({"m": m, **clock.last, "step_s": result.seconds})
+            result = engines[m].step(dataset)
+            records.append({"m": m, **clocks[m].last, "step_s": result.seconds})
     world.close()
     layout = layouts[job.ms[0]]
     assert layout is not None

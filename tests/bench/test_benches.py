@@ -152,11 +152,12 @@ def test_recovery_scaling_rows_cover_every_size_and_kill() -> None:
         sys.path.remove(str(REPO / "bench"))
     full = {c.name: c for c in recovery.scaling_cases(quick=False)}
     assert set(full) == {"dp-2", "dp-4", "dp-8", "dp-16", "zero3-4", "zero3-8", "zero3-16",
-                         "pod-2x2", "all-4"}  # fmt: skip
+                         "pod-2x2", "all-4", "nan-pods-2x2", "nan-dp-4"}  # fmt: skip
     assert full["all-4"].chaos(20) == ",".join(f"kill:worker={w}@step=20" for w in range(4))
     assert full["pod-2x2"].chaos(20) == "kill:worker=1.1@step=20"
+    assert full["nan-pods-2x2"].chaos(20) == full["nan-dp-4"].chaos(20) == "nan:worker=1@step=20"
     assert not full["zero3-8"].torchrun and full["dp-16"].torchrun and full["all-4"].torchrun
     zero8 = recovery._scaling_spec(full["zero3-8"], 40)["trainer"]["parallelism"]["zero"]
     assert zero8 == {"stage": 3, "hpzPartitionSize": 2}
     assert set(c.name for c in recovery.scaling_cases(quick=True)) == {
-        "dp-2", "dp-4", "zero3-4", "pod-2x2", "all-2"}  # fmt: skip
+        "dp-2", "dp-4", "zero3-4", "pod-2x2", "all-2", "nan-pods-2x2", "nan-dp-2"}  # fmt: skip
