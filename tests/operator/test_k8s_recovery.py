@@ -67,15 +67,17 @@ def test_fewer_nodes_than_min_workers_waits_with_a_clear_condition(
 
 
 def test_invalid_spec_is_reported_not_crashed_on(k8s_cluster, k8s_namespace, operator):
-    # Valid for the CRD schema, but 4 heads do not divide dModel 66.
+    # Valid for the CRD (its rules cannot do the shard-group arithmetic), but 2 workers
+    # kept in maxFailures + 1 = 2 replicas leave ZeRO shard groups of one process.
     manifest = job_manifest(
-        "bad", k8s_namespace, "nowhere", workers=2, trainer={"model": {"dModel": 66}}
-    )
+        "bad", k8s_namespace, "nowhere", workers=2,
+        trainer={"parallelism": {"zero": {"stage": 3}}},
+    )  # fmt: skip
     k8s_cluster.kubectl("apply", "-f", "-", input=manifest)
     job = Job(k8s_cluster, k8s_namespace, "bad")
     valid = wait_until(lambda: job.condition("Valid"), "the Valid condition")
     assert valid["status"] == "False"
-    assert "nHeads" in valid["message"]
+    assert "zero.stage" in valid["message"] and "shard groups of >= 2" in valid["message"]
     assert job.status()["phase"] == "Failed"
     assert job.pods() == []
     assert operator.alive()
