@@ -138,6 +138,13 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the node agent restarted mid-job",
+        "training never waits on it: the trainer's reporter drops what it cannot send "
+        "(one warning for the outage); the new agent on the same address watches the "
+        "worker again from its next report and reports its anomalies (a NaN loss)",
+        ("tests/agent/test_app.py::test_an_agent_restarted_mid_job_is_reported_to_again",),
+    ),
+    Fault(
         "the agents' token rotated mid-job (a new token in the bulkhead-agent Secret)",
         "no restart: the agents re-read their mounted token file when a request shows an "
         "unknown token (at most once per 5 s) and admit the new and the replaced token, so "

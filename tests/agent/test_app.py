@@ -40,11 +40,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _serve(settings: AgentSettings) -> Iterator[tuple[Built, httpx.Client]]:
+def _serve(
+    settings: AgentSettings, port: int | None = None
+) -> Iterator[tuple[Built, httpx.Client]]:
     built = build(settings, Sources(gpu=None, kernel_log=None, api=None, host=True))
     stop = threading.Event()
     loop = threading.Thread(target=built.agent.run, args=(stop, settings.interval_s), daemon=True)
-    port = _free_port()
+    port = port or _free_port()
     server = uvicorn.Server(
         uvicorn.Config(built.app, host="127.0.0.1", port=port, log_level="warning")
     )
@@ -265,3 +267,35 @@ def test_a_rotated_agents_token_is_taken_without_a_restart(tmp_path, caplog):
             "/v1/anomalies", headers={"Authorization": "Bearer agents-token-3"}
         ).is_success
     assert sum("the agents' token was rotated" in r.message for r in caplog.records) == 2
+
+
+def test_an_agent_restarted_mid_job_is_reported_to_again(caplog):
+    """The node agent's pod restarts while a job trains: the trainer's reporter drops what
+    it cannot send (one warning, training never waits), and the new agent on the same
+    address watches the worker again from its next report."""
+    settings = AgentSettings(**TEST_SETTINGS, interval_s=0.05)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    reporter = NodeAgentReporter(url, JOB, token=job_report_token(TOKEN, JOB))
+    try:
+        with _serve(settings, port):
+            reporter.post(WorkerReport(worker="job-w3", step=1, loss=2.0, step_time_s=0.1))
+            wait_until(lambda: reporter.sent == 1, "the first report delivered")
+        with caplog.at_level("WARNING"):
+            for step in range(2, 5):  # the agent is gone: dropped, never raised
+                reporter.post(WorkerReport(worker="job-w3", step=step, loss=2.0))
+            wait_until(lambda: "node agent at" in caplog.text, "the outage noticed")
+        with _serve(settings, port) as (built, http):
+            reporter.post(WorkerReport(worker="job-w3", step=5, loss=float("nan")))
+
+            def problems() -> list[tuple[str, str]]:
+                answer = http.get("/v1/anomalies", headers=AUTH).json()
+                return [(p["reason"], p["subject"]) for p in answer["problems"]]
+
+            wait_until(lambda: ("NanLoss", f"{JOB}/job-w3") in problems(), "NanLoss again", 30)
+            watched = built.agent.collectors.training.collect(built.agent.clock())
+            assert [w.worker for w in watched] == [f"{JOB}/job-w3"]
+    finally:
+        reporter.close()
+    assert reporter.sent == 2  # the first agent's report and the new agent's
+    assert caplog.text.count("node agent at") == 1  # one warning for the outage
