@@ -25,6 +25,7 @@ from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.trainer.checkpoint.paths import default_socket, local_rank_shm_dir
+from bulkhead.trainer.pod.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class CheckpointSidecars:
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                # A supervisor killed outright (SIGKILL, a timeout) runs no clean-up: the
+                # sidecar must not outlive it holding its shared memory.
+                preexec_fn=die_with_parent,
             )
         self._procs[worker.slot] = process
         children.track(process.pid)  # its session's group ends with this process

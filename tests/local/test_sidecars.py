@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
+from waiting import wait_until
 
 from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV
 from bulkhead.operator.lifecycle.workers import WorkerRef
@@ -49,3 +52,37 @@ def test_sidecar_outlives_its_trainer_and_is_removed_at_the_end(tmp_path: Path) 
         assert (tmp_path / "run" / "logs" / "job-w0-checkpointd.log").exists()
 
     asyncio.run(scenario())
+
+
+SUPERVISOR = """
+import asyncio, sys
+from pathlib import Path
+from bulkhead.operator.lifecycle.workers import WorkerRef
+from bulkhead.operator.local.sidecars import CheckpointSidecars
+
+async def main():
+    tmp = Path(sys.argv[1])
+    sidecars = CheckpointSidecars(tmp / "run", tmp / "shm", token="t", ready_timeout_s=60)
+    await sidecars.start(WorkerRef("job", 0, 0))
+    print(*[p.pid for p in sidecars._procs.values()], flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_supervisor_killed_outright_leaves_no_sidecar(tmp_path: Path) -> None:
+    """SIGKILL (or a timeout) gives the supervisor no chance to stop its sidecars: each
+    dies with it (parent-death signal) instead of holding its shared memory for ever."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-P", "-c", SUPERVISOR, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert supervisor.stdout is not None
+        (pid,) = map(int, supervisor.stdout.readline().split())
+        assert psutil.pid_exists(pid) and not _gone(pid)
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+    wait_until(lambda: _gone(pid), "the sidecar to die with its supervisor", timeout=10)
