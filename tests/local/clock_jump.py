@@ -14,6 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the waiting helper
+from waiting import wait_until
+
 _real_time, _real_time_ns = time.time, time.time_ns
 _offset_s = 0.0
 
@@ -36,8 +39,7 @@ def _rows(path: Path) -> int:
 def _step_clock(metrics: Path, jumps: list[tuple[int, float]]) -> None:
     global _offset_s
     for rows, seconds in jumps:
-        while _rows(metrics) < rows:
-            time.sleep(0.02)
+        wait_until(lambda rows=rows: _rows(metrics) >= rows, f"{rows} steps", timeout=600)
         _offset_s += seconds
         sys.stderr.write(f"clock_jump: wall clock stepped by {seconds:+g} s\n")
         sys.stderr.flush()
