@@ -61,13 +61,17 @@ class FakeReader:
         self.numel = numel
         self.requests: dict[str, tuple[int, int] | None] = {}
 
-    def __call__(self, directory: str, model: object, wanted: dict) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, directory: str, model: object, wanted: dict, into: dict
+    ) -> dict[str, torch.Tensor]:
         assert directory == DIRECTORY
         self.requests.update(wanted)
         out = {}
         for name, span in wanted.items():
             whole = pretrained_value(name, self.numel[name])
             out[name] = whole if span is None else whole[span[0] : span[1]]
+            if name in into:  # as the Hugging Face reader does: straight into the state
+                out[name] = into[name].copy_(out[name])
         return out
 
 
@@ -145,7 +149,7 @@ def test_a_missing_or_mis_sized_tensor_is_an_error_naming_it() -> None:
     specs = {"param/w": KeySpec("param/w", 6, 3, "float32", True)}
     with pytest.raises(ValueError, match=r"pretrained\.path.*gave no values for w"):
         initial_state_from_pretrained(DIRECTORY, None, {"param/w": (0, 6)}, specs,
-                                      lambda d, m, w: {})  # fmt: skip
+                                      lambda d, m, w, i: {})  # fmt: skip
     with pytest.raises(ValueError, match=r"w: 3 elements read for the range \[2, 6\) of 4"):
         initial_state_from_pretrained(DIRECTORY, None, {"param/w": (2, 6)}, specs,
-                                      lambda d, m, w: {"w": torch.zeros(3)})  # fmt: skip
+                                      lambda d, m, w, i: {"w": torch.zeros(3)})  # fmt: skip

@@ -154,3 +154,27 @@ def test_sizes_from_the_spec_without_a_checkpoint():
         ValueError, match=r"spec.trainer.model.preset: the llama family has presets"
     ):
         family("llama").sizes(ModelConfig(family="llama", preset="tiny-moe"))
+
+
+def test_ranges_are_read_straight_into_the_destinations_given(tmp_path):
+    hf = hf_model(llama_config())
+    hf.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = family("llama").build(
+            family("llama").hf.sizes(json.loads(Path(tmp_path, "config.json").read_text()))
+        )
+    name = "model.layers.0.mlp.up_proj.weight"
+    columns = dict(model.named_parameters())[name].shape[1]
+    wanted = {name: (2 * columns, 5 * columns), "model.norm.weight": None}
+    fresh = read_params(tmp_path, model, wanted)
+    into = {name: torch.full((3 * columns,), float("nan"))}
+    got = read_params(tmp_path, model, wanted, into=into)
+    assert got[name].data_ptr() == into[name].data_ptr()  # filled in place, no copy
+    assert torch.equal(into[name], fresh[name])
+    assert torch.equal(got["model.norm.weight"], fresh["model.norm.weight"])  # no destination
+    # another dtype than the file's: converted into the destination
+    half = {name: torch.zeros(3 * columns, dtype=torch.bfloat16)}
+    read_params(tmp_path, model, wanted, into=half)
+    assert torch.equal(half[name], fresh[name].to(torch.bfloat16))
+    with pytest.raises(WeightsError, match=r"up_proj.weight: the destination given holds 7"):
+        read_params(tmp_path, model, wanted, into={name: torch.zeros(7)})

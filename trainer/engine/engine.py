@@ -369,9 +369,11 @@ class Engine:
             {k: r for k, r in wanted.items() if k in local},
             {s.name: s for s in self.specs},
             read,
+            into=local,
         )
         for key, flat in tensors.items():
-            local[key].copy_(flat)
+            if flat.data_ptr() != local[key].data_ptr():  # read elsewhere (another device)
+                local[key].copy_(flat)
         self.initialized = True
         log.info("fresh start from the pretrained weights in %s", directory)
 

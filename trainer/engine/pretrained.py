@@ -7,9 +7,10 @@ checkpoint directory, reading only those ranges: no rank materializes the whole 
 Optimizer state starts empty, as after the seeded initialization.
 
 The reading itself is the family's Hugging Face mapping (``trainer.models.hf.read_params``,
-imported only when used: ``read(directory, model, wanted) -> {name: flat tensor}`` with
-``wanted[name]`` a flat, row-aligned ``(start, stop)`` element range, or None for the
-whole tensor).
+imported only when used: ``read(directory, model, wanted, into) -> {name: flat tensor}``
+with ``wanted[name]`` a flat, row-aligned ``(start, stop)`` element range, or None for the
+whole tensor; ``into[name]``, where given, the rank's own flat CPU tensor for that range,
+which a reader may fill in place and return instead of a new tensor).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 
 from bulkhead.trainer.parallel.layout import KeySpec, Range
 
-PretrainedReader = Callable[[str, Any, dict[str, Range | None]], dict[str, torch.Tensor]]
+PretrainedReader = Callable[
+    [str, Any, dict[str, Range | None], dict[str, torch.Tensor]], dict[str, torch.Tensor]
+]
 
 
 def hf_reader() -> PretrainedReader:
@@ -48,11 +51,18 @@ def initial_state_from_pretrained(
     wanted: dict[str, Range],
     specs: dict[str, KeySpec],
     read: PretrainedReader,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``param/<name>`` -> the flat elements of this rank's range of each parameter it
-    needs, read from ``directory``; errors name the missing or mis-sized tensor."""
+    needs, read from ``directory`` (into ``into["param/<name>"]`` where the reader can:
+    CPU tensors); errors name the missing or mis-sized tensor."""
     request = wanted_params(wanted, specs)
-    got = read(directory, model, request)
+    destinations = {
+        name: into[f"param/{name}"]
+        for name in request
+        if into is not None and f"param/{name}" in into and into[f"param/{name}"].is_cpu
+    }
+    got = read(directory, model, request, destinations)
     missing = sorted(set(request) - set(got))
     if missing:
         raise ValueError(

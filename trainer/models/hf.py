@@ -108,10 +108,15 @@ class SafetensorsFile:
             self.close()
             raise WeightsError(f"{path}: not a safetensors file ({exc})") from None
 
-    def read(self, name: str, first: int, count: int) -> torch.Tensor:
-        """Elements ``[first, first + count)`` of tensor ``name`` (flattened), read now."""
+    def read(
+        self, name: str, first: int, count: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[first, first + count)`` of tensor ``name`` (flattened), read now into
+        ``out`` (a contiguous tensor of that many elements and the stored dtype) or a new
+        tensor."""
         dtype, _, begin = self.tensors[name]
-        out = torch.empty(count, dtype=dtype)
+        if out is None:
+            out = torch.empty(count, dtype=dtype)
         view = memoryview(out.view(torch.uint8).numpy()) if count else memoryview(b"")
         at, done = self.data_start + begin + first * dtype.itemsize, 0
         while done < len(view):  # a read may return fewer bytes (e.g. past 2 GiB)
@@ -202,11 +207,18 @@ def read_params(
     wanted: Mapping[str, Range | None],
     dtype: torch.dtype | None = None,
     stats: ReadStats | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Flat tensors of the ``wanted`` element ranges of bulkhead parameters, read from the
     Hugging Face ``directory`` (see the module docstring). ``family_or_model`` gives the
     parameter shapes: a model (possibly on ``meta``), a family or its name (then sized by
-    the directory's config.json). ``dtype``: convert to it (default: as stored)."""
+    the directory's config.json). ``dtype``: convert to it (default: as stored).
+
+    ``into``: where the values go, by parameter name (a contiguous CPU tensor of the range's
+    size, e.g. the engine's own state): the file's bytes are read straight into it, with
+    neither a new allocation (whose first touch costs as much as the read here) nor a copy;
+    the result then holds it. A parameter whose destination has another dtype than the
+    file's is read into a new tensor and converted into it."""
     directory = Path(directory)
     shapes = _shapes(family_or_model, directory)
     weights = HFWeights(directory)
@@ -237,8 +249,14 @@ def read_params(
                 first_row = source.offset + r0
                 if source.index:  # fused: expert e's rows start after e experts' rows
                     first_row += source.index[0] * stored[1]
-                flat = reader.read(source.name, first_row * row, (r1 - r0) * row)
-                if dtype is not None and flat.dtype != dtype:
+                count = (r1 - r0) * row
+                stored_dtype = reader.tensors[source.name][0]
+                target = _destination(into, param, count)
+                direct = target is not None and target.dtype == stored_dtype
+                flat = reader.read(source.name, first_row * row, count, target if direct else None)
+                if target is not None and not direct:
+                    flat = target.copy_(flat)
+                elif dtype is not None and flat.dtype != dtype:
                     flat = flat.to(dtype)
                 out[param] = flat
                 if stats is not None:
@@ -247,6 +265,21 @@ def read_params(
         finally:
             reader.close()
     return out
+
+
+def _destination(
+    into: Mapping[str, torch.Tensor] | None, param: str, count: int
+) -> torch.Tensor | None:
+    if into is None or param not in into:
+        return None
+    target = into[param]
+    if target.numel() != count or not target.is_contiguous() or target.device.type != "cpu":
+        raise WeightsError(
+            f"{param}: the destination given holds {target.numel()} elements"
+            f"{'' if target.is_contiguous() else ', not contiguous'} on {target.device}; "
+            f"the range read has {count} (a contiguous CPU tensor is needed)"
+        )
+    return target.view(-1)
 
 
 def _check_shape(source: _Source, stored: tuple[int, ...], shape: torch.Size, path: Path) -> None:
@@ -273,8 +306,10 @@ def load_pretrained(model: CausalLM, directory: str | Path) -> CausalLM:
             f"{directory / 'config.json'}: a {mapping.architecture}, not a {model.family} model"
         )
     params = dict(model.named_parameters())
-    tensors = read_params(directory, model, dict.fromkeys(params))
+    into = {n: p.detach().view(-1) for n, p in params.items() if p.is_cpu and p.is_contiguous()}
+    tensors = read_params(directory, model, dict.fromkeys(params), into=into)
     with torch.no_grad():
         for name, p in params.items():
-            p.view(-1).copy_(tensors[name])
+            if name not in into:  # read elsewhere (another device, a strided parameter)
+                p.view(-1).copy_(tensors[name])
     return model
