@@ -13,11 +13,12 @@ a restarted worker takes one and skips the seconds of a cold start; the pool is 
 once the job is Running again, and a pool process still importing when a recovery starts
 is paused (SIGSTOP) until it ends: on one machine its imports would take CPU the
 survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores). For the same reason a
-worker started while a recovery is under way (a replacement: its start, registration and
-engine take seconds of CPU) runs at a lower priority (``YIELD_NICE`` more) until the
-recovery ends; it is not stopped, since a recovery may need it (a restart, a job below
-``minWorkers``). Where this process could not raise the priority back (not root, no
-RLIMIT_NICE headroom) the replacement runs at the normal priority.
+worker started while survivors recover in process (a replacement: its start, registration
+and engine take seconds of CPU) runs at a lower priority (``YIELD_NICE`` more) until the
+recovery ends; it is not stopped, since a recovery may come to need it (a job below
+``minWorkers``). A restart needs its new workers: once one begins, every worker runs at
+the normal priority. Where this process could not raise the priority back (not root, no
+RLIMIT_NICE headroom) nothing is lowered.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class LocalDriver:
         # Process groups of workers started during the recovery under way: at a lower
         # priority until it ends (None: this process could not raise it back).
         self._yielding: set[int] | None = set() if can_renice_back() else None
+        self._restarting = False  # a restart is under way (until Recovered)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ Driver
@@ -257,6 +259,10 @@ class LocalDriver:
             self._pause_pool(True)
         elif reason == "Recovered":
             self._pause_pool(False)
+            self._restarting = False
+        if reason == "Restarting":  # its new workers are its critical path
+            self._restarting = True
+            self._normal_priority()
 
     def _pause_pool(self, paused: bool) -> None:
         """Stop (or continue) the pre-started processes not handed over yet; at the end of
@@ -267,18 +273,24 @@ class LocalDriver:
         for process in self._ready:
             if process.returncode is None:
                 _killpg(process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
-        if not paused and self._yielding:
-            normal = os.getpriority(os.PRIO_PROCESS, 0)
-            for pgid in self._yielding:
-                with contextlib.suppress(ProcessLookupError):
-                    os.setpriority(os.PRIO_PGRP, pgid, normal)
-            log.info("workers %s back at the normal priority", sorted(self._yielding))
-            self._yielding.clear()
+        if not paused:
+            self._normal_priority()
+
+    def _normal_priority(self) -> None:
+        """Give the workers whose priority was lowered the normal one back."""
+        if not self._yielding:
+            return
+        normal = os.getpriority(os.PRIO_PROCESS, 0)
+        for pgid in self._yielding:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PGRP, pgid, normal)
+        log.info("workers %s back at the normal priority", sorted(self._yielding))
+        self._yielding.clear()
 
     def _yield_cpu(self, pgid: int) -> None:
         """Lower the priority of the worker (process group) ``pgid`` until the recovery
         ends; its children (a pod's trainer processes) inherit it."""
-        if self._yielding is None:
+        if self._yielding is None or self._restarting:
             return
         lower = min(19, os.getpriority(os.PRIO_PROCESS, 0) + YIELD_NICE)
         with contextlib.suppress(ProcessLookupError):
