@@ -1,18 +1,19 @@
 """The registered c10d world of one membership generation.
 
 Each generation is its own ``init_process_group`` under the store prefix ``gen<G>`` (FSDP2
-and DeviceMesh need a *registered* default group; a standalone backend object does not
-work with them). A world that ends at a healthy step boundary is destroyed normally. A
-world whose collective failed is shut down, which closes its connections so every peer
-still waiting on this rank sees the error at once instead of waiting out the timeout. A
-world with an operation this rank abandoned (a hung peer, a newer generation) is
-*parked*: dropped from torch's registry without shutdown, because shutting down a gloo
-group waits for its in-flight operation. A world is never reused, except through a
-communicator *shrink*: on NCCL builds that offer it (``dist.shrink_group``, NCCL >= 2.27), a
-world that ended without a hang is retained, and when the next generation is the same ranks
-less the lost ones, in the same order, it is derived from the retained one instead of
-created anew (no bootstrap, no topology search: docs/communicators.md). Everything else
-(gloo, a newcomer, a reordering, an aborted world) creates the next world with
+and DeviceMesh need a *registered* default group; a standalone backend object does not work
+with them), over one connection to the coordinator's store for as long as the coordinator
+stays (``coordinator_store``). A world that ends at a healthy step boundary is destroyed
+normally. A world whose collective failed is shut down, which closes its connections so
+every peer still waiting on this rank sees the error at once instead of waiting out the
+timeout. A world with an operation this rank abandoned (a hung peer, a newer generation) is
+*parked*: dropped from torch's registry without shutdown, because shutting down a gloo group
+waits for its in-flight operation. A world is never reused, except through a communicator
+*shrink*: on NCCL builds that offer it (``dist.shrink_group``, NCCL >= 2.27), a world that
+ended without a hang is retained, and when the next generation is the same ranks less the
+lost ones, in the same order, it is derived from the retained one instead of created anew
+(no bootstrap, no topology search: docs/communicators.md). Everything else (gloo, a
+newcomer, a reordering, an aborted world) creates the next world with
 ``init_process_group``.
 
 Our own collectives (the step commit, the state exchange) are waited for by polling, so a
