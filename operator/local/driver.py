@@ -12,7 +12,13 @@ and the trainer imported, waiting for their launch environment on stdin): a repl
 a restarted worker takes one and skips the seconds of a cold start; the pool is refilled
 once the job is Running again, and a pool process still importing when a recovery starts
 is paused (SIGSTOP) until it ends: on one machine its imports would take CPU the
-survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores).
+survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores). For the same reason a
+worker started while survivors recover in process (a replacement: its start, registration
+and engine take seconds of CPU) runs at a lower priority (``YIELD_NICE`` more) until the
+recovery ends; it is not stopped, since a recovery may come to need it (a job below
+``minWorkers``). A restart needs its new workers: once one begins, every worker runs at
+the normal priority. Where this process could not raise the priority back (not root, no
+RLIMIT_NICE headroom) nothing is lowered.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -55,6 +62,9 @@ from bulkhead.trainer.pod.prestart import handover_line
 from bulkhead.trainer.pod.prestart import prestarted_command as default_prestarted_command
 
 log = logging.getLogger(__name__)
+
+# How much lower the priority (in nice steps) of a worker started during a recovery is.
+YIELD_NICE = 10
 
 
 def default_worker_command() -> list[str]:
@@ -130,6 +140,10 @@ class LocalDriver:
         self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
         self._filling = False
         self._pool_paused = False  # a recovery is under way: the pool waits (SIGSTOP)
+        # Process groups of workers started during the recovery under way: at a lower
+        # priority until it ends (None: this process could not raise it back).
+        self._yielding: set[int] | None = set() if can_renice_back() else None
+        self._restarting = False  # a restart is under way (until Recovered)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ Driver
@@ -160,6 +174,8 @@ class LocalDriver:
         process = await self._take_prestarted({**env, LOG_FILE_ENV: str(log_path)})
         if process is None:
             process = await self._spawn(env, log_file)
+        if self._pool_paused:  # a replacement: the survivors' recovery comes first
+            self._yield_cpu(process.pid)
         wp = WorkerProcess(worker, process, log_file, time.monotonic())
         self._procs[worker.id] = wp
         wp.watcher = asyncio.create_task(self._watch(wp), name=f"watch-{worker.id}")
@@ -243,15 +259,44 @@ class LocalDriver:
             self._pause_pool(True)
         elif reason == "Recovered":
             self._pause_pool(False)
+            self._restarting = False
+        if reason == "Restarting":  # its new workers are its critical path
+            self._restarting = True
+            self._normal_priority()
 
     def _pause_pool(self, paused: bool) -> None:
-        """Stop (or continue) the pre-started processes not handed over yet."""
+        """Stop (or continue) the pre-started processes not handed over yet; at the end of
+        a recovery, the workers started during it get their normal priority back."""
         if paused == self._pool_paused:
             return
         self._pool_paused = paused
         for process in self._ready:
             if process.returncode is None:
                 _killpg(process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        if not paused:
+            self._normal_priority()
+
+    def _normal_priority(self) -> None:
+        """Give the workers whose priority was lowered the normal one back."""
+        if not self._yielding:
+            return
+        normal = os.getpriority(os.PRIO_PROCESS, 0)
+        for pgid in self._yielding:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PGRP, pgid, normal)
+        log.info("workers %s back at the normal priority", sorted(self._yielding))
+        self._yielding.clear()
+
+    def _yield_cpu(self, pgid: int) -> None:
+        """Lower the priority of the worker (process group) ``pgid`` until the recovery
+        ends; its children (a pod's trainer processes) inherit it."""
+        if self._yielding is None or self._restarting:
+            return
+        lower = min(19, os.getpriority(os.PRIO_PROCESS, 0) + YIELD_NICE)
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PGRP, pgid, lower)
+            self._yielding.add(pgid)
+            log.info("worker %d runs at nice %d until the recovery under way ends", pgid, lower)
 
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self.status = status
@@ -390,6 +435,15 @@ def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
                 # "pid (comm) state ppid ...": starttime is field 22, the 20th after comm.
                 found.append((int(stat[stat.rindex(")") + 2 :].split()[19]), int(pid)))
     return min(found)[1] if found else None
+
+
+def can_renice_back() -> bool:
+    """Whether this process may give a child whose priority it lowered its own back
+    (setpriority(2): root, or RLIMIT_NICE allowing this process's nice value)."""
+    if os.geteuid() == 0:
+        return True
+    allowed = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return allowed == resource.RLIM_INFINITY or 20 - allowed <= os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -31,8 +31,10 @@ from bulkhead.trainer.engine.world import (
     _FIRST_POLL_S,
     _MAX_POLL_S,
     CollectiveError,
+    StoreHost,
     await_listener,
     check_in,
+    coordinator_store,
     open_world,
     park_default_world,
     poll_until,
@@ -208,6 +210,25 @@ def test_waiting_for_a_dead_coordinators_store_ends_when_a_newer_generation_exis
         live.bind(("127.0.0.1", 0))
         live.listen()
         await_listener("127.0.0.1", live.getsockname()[1], 1, timeout_s=5)  # returns at once
+
+
+def test_a_coordinators_store_is_reached_over_one_connection_while_it_answers() -> None:
+    first, second = StoreHost("127.0.0.1", 10), StoreHost("127.0.0.1", 10)
+    client = coordinator_store(first.address, 1, timeout_s=5)
+    client.set("seen", "1")
+    # The next generation with the same coordinator: the same connection, no new one.
+    before = set(own_socket_fds())
+    assert coordinator_store(first.address, 2, timeout_s=5) is client
+    assert set(own_socket_fds()) == before
+    # Another coordinator: a connection of its own, to its store.
+    other = coordinator_store(second.address, 3, timeout_s=5)
+    assert other is not client and not other.check(["seen"])
+    # Its server gone (its process died): a connection that no longer answers is not
+    # reused, and no new one can be made.
+    address = second.address
+    del other, second
+    with pytest.raises(CollectiveError, match="unreachable"):
+        coordinator_store(address, 4, timeout_s=0.3)
 
 
 def test_once_every_member_checked_in_nobody_gives_up() -> None:

@@ -17,7 +17,7 @@ from waiting import wait_until
 from bulkhead.api.protocol import LOG_FILE_ENV, WORKER_ENV, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.lifecycle.workers import WorkerRef
-from bulkhead.operator.local.driver import LocalDriver
+from bulkhead.operator.local.driver import YIELD_NICE, LocalDriver, can_renice_back
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.trainer.pod.prestart import prestarted_command
 
@@ -123,3 +123,43 @@ def test_prestarted_main_imports_then_runs_the_worker_its_environment_names(
 def test_a_prestarted_process_no_one_needs_exits_stopped() -> None:
     done = subprocess.run(prestarted_command(), input=b"", timeout=240, check=False)
     assert done.returncode == WorkerExit.STOPPED
+
+
+def test_a_worker_started_during_a_recovery_yields_the_cpu_until_it_ends(tmp_path: Path) -> None:
+    """A replacement started between a loss and the Recovered event runs at a lower
+    priority (its start would take CPU the survivors' recovery needs), then at the normal
+    one; a worker started outside a recovery runs at the normal one throughout; once a
+    restart begins (it needs its new workers) every worker runs at the normal one."""
+
+    async def scenario() -> tuple[int, int, int, tuple[int, int]]:
+        spec = TrainingJobSpec.model_validate({"workers": 2})
+        driver = LocalDriver(
+            "job", spec, tmp_path, RunRecorder(tmp_path), "http://127.0.0.1:1", "token",
+            lambda _: None, command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        )  # fmt: skip
+        await driver.start_worker(WorkerRef("job", 0, 0))
+        first = psutil.Process(driver._procs["job-w0-0"].process.pid)
+        await driver.record_event("WorkerLost", "job-w1-0 exited: SIGKILL", warning=True)
+        await driver.start_worker(WorkerRef("job", 1, 1))
+        replacement = psutil.Process(driver._procs["job-w1-1"].process.pid)
+        during = (first.nice(), replacement.nice())
+        await driver.record_event("Recovered", "SIGKILL: training resumed")
+        after = replacement.nice()
+        await driver.record_event("WorkerLost", "job-w1-1 exited: SIGKILL", warning=True)
+        await driver.start_worker(WorkerRef("job", 1, 2))
+        lost_again = psutil.Process(driver._procs["job-w1-2"].process.pid)
+        lowered_again = lost_again.nice()
+        await driver.record_event("Restarting", "restart 1 from checkpoint", warning=True)
+        await driver.start_worker(WorkerRef("job", 0, 1))
+        restarted = psutil.Process(driver._procs["job-w0-1"].process.pid)
+        in_restart = (lost_again.nice(), restarted.nice())
+        await driver.shutdown(grace_s=1)
+        assert lowered_again == during[1]
+        return *during, after, in_restart
+
+    normal = os.getpriority(os.PRIO_PROCESS, 0)
+    first, replacement, after, in_restart = asyncio.run(scenario())
+    lowered = min(19, normal + YIELD_NICE) if can_renice_back() else normal
+    assert first == normal and after == normal
+    assert replacement == lowered
+    assert in_restart == (normal, normal)
