@@ -286,6 +286,16 @@ class ProgressReport(Model):
             "checkpoint because some piece had no surviving holder."
         ),
     )
+    setup: Literal["world", "state"] | None = Field(
+        None,
+        description=(
+            "Set-up progress of the generation before its first step, and nothing else: "
+            "its world formed ('world') or its state adopted ('state'); ``step`` is then "
+            "the last step completed before (0 before any). The hang timer counts it as "
+            "progress, so a slow set-up (a large world, a loaded machine, a big restore) "
+            "is not taken for a hang; a set-up that stops advancing still is."
+        ),
+    )
 
     @model_validator(mode="after")
     def _earlier_precede(self) -> ProgressReport:

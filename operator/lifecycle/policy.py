@@ -351,7 +351,10 @@ class _Rules:
         s = self.state
         if r.generation != s.generation or r.worker not in s.member_ids():
             return
-        s = self.state
+        if r.setup is not None:  # the generation's set-up advances: not a hang, not a step
+            if not s.restarting:
+                self.state = replace(s, last_progress_at=self.now)
+            return
         first_of_generation = not s.has_progress or s.step_generation != r.generation
         if r.state_source == "fresh" and first_of_generation and self.fresh_start_refused(r):
             return

@@ -355,7 +355,7 @@ class JobSession(Generic[D]):
         if report.step >= total:
             raise SessionError(422, f"step {report.step} is beyond the job's last step {total - 1}")
         self._apply(ProgressReported(report))
-        if self._state.membership.generation == report.generation:
+        if report.setup is None and self._state.membership.generation == report.generation:
             now = self._clock()
             for figures in report.figures():  # dated by their age: no clock sync needed
                 self._series.progress(

@@ -6,7 +6,7 @@ import signal
 
 from policy_sim import Sim, make_spec
 
-from bulkhead.api.protocol import WorkerExit
+from bulkhead.api.protocol import ProgressReport, WorkerExit
 from bulkhead.api.status import Member, Membership, TrainingJobStatus
 from bulkhead.operator.lifecycle.rebuild import GENERATION_SKIP, rebuild
 from bulkhead.operator.lifecycle.types import (
@@ -14,6 +14,7 @@ from bulkhead.operator.lifecycle.types import (
     Fail,
     JobStarted,
     NodeAnomaly,
+    ProgressReported,
     PublishMembership,
     RecordEvent,
     RecoveryDone,
@@ -216,6 +217,29 @@ def test_stall_without_a_silent_member_reforms_then_restarts() -> None:
     decisions = sim.tick(10.5, seen)
     assert _of(RestartAll, decisions)
     assert sim.state.restarts == 1
+
+
+def test_a_slow_set_up_that_advances_is_not_a_hang_one_that_stops_is() -> None:
+    sim = Sim(make_spec(hangTimeoutSeconds=10.0))
+    sim.start_and_register_all()
+    sim.progress(5)
+    sim.exit("job-w1-0", sig=signal.SIGKILL)  # generation 2 sets up: slow, but advancing
+    generation = sim.state.generation
+    everyone = lambda: {sim.wid(i): sim.now + 10 for i in range(4)}  # noqa: E731 - alive
+    assert sim.tick(9.0, everyone()) == []
+    for stage in ("world", "state"):
+        sim.feed(
+            ProgressReported(
+                ProgressReport(
+                    worker=sim.state.members()[0], generation=generation, step=5, setup=stage
+                )
+            )
+        )
+        assert sim.tick(9.0, everyone()) == []  # 9 s since the last set-up news: waits
+    assert sim.state.step == 5 and _of(RecoveryDone, sim.log) == []  # no step, no recovery
+    decisions = sim.tick(1.5, everyone())  # then 10.5 s without news: re-formed as a stall
+    (pub,) = _of(PublishMembership, decisions)
+    assert pub.view.generation == generation + 1
 
 
 def test_peer_suspect_stops_and_replaces_the_suspect() -> None:

@@ -126,6 +126,26 @@ def test_a_new_generation_and_a_new_plan_are_reported_at_once() -> None:
     reporter.close()
 
 
+def test_set_up_news_is_sent_at_once_and_never_merged_with_steps() -> None:
+    manager = _Manager()
+    reporter = _past_first_report(manager)
+    reporter.post(ProgressReport(worker="w", generation=2, step=0, setup="world"))
+    assert manager.wait_for(2)[1].setup == "world"
+    reporter.post(ProgressReport(worker="w", generation=2, step=0, setup="state"))
+    assert manager.wait_for(3)[2].setup == "state"
+    # The generation's first step is still news at once, and carries no set-up figures.
+    reporter.post(_report(1, generation=2))
+    fourth = manager.wait_for(4)[3]
+    assert (fourth.setup, fourth.step, fourth.earlier) == (None, 1, [])
+    # Set-up news behind a waiting step of its generation adds nothing; a waiting one is
+    # replaced by the step that follows it.
+    reporter.post(_report(2, generation=2))
+    reporter.post(ProgressReport(worker="w", generation=2, step=2, setup="state"))
+    assert reporter.flush(30)
+    assert [(r.step, r.setup) for r in manager.reports[4:]] == [(2, None)]
+    reporter.close()
+
+
 def test_closing_sends_what_waits() -> None:
     manager = _Manager()
     reporter = _past_first_report(manager)

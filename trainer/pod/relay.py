@@ -449,7 +449,7 @@ class PodRelay:
             report = ProgressReport.model_validate_json(body)
         except ValidationError:
             return body  # the manager will say what is wrong with it
-        if report.generation > self._floor:
+        if report.generation > self._floor and report.setup is None:
             self.trained = True
         if report.persisted_step is None:
             return body

@@ -146,6 +146,7 @@ class Reporter:
     training process's CPU. Sent at once, without waiting for the interval: the first
     report of a generation (the manager learns that it trains), one with a new plan, the
     step a directive asked for (``Directive.report_step``), and whatever ``flush`` finds.
+    Set-up news (``ProgressReport.setup``) is sent at once and never merged with steps.
     A manager that answers slower than steps complete sees the newest state with what it
     missed in one request, never a backlog of requests.
     """
@@ -185,6 +186,14 @@ class Reporter:
         """Send ``report`` within the interval (at once if it is news); never blocks."""
         with self._cond:
             last = self._batch[-1][0] if self._batch else None
+            if report.setup is not None and last is not None:
+                if last.generation == report.generation:
+                    if last.setup is not None:  # newer set-up news replaces the waiting one
+                        self._batch[-1] = (report, time.monotonic())
+                    return  # a waiting step of the generation says as much or more
+            elif last is not None and last.setup is not None:
+                self._batch.pop()  # set-up news, superseded by this report: never merged
+                last = self._batch[-1][0] if self._batch else None
             if last is not None and (
                 last.generation != report.generation or last.step >= report.step
             ):
@@ -245,7 +254,8 @@ class Reporter:
             self._sending = True
             now = time.monotonic()
             self._last_sent_at = now
-            self._generation_sent = batch[-1][0].generation
+            if batch[-1][0].setup is None:  # the generation's first step is news at once too
+                self._generation_sent = batch[-1][0].generation
         return _merged(batch, now)
 
     def _run(self) -> None:

@@ -303,6 +303,7 @@ class ElasticTrainer:
             self.timeline.mark("report")
             return "reconfigure"
         self.timeline.add(world.phases)
+        self._report_setup(view, world.rank, "world", self.completed_steps)
         engine: Engine | None = None
         # Waits inside FSDP2/DDP (and any NCCL wait) cannot be polled: once a newer
         # generation has existed for longer than a step should take, a side thread aborts
@@ -318,6 +319,7 @@ class ElasticTrainer:
             self.timeline.mark("plan and build")
             self._prepare(view, engine)
             self.timeline.mark("adopt state")
+            self._report_setup(view, world.rank, "state", engine.completed_steps)
             return self._train(view, engine)
         except CollectiveError as exc:
             self.timeline.start()
@@ -338,6 +340,21 @@ class ElasticTrainer:
             del engine
             world.close()
             self.timeline.mark("close world")
+
+    def _report_setup(
+        self, view: MembershipView, rank: int, stage: Literal["world", "state"], completed: int
+    ) -> None:
+        """Tells the manager that the generation's set-up advanced (rank 0, as it reports
+        progress): forming a large world or restoring a big state is not a hang."""
+        if reports_progress(rank):
+            self.reporter.post(
+                ProgressReport(
+                    worker=self.me.worker,
+                    generation=view.generation,
+                    step=max(completed - 1, 0),
+                    setup=stage,
+                )
+            )
 
     def _prepare(self, view: MembershipView, engine: Engine) -> None:
         plan, world = engine.plan, engine.world
