@@ -876,7 +876,13 @@ class FaultToleranceConfig(SpecModel):
         default_factory=BackoffConfig, description="Wait between full restarts."
     )
     hang_timeout_seconds: float = Field(
-        120.0, ge=1, le=604_800, description="No progress this long = hang."
+        120.0,
+        ge=1,
+        le=604_800,
+        description=(
+            "No progress this long = hang. Progress is a completed step, or a new "
+            "generation's set-up advancing (its world formed, its state adopted)."
+        ),
     )
     registration_timeout_seconds: float = Field(
         300.0, ge=1, le=86_400, description="How long to wait for workers to register."
