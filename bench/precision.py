@@ -15,9 +15,13 @@ replicates the whole state), trains two steps, and measures
   over the units (a checkpointed block's kept input included: the hooks see it);
 - the process's peak RSS.
 
-Sharded layouts hold 1/S of the same fp32 state: ``bench/zero.py`` measures them against
-the same formula. Prints a table and writes JSON (``--out``); ``--quick`` uses the tiny
-preset.
+Then every layout on two gloo ranks (``_rank_memory``: data parallel, ZeRO-1/2/3, a
+1F1B pipeline of two stages, expert parallelism; fp32 and bf16): each rank's measured
+state between steps and peak saved activations in a step, against what ``bulkhead plan``
+prints for that rank (``parallel.rank_memory``).
+
+Prints tables and writes JSON (``--out``: ``cases`` and ``layouts``); ``--quick`` uses the
+tiny presets.
 """
 
 from __future__ import annotations
@@ -175,7 +179,21 @@ def main() -> None:
             print(f"{r['family']:>6} {r['precision']:>9} {r['activationCheckpointing']:>5} "
                   f"{kind:>12} {m:>12,} {p:>12,} {ratio}")  # fmt: skip
         print(f"{'':>6} {'':>9} {'':>5} {'rss peak':>12} {r['peak_rss_bytes']:>12,}")
-    out = {"quick": args.quick, "cases": results, "seconds": time.monotonic() - started}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _rank_memory import KINDS, layout_rows
+
+    layouts = layout_rows(args.quick)
+    print(f"\n{'layout':>14} {'precision':>9} {'rank':>4} " +
+          " ".join(f"{k + ' m/p':>16}" for k in KINDS))  # fmt: skip
+    for r in layouts:
+        cells = " ".join(
+            f"{r['measured'][k]:>10,} "
+            + (f"{r['ratio'][k]:5.2f}" if r["ratio"][k] is not None else "    -")
+            for k in KINDS
+        )
+        print(f"{r['layout']:>14} {r['precision']:>9} {r['rank']:>4} {cells}")
+    out = {"quick": args.quick, "cases": results, "layouts": layouts,
+           "seconds": time.monotonic() - started}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
         print(f"wrote {args.out}")

@@ -18,7 +18,8 @@ from rich.table import Table
 from bulkhead.api.manifest import ManifestError, load_job
 from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.parallel.pipeline_plan import unit_fetches
-from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan, stage_state_bytes
+from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
+from bulkhead.trainer.parallel.rank_memory import RankMemory, rank_memory
 from bulkhead.trainer.planning.costs import GpuSpec, LayerCost, estimate_layer_costs
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
@@ -97,44 +98,71 @@ def transfers_table(transfers: Any) -> Table:
     return table
 
 
+def ranks_memory(plan: ParallelPlan, cfg: TrainConfig) -> list[RankMemory]:
+    """The planner's prediction of every rank's state and peak activations."""
+    from bulkhead.trainer.engine.groups import group_sizes  # imports torch
+
+    per_group = group_sizes(cfg.family, cfg.model, plan.experts is not None)
+    return [
+        rank_memory(plan, cfg.shape, per_group, rank, cfg.precision, cfg.activation_checkpointing)
+        for rank in range(plan.world_size)
+    ]
+
+
+def _memory_cells(memory: RankMemory) -> list[str]:
+    return [f"{memory.state.total / 2**20:.2f} / {memory.activations / 2**20:.2f}"]
+
+
+MEMORY_COLUMNS = ("MiB state / activations",)
+
+
 def engine_plan_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
-    """Every rank's batch share and place in the ZeRO mesh, or its pipeline stage."""
+    """Every rank's batch share and place in the ZeRO mesh, or its pipeline stage, and
+    the memory the planner predicts for it (``parallel.rank_memory``)."""
+    memory = ranks_memory(plan, cfg)
     if plan.pipelines is not None:
-        return _stages_table(plan, title, cfg)
+        return _stages_table(plan, title, cfg, memory)
     table = Table(title=f"{title}: " + "; ".join(plan.describe()[1:]))
+    table.caption = _memory_caption(cfg)
     for col in ("rank", "worker", "samples", "shard", "replica group", "checkpoint shard",
-                "persists"):  # fmt: skip
+                "persists", *MEMORY_COLUMNS):  # fmt: skip
         table.add_column(col)
     z = plan.zero
     for rank in _rows(list(range(plan.world_size))):
         if rank is None:
-            table.add_row("...", "", "", "", "", "", "")
+            table.add_row("...", *[""] * (6 + len(MEMORY_COLUMNS)))
             continue
         start, size = plan.share(rank)
         table.add_row(
             str(rank), plan.workers[rank], f"{start}..{start + size - 1}" if size else "-",
             str(z.shard_index(rank)), str(z.replica_index(rank)), plan.checkpoint_shard(rank),
-            "yes" if plan.persists(rank) else "",
+            "yes" if plan.persists(rank) else "", *_memory_cells(memory[rank]),
         )  # fmt: skip
     return table
 
 
-def _stages_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
-    """Every rank's stage, its share of the batch, the state it holds (parameters,
-    gradients and AdamW's two slots, fp32) and its experts."""
-    from bulkhead.trainer.engine.groups import group_sizes  # imports torch
+def _memory_caption(cfg: TrainConfig) -> str:
+    return (
+        "state: fp32 parameters, gradients and AdamW state held between steps; activations: "
+        f"the most kept for backward at once ({cfg.precision}, checkpointing "
+        f"{cfg.activation_checkpointing})"
+    )
 
+
+def _stages_table(
+    plan: ParallelPlan, title: str, cfg: TrainConfig, memory: list[RankMemory]
+) -> Table:
+    """Every rank's stage, its share of the batch, its predicted memory and its experts."""
     layout = plan.pipelines
     assert layout is not None
     table = Table(title=f"{title}: {plan.describe()[1]}")
     # What a stage's processes share (their micro-batches, ZeRO, experts) under the table.
     inside = ("each stage", "ZeRO", "experts inside")
     lines = [line.rstrip(":") for line in plan.describe() if line.startswith(inside)]
-    table.caption = "; ".join(lines)
+    table.caption = "; ".join([*lines, _memory_caption(cfg)])
     columns = ["rank", "worker", "pipeline", "stage", "units", "micro-batches", "samples",
-               "state MiB"]  # fmt: skip
+               *MEMORY_COLUMNS]  # fmt: skip
     ep = plan.experts
-    per_group = group_sizes(cfg.family, cfg.model, ep is not None)
     if ep is not None:
         columns.append("experts hosted")
     for col in columns:
@@ -151,8 +179,7 @@ def _stages_table(plan: ParallelPlan, title: str, cfg: TrainConfig) -> Table:
         cells = [
             str(rank), plan.workers[rank], str(stage.pipeline),
             f"{stage.index + 1}/{stage.stages}", f"{stage.start}-{stage.stop - 1}",
-            str(len(rows)), str(sum(len(r) for r in rows)),
-            f"{stage_state_bytes(plan, per_group, rank) / 2**20:.2f}",
+            str(len(rows)), str(sum(len(r) for r in rows)), *_memory_cells(memory[rank]),
         ]  # fmt: skip
         if ep is not None:
             hosted = ep.hosted(rank % plan.processes_per_worker)
@@ -182,8 +209,9 @@ def fetches_table(before: ParallelPlan, after: ParallelPlan) -> tuple[Table, lis
     return table, fetches
 
 
-def engine_plan_dict(plan: ParallelPlan) -> dict[str, Any]:
+def engine_plan_dict(plan: ParallelPlan, cfg: TrainConfig) -> dict[str, Any]:
     z = plan.zero
+    memory = ranks_memory(plan, cfg)
     return {
         "describe": plan.describe(),
         "zero": {
@@ -211,6 +239,12 @@ def engine_plan_dict(plan: ParallelPlan) -> dict[str, Any]:
                 "replica": z.replica_index(r),
                 "checkpointShard": plan.checkpoint_shard(r),
                 "persists": plan.persists(r),
+                "memoryBytes": {
+                    "params": memory[r].state.params,
+                    "grads": memory[r].state.grads,
+                    "optimizer": memory[r].state.optimizer,
+                    "activations": memory[r].activations,
+                },
             }
             for r in range(plan.world_size)
         ],
@@ -314,14 +348,14 @@ def _engine_plans(console: Console, cfg: TrainConfig, workers: int, fail: int) -
     out: dict[str, Any] = {}
     trained = make_plan(1, ranks_of(pods), ranks_of(pods), cfg)
     console.print(engine_plan_table(trained, "What this version's engine trains", cfg))
-    out["engine"] = engine_plan_dict(trained)
+    out["engine"] = engine_plan_dict(trained, cfg)
     if not fail:
         return out
     survivors = ranks_of(pods[fail:] or pods[:1])
     after = make_plan(2, survivors, survivors, cfg)
     title = f"The engine after losing {fail} worker(s)"
     console.print(engine_plan_table(after, title, cfg))
-    out["engineAfterFailure"] = engine_plan_dict(after)
+    out["engineAfterFailure"] = engine_plan_dict(after, cfg)
     if trained.pipelines is not None and after.pipelines is not None:
         table, fetches = fetches_table(trained, after)
         console.print(table)

@@ -122,3 +122,20 @@ def test_precision_bench_quick(tmp_path: Path) -> None:
     # what its modules keep) is held to the 10 % target for every family and precision.
     for case in cases:
         assert 0.9 <= case["ratio"]["activations"] <= 1.1, case
+    # Every layout on two ranks, each rank against what `bulkhead plan` predicts for it:
+    # the state it keeps between steps exactly, its peak saved activations within 10 %.
+    rows = json.loads(out.read_text())["layouts"]
+    layouts = ["data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "pipeline 1F1B", "experts"]
+    assert [(r["layout"], r["precision"], r["rank"]) for r in rows] == [
+        (layout, precision, rank)
+        for layout in layouts
+        for precision in ("fp32", "bf16")
+        for rank in (0, 1)
+    ]
+    for row in rows:
+        for kind in ("params", "grads", "optimizer"):
+            assert row["measured"][kind] == row["predicted"][kind], (row, kind)
+        assert 0.9 <= row["ratio"]["activations"] <= 1.1, row
+    zero3 = [r for r in rows if r["layout"] == "ZeRO-3" and r["precision"] == "fp32"]
+    whole = [r for r in rows if r["layout"] == "data parallel" and r["precision"] == "fp32"]
+    assert 2 * zero3[0]["measured"]["params"] <= 1.01 * whole[0]["measured"]["params"]

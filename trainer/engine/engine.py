@@ -243,10 +243,13 @@ class Engine:
         held = StateBytes(
             params=sum(size(t) for t in params),
             grads=sum(size(t.grad) for t in params),
+            # The slots shaped like their parameter, not AdamW's scalar step count (by
+            # shape: ``spec.shardable`` is False for every key of expert layouts and of
+            # pipeline stages without ZeRO).
             optimizer=sum(
                 size(t)
                 for spec, t in self._entries
-                if spec.name.startswith("optim/") and spec.shardable
+                if spec.name.startswith("optim/") and t.dim() >= 1
             ),
         )
         num_params = sum(spec.numel for spec in self.specs if spec.name.startswith("param/"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -254,16 +255,20 @@ class Llama(CausalLM):
         if unit == 0:
             return ActivationValues(int64=1)  # the token ids
         if unit == n + 1:  # the norm's input, normalised input, statistic; fp32 log-probs
-            return ActivationValues(fp32=2 * d + 1 + s.vocab_size, compute=d)
+            return ActivationValues(fp32=2 * d + 1 + s.vocab_size, compute=d, norm_outputs=d)
         # Each RMSNorm keeps its input and normalised input in fp32 (and a statistic), the
         # attention its log-sum-exp; the normalised inputs, the rotated q and k, v and the
         # attention output are compute values; under bf16, q, k and v each cast the input.
+        # Under FSDP2's bf16 gathers the bf16 norm weights make the normalised inputs bf16.
         fp32, compute, casts = 4 * d + 2 + s.n_heads, 2 * d + 2 * q + 2 * kv, 2 * d
         layer = self.model.layers[unit - 1]
         if not hasattr(layer, "block_sparse_moe"):  # SwiGLU: gate, silu, up, product
-            return ActivationValues(fp32=fp32, compute=compute + 4 * f, bf16_casts=casts + d)
+            return ActivationValues(
+                fp32=fp32, compute=compute + 4 * f, bf16_casts=casts + d, norm_outputs=2 * d
+            )
         moe = layer.block_sparse_moe
-        return routed_values(fp32, compute, moe, d, expert_values=4 * f + d, expert_casts=2 * d)
+        values = routed_values(fp32, compute, moe, d, expert_values=4 * f + d, expert_casts=2 * d)
+        return replace(values, norm_outputs=2 * d)
 
     def decays(self, param: str, tensor: torch.Tensor) -> bool:
         return not (

@@ -315,17 +315,3 @@ def _expert_plan(ranks: int, cfg: TrainConfig) -> ExpertPlan | None:
         ep.slots_per_worker,
         ep.rebalance_interval_steps,
     )
-
-
-def stage_state_bytes(
-    plan: ParallelPlan, per_group: dict[str, int], rank: int, slots: int = 2
-) -> int:
-    """Bytes of training state rank ``rank`` holds under ``plan``: parameters, gradients
-    and ``slots`` optimizer values per parameter (fp32), its stage's share of them
-    (``per_group``: ``engine.groups.group_sizes`` of the plan's model)."""
-    held = 0
-    for group in plan.stage_groups(rank):
-        n = per_group.get(group, 0)
-        sharded = plan.zero.sharded and not group.startswith("expert/")
-        held += -(-n // plan.zero.shard_size) if sharded else n
-    return held * 4 * (2 + slots)

@@ -21,7 +21,10 @@ autocast keeps a bf16 copy of every weight a unit multiplies by (+2 bytes per pa
 A family that declares nothing gets Korthikanti et al.'s 34*s*b*h bytes per decoder
 block for 2-byte values (doubled in fp32, +4*s*b*h of fp32 norms under bf16) without
 their attention-score term (``scaled_dot_product_attention`` keeps no score matrix). A
-recomputed block (``activationCheckpointing``) keeps its input alone. Measured against
+recomputed block (``activationCheckpointing``) keeps its input alone. Where FSDP2 gathers
+a unit's weights in bf16 (ZeRO) autocast copies and casts nothing and the norms' outputs
+are bf16 (``gathered``); ``parallel.rank_memory`` says which units that is on which rank,
+and what each rank of a layout holds. Measured against
 the trainer (``bench/precision.py``): gpt, llama and mixtral within 2 % in fp32 and bf16,
 with and without checkpointing.
 """
@@ -139,8 +142,16 @@ class ActivationValues:
     compute: float = 0.0  # in the compute dtype: 2 bytes under bf16, 4 in fp32
     bf16_casts: float = 0.0  # bf16 only: more copies of an input several projections cast
     int64: float = 0.0  # indices: token ids, routing choices
+    # Of ``fp32``: the norms' normalised outputs, which are bf16 where FSDP2 gathers the
+    # weights in bf16 (a bf16 norm weight multiplies them in bf16).
+    norm_outputs: float = 0.0
 
-    def bytes_per_token(self, precision: str) -> float:
+    def bytes_per_token(self, precision: str, gathered: bool = False) -> float:
+        """Bytes per token under ``precision``; ``gathered``: the unit's weights are
+        FSDP2's bf16 gathers (no autocast casts: the projections' inputs are bf16)."""
+        if precision == "bf16" and gathered:
+            fp32, compute = self.fp32 - self.norm_outputs, self.compute + self.norm_outputs
+            return 4 * fp32 + 2 * compute + 8 * self.int64
         casts = 2 * self.bf16_casts if precision == "bf16" else 0.0
         return 4 * self.fp32 + ACTIVATION_BYTES[precision] * self.compute + casts + 8 * self.int64
 
@@ -178,9 +189,18 @@ class ModelShape:
 
 
 def activation_bytes(
-    model: ModelShape, unit: UnitShape, tokens: int, precision: str, recomputed: bool = False
+    model: ModelShape,
+    unit: UnitShape,
+    tokens: int,
+    precision: str,
+    recomputed: bool = False,
+    copied_params: int | None = None,
+    gathered: bool = False,
 ) -> int:
-    """Bytes ``unit`` keeps for backward over ``tokens`` tokens (see the module docstring)."""
+    """Bytes ``unit`` keeps for backward over ``tokens`` tokens (see the module docstring).
+    ``copied_params``: how many of its parameters autocast copies to bf16 (default all it
+    multiplies by; fewer under expert parallelism); ``gathered``: FSDP2 gathers its
+    weights in the compute dtype (no copies; ``parallel.rank_memory`` says where)."""
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     element = ACTIVATION_BYTES[precision]
@@ -188,10 +208,12 @@ def activation_bytes(
     if recomputed and unit.kind == "block":
         return tokens * d * 4  # the block's input (the fp32 residual stream)
     # Autocast keeps a bf16 copy of every weight a unit multiplies by (an embedding gathers).
-    multiplies = unit.kind != "embedding"
-    weight_copies = 2 * unit.params if precision == "bf16" and multiplies else 0
+    copied = unit.params if copied_params is None else copied_params
+    multiplies = unit.kind != "embedding" and not gathered
+    weight_copies = 2 * copied if precision == "bf16" and multiplies else 0
     if unit.activations is not None:
-        return int(tokens * unit.activations.bytes_per_token(precision)) + weight_copies
+        per_token = unit.activations.bytes_per_token(precision, gathered)
+        return int(tokens * per_token) + weight_copies
     if unit.kind == "embedding":
         return tokens * 8  # the int64 token ids
     if unit.kind == "head":  # fp32 log-probabilities, the norm's and the projection's inputs
