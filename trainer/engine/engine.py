@@ -40,7 +40,7 @@ from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
 from bulkhead.trainer.engine.clip import scale_, squared_norm
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
-from bulkhead.trainer.engine.groups import ParamGroups
+from bulkhead.trainer.engine.groups import ParamGroups, group_sizes
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer, materialize_optimizer
 from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import (
@@ -60,6 +60,7 @@ from bulkhead.trainer.engine.zero import after_optimizer_step
 from bulkhead.trainer.models.protocol import build_seeded
 from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range
 from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes_per_rank
+from bulkhead.trainer.parallel.rank_memory import rank_state
 from bulkhead.trainer.parallel.transfer import plan_transfer
 
 if TYPE_CHECKING:  # these import this module
@@ -254,6 +255,12 @@ class Engine:
         )
         num_params = sum(spec.numel for spec in self.specs if spec.name.startswith("param/"))
         return held, state_bytes_per_rank(self.plan.zero, num_params)
+
+    def planned_state_bytes(self) -> StateBytes:
+        """What the planner (``bulkhead plan``) predicts this rank holds between steps, for
+        every layout (pipeline stages and hosted experts included)."""
+        per_group = group_sizes(self.cfg.family, self.cfg.model, self.plan.experts is not None)
+        return rank_state(self.plan, per_group, self.world.rank)
 
     def assemble(self, pieces: list[HeldState]) -> HeldState:
         """One whole state from the pieces of one checkpoint step."""

@@ -449,12 +449,12 @@ class ElasticTrainer:
             self._after_step(result, view, engine, report=first)
             self._check_stragglers(result, view, engine.world)
             if first:
-                held, formula = engine.state_bytes()
+                held, _ = engine.state_bytes()
                 log.info(
-                    "generation %d: model state on this rank %s; ZeRO formula %s",
+                    "generation %d: model state on this rank %s; planned %s",
                     view.generation,
                     held.describe(),
-                    formula.describe(),
+                    engine.planned_state_bytes().describe(),
                 )
             first = False
             if leaving or self.reporter.stop_requested.is_set():
