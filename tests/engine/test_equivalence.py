@@ -49,6 +49,9 @@ def config(
 # another order by other layouts) into differences of a fraction of one step (lr 3e-3):
 # parameters are compared to 2 % of one step.
 ADAM_ATOL = 6e-5
+# Steps of the equivalence runs: 10 show a layout's error (a layout given a 1 % larger
+# learning rate fails them: its loss is 1.7x the tolerance off from step 1); 20 cost twice.
+EQUIVALENCE_STEPS = 10
 
 
 def assert_same_state(result: Outcome, reference: Outcome, rtol: float, atol: float) -> None:
@@ -94,14 +97,15 @@ def test_data_parallel_ranks_equal_one_process_with_uneven_shares(tmp_path: Path
     ("stage", "hpz", "max_failures"),
     [(1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 2, 0)],  # hpZ needs h < S: one group of 4 shards
 )
-def test_zero_equals_data_parallel(
-    stage: int, hpz: int, max_failures: int, dp_reference: Outcome, tmp_path: Path
-) -> None:
+def test_zero_equals_data_parallel(stage: int, hpz: int, max_failures: int, tmp_path: Path) -> None:
     cfg = config(stage, hpz, max_failures=max_failures)
-    out = run_scenario(cfg, [Phase((0, 1, 2, 3), 20)], tmp_path)
+    out = run_scenario(cfg, [Phase((0, 1, 2, 3), EQUIVALENCE_STEPS)], tmp_path)
+    ref = one_process_reference(
+        config(workers=1, max_failures=0), EQUIVALENCE_STEPS, tmp_path / "ref"
+    )
     assert out[0].adoptions == [(1, "fresh", 0)]
-    assert_same_losses(out[0].losses, dp_reference.losses)
-    assert_same_state(out[0], dp_reference, rtol=1e-4, atol=ADAM_ATOL)
+    assert_same_losses(out[0].losses, ref.losses)
+    assert_same_state(out[0], ref, rtol=1e-4, atol=ADAM_ATOL)
 
 
 def test_a_kill_mid_step_loses_no_step_and_reshards_4_3_4(
