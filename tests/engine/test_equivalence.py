@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, one_process_reference, run_scenario
+from engine_harness import EQUIVALENCE_STEPS, Outcome, Phase, one_process_reference, run_scenario
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -49,9 +49,6 @@ def config(
 # another order by other layouts) into differences of a fraction of one step (lr 3e-3):
 # parameters are compared to 2 % of one step.
 ADAM_ATOL = 6e-5
-# Steps of the equivalence runs: 10 show a layout's error (a layout given a 1 % larger
-# learning rate fails them: its loss is 1.7x the tolerance off from step 1); 20 cost twice.
-EQUIVALENCE_STEPS = 10
 
 
 def assert_same_state(result: Outcome, reference: Outcome, rtol: float, atol: float) -> None:

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, one_process_reference, run_scenario
+from engine_harness import (
+    EQUIVALENCE_STEPS,
+    Outcome,
+    Phase,
+    one_process_reference,
+    run_scenario,
+)
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -54,9 +60,6 @@ def config(
 
 
 PP = {"minStages": 2}
-# Steps of the equivalence runs: 10 show a layout's error (a layout given a 1 % larger
-# learning rate fails them: its loss is 1.7x the tolerance off from step 1); 20 cost twice.
-EQUIVALENCE_STEPS = 10
 
 
 def reference(steps: int, tmp: Path, preset: str = "tiny", **trainer: object) -> Outcome:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import Phase, run_scenario
+from engine_harness import EQUIVALENCE_STEPS, Phase, run_scenario
 from test_pipeline_engine import (
     ADAM_ATOL,
-    EQUIVALENCE_STEPS,
     SGD,
     assert_same_losses,
     assert_same_state,
