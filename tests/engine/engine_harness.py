@@ -226,6 +226,10 @@ def run_scenario(
     return out
 
 
+# Steps of the equivalence runs against one process: 10 show a layout's error (a layout
+# given a 1 % larger learning rate fails them, its loss 1.3-1.7x the tolerance off from
+# step 1), and every step more costs every process of the scenario.
+EQUIVALENCE_STEPS = 10
 # At least this many steps per reference run: the longest any engine test compares.
 REFERENCE_STEPS = 20
 _references: dict[bytes, Outcome] = {}

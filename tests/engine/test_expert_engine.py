@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, one_process_reference, run_scenario
+from engine_harness import (
+    EQUIVALENCE_STEPS,
+    Outcome,
+    Phase,
+    one_process_reference,
+    run_scenario,
+)
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -89,12 +95,13 @@ def test_each_worker_hosts_half_the_experts() -> None:
 
 
 def test_expert_parallel_equals_every_expert_everywhere(tmp_path: Path) -> None:
-    out = run_scenario(config(experts=EP), [Phase((0, 1, 2, 3), 20)], tmp_path / "ep")
-    ref = reference(20, tmp_path / "ref")
+    phases = [Phase((0, 1, 2, 3), EQUIVALENCE_STEPS)]
+    out = run_scenario(config(experts=EP), phases, tmp_path / "ep")
+    ref = reference(EQUIVALENCE_STEPS, tmp_path / "ref")
     assert out[0].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref)
-    assert ref.losses[19] < ref.losses[0]  # it trained
+    assert ref.losses[EQUIVALENCE_STEPS - 1] < ref.losses[0]  # it trained
 
 
 def test_a_killed_worker_costs_no_step_and_its_experts_come_from_replicas(

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, Phase, one_process_reference, run_scenario
+from engine_harness import (
+    EQUIVALENCE_STEPS,
+    Outcome,
+    Phase,
+    one_process_reference,
+    run_scenario,
+)
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import TrainConfig, train_config
@@ -102,12 +108,12 @@ def test_heterogeneous_pipelines_equal_data_parallel(
 ) -> None:
     pp = {**PP, "schedule": schedule}
     cfg = config(pipeline=pp, preset=preset)
-    out = run_scenario(cfg, [Phase((0, 1, 2, 3, 4), 20)], tmp_path / "pp")
-    ref = reference(20, tmp_path / "ref", preset=preset)
+    out = run_scenario(cfg, [Phase((0, 1, 2, 3, 4), EQUIVALENCE_STEPS)], tmp_path / "pp")
+    ref = reference(EQUIVALENCE_STEPS, tmp_path / "ref", preset=preset)
     assert out[0].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref, rtol=1e-4, atol=ADAM_ATOL)
-    assert ref.losses[19] < ref.losses[0]  # it trained
+    assert ref.losses[EQUIVALENCE_STEPS - 1] < ref.losses[0]  # it trained
 
 
 def test_a_killed_middle_stage_costs_no_step_and_pipelines_are_reinstantiated(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import Phase, run_scenario
+from engine_harness import EQUIVALENCE_STEPS, Phase, run_scenario
 from test_pipeline_engine import (
     ADAM_ATOL,
     SGD,
@@ -78,8 +78,9 @@ def test_three_pods_form_pipelines_of_two_and_one_stage_on_both_processes() -> N
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_pipelines_of_pods_equal_data_parallel(tmp_path: Path, zero: int) -> None:
-    out = run_scenario(pod_config(zero), [Phase(tuple(range(PODS * G)), 20)], tmp_path / "pp")
-    ref = reference(20, tmp_path / "ref", gb=16, micro=4)
+    phases = [Phase(tuple(range(PODS * G)), EQUIVALENCE_STEPS)]
+    out = run_scenario(pod_config(zero), phases, tmp_path / "pp")
+    ref = reference(EQUIVALENCE_STEPS, tmp_path / "ref", gb=16, micro=4)
     assert out[0].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref, rtol=1e-4, atol=ADAM_ATOL)
@@ -136,10 +137,10 @@ def test_pipelines_with_experts_in_each_stage_equal_data_parallel(
     assert plan.experts is not None and plan.experts.ranks == G
     # 4 experts over a pod's 2 processes: each hosts 2 of every MoE block's experts.
     assert [len(plan.experts.hosted(p)[1]) for p in range(G)] == [2, 2]
-    out = run_scenario(cfg, [Phase(tuple(range(PODS * G)), 20)], tmp_path / "pp")
+    out = run_scenario(cfg, [Phase(tuple(range(PODS * G)), EQUIVALENCE_STEPS)], tmp_path / "pp")
     # The balance loss is not a sum over samples: the reference takes micro-batches of
     # what one process runs (half of the pipelines' micro-batch of 4).
-    ref = reference(20, tmp_path / "ref", preset="tiny-moe", gb=16, micro=2)
+    ref = reference(EQUIVALENCE_STEPS, tmp_path / "ref", preset="tiny-moe", gb=16, micro=2)
     assert out[0].adoptions == [(1, "fresh", 0)]
     assert_same_losses(out[0].losses, ref.losses)
     assert_same_state(out[0], ref, rtol=1e-4, atol=ADAM_ATOL)
