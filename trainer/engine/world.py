@@ -184,7 +184,11 @@ def coordinator_store(
     Survivors of a lost worker keep their coordinator, so they reuse the connection they
     have: a new TCPStore client per generation took 5.0 s now and then on this machine
     (survivors of one worker of 8 lost, ZeRO-3, at load 10-30), holding everyone else at
-    the check-in, while a round trip on the open connection takes milliseconds.
+    the check-in, while a round trip on the open connection takes milliseconds. The 5 s is
+    torch's: before connecting, its client looks up the store address's name (a reverse
+    DNS query, seen with strace: PTR 1.0.0.127.in-addr.arpa for ::ffff:127.0.0.1, which
+    /etc/hosts does not answer), and a query the resolver drops is retried after its 5 s
+    timeout (1 lookup in 60 here). A new process's first connection still pays it.
     """
     client = _CLIENTS.get(address)
     if client is not None:
