@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.world import World
 
 _HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
@@ -70,34 +71,46 @@ def sum_over_holders(
     different keys: pipeline stages, expert replicas); returns this rank's share of the
     squared global norm (each gradient counted by its first holder).
 
-    ``holders[key]``: ascending ranks, this one among them. One uneven all-to-all carries,
-    to each peer, every gradient both hold, in key order; the sum runs in rank order, so
-    every holder computes the same bits and takes the same step.
+    ``holders[key]``: ascending ranks, this one among them. Keys with the same holders
+    form a group (groups in holders order, keys in key order within one), which sums as
+    one flat tensor: one uneven all-to-all carries, to each peer, every group both hold,
+    so a group's piece from a peer is contiguous; the sum runs in rank order, so every
+    holder computes the same bits and takes the same step. The norm is one fused call.
     """
-    keys = sorted(grads)
+    by_holders: dict[tuple[int, ...], list[Any]] = {}
+    for key in sorted(grads):
+        by_holders.setdefault(tuple(holders[key]), []).append(key)
+    groups = sorted(by_holders.items())
+    own = {hs: torch.cat([grads[k].reshape(-1) for k in keys]) for hs, keys in groups}
     sends: dict[int, list[torch.Tensor]] = {}
-    for key in keys:
-        for peer in holders[key]:
+    for hs, _ in groups:
+        for peer in hs:
             if peer != world.rank:
-                sends.setdefault(peer, []).append(grads[key].reshape(-1))
-    dtype = grads[keys[0]].dtype if keys else torch.float32
+                sends.setdefault(peer, []).append(own[hs])
+    dtype = next(iter(grads.values())).dtype if grads else torch.float32
     received = world.exchange(
         {peer: torch.cat(parts) for peer, parts in sends.items()},
         {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
         dtype,
     )
     cursor = dict.fromkeys(received, 0)
-    norm_sq = 0.0
-    for key in keys:
-        g = grads[key]
-        total = torch.zeros_like(g)
-        for peer in holders[key]:  # in rank order: every holder sums alike
+    counted: list[torch.Tensor] = []
+    for hs, keys in groups:
+        flat = own[hs]
+        pieces = []
+        for peer in hs:  # in rank order: every holder sums alike
             if peer == world.rank:
-                total += g
+                pieces.append(flat)
             else:
-                total += received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g)
-                cursor[peer] += g.numel()
-        g.copy_(total)
-        if holders[key][0] == world.rank:
-            norm_sq += float(total.double().pow(2).sum())
-    return norm_sq
+                pieces.append(received[peer][cursor[peer] : cursor[peer] + flat.numel()])
+                cursor[peer] += flat.numel()
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total = total + piece
+        if len(pieces) > 1:
+            views = [grads[k] for k in keys]
+            sums = total.split([g.numel() for g in views])
+            torch._foreach_copy_(views, [t.view_as(g) for t, g in zip(sums, views, strict=True)])
+        if hs[0] == world.rank:
+            counted.append(total)
+    return squared_norm(counted)
