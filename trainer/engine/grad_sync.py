@@ -81,7 +81,7 @@ def sum_over_holders(
     for key in sorted(grads):
         by_holders.setdefault(tuple(holders[key]), []).append(key)
     groups = sorted(by_holders.items())
-    own = {hs: torch.cat([grads[k].reshape(-1) for k in keys]) for hs, keys in groups}
+    own = {hs: _flat([grads[k] for k in keys]) for hs, keys in groups}
     sends: dict[int, list[torch.Tensor]] = {}
     for hs, _ in groups:
         for peer in hs:
@@ -104,13 +104,37 @@ def sum_over_holders(
             else:
                 pieces.append(received[peer][cursor[peer] : cursor[peer] + flat.numel()])
                 cursor[peer] += flat.numel()
-        total = pieces[0]
-        for piece in pieces[1:]:
-            total = total + piece
         if len(pieces) > 1:
-            views = [grads[k] for k in keys]
-            sums = total.split([g.numel() for g in views])
-            torch._foreach_copy_(views, [t.view_as(g) for t, g in zip(sums, views, strict=True)])
+            _sum_in_order_(flat, pieces)
+            if len(keys) > 1:  # a group's flat is a copy: write its sums back
+                views = [grads[k] for k in keys]
+                sums = flat.split([g.numel() for g in views])
+                torch._foreach_copy_(
+                    views, [t.view_as(g) for t, g in zip(sums, views, strict=True)]
+                )
         if hs[0] == world.rank:
-            counted.append(total)
+            counted.append(flat)
     return squared_norm(counted)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor of ``tensors``: a view of a lone contiguous one (its sum is then
+    written in place), else a copy."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _sum_in_order_(own: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """``own`` (one of ``pieces``) becomes their sum, added in list order: the same bits on
+    every holder. In place when that keeps the order: ``own`` first, or two pieces (a + b
+    and b + a are the same bits); else through one new tensor."""
+    if pieces[0] is own or len(pieces) == 2:
+        for piece in pieces:
+            if piece is not own:
+                own.add_(piece)
+        return
+    total = pieces[0] + pieces[1]
+    for piece in pieces[2:]:
+        total += piece
+    own.copy_(total)
