@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.world import World
 
 _HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
@@ -75,28 +74,29 @@ def sum_over_holders(
     form a group (groups in holders order, keys in key order within one), which sums as
     one flat tensor: one uneven all-to-all carries, to each peer, every group both hold,
     so a group's piece from a peer is contiguous; the sum runs in rank order, so every
-    holder computes the same bits and takes the same step. The norm is one fused call.
+    holder computes the same bits and takes the same step. One host sync for the norm.
     """
     by_holders: dict[tuple[int, ...], list[Any]] = {}
     for key in sorted(grads):
         by_holders.setdefault(tuple(holders[key]), []).append(key)
     groups = sorted(by_holders.items())
-    own = {hs: _flat([grads[k] for k in keys]) for hs, keys in groups}
     sends: dict[int, list[torch.Tensor]] = {}
-    for hs, _ in groups:
+    for hs, keys in groups:
         for peer in hs:
             if peer != world.rank:
-                sends.setdefault(peer, []).append(own[hs])
+                sends.setdefault(peer, []).extend(grads[k].reshape(-1) for k in keys)
     dtype = next(iter(grads.values())).dtype if grads else torch.float32
     received = world.exchange(
         {peer: torch.cat(parts) for peer, parts in sends.items()},
         {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
         dtype,
     )
+    del sends
     cursor = dict.fromkeys(received, 0)
-    counted: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
+    # One group's flat copy at a time (not all before the exchange: the peak memory).
     for hs, keys in groups:
-        flat = own[hs]
+        flat = _flat([grads[k] for k in keys])
         pieces = []
         for peer in hs:  # in rank order: every holder sums alike
             if peer == world.rank:
@@ -113,8 +113,8 @@ def sum_over_holders(
                     views, [t.view_as(g) for t, g in zip(sums, views, strict=True)]
                 )
         if hs[0] == world.rank:
-            counted.append(flat)
-    return squared_norm(counted)
+            norms.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    return float(torch.stack(norms).pow(2).sum()) if norms else 0.0
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
