@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.world import World
 
 _HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
@@ -70,22 +71,19 @@ def sum_over_holders(
     different keys: pipeline stages, expert replicas); returns this rank's share of the
     squared global norm (each gradient counted by its first holder).
 
-    ``holders[key]``: ascending ranks, this one among them. Keys with the same holders
-    form a group (groups in holders order, keys in key order within one), which sums as
-    one flat tensor: one uneven all-to-all carries, to each peer, every group both hold,
-    so a group's piece from a peer is contiguous; the sum runs in rank order, so every
-    holder computes the same bits and takes the same step. One host sync for the norm.
+    ``holders[key]``: ascending ranks, this one among them. One uneven all-to-all carries,
+    to each peer, every gradient both hold, in key order; the sum runs in rank order, so
+    every holder computes the same bits and takes the same step. Sums are written in
+    place (no copy of the gradients beyond the exchange's buffers: the peak memory) and
+    the norm is one fused call with one host sync.
     """
-    by_holders: dict[tuple[int, ...], list[Any]] = {}
-    for key in sorted(grads):
-        by_holders.setdefault(tuple(holders[key]), []).append(key)
-    groups = sorted(by_holders.items())
+    keys = sorted(grads)
     sends: dict[int, list[torch.Tensor]] = {}
-    for hs, keys in groups:
-        for peer in hs:
+    for key in keys:
+        for peer in holders[key]:
             if peer != world.rank:
-                sends.setdefault(peer, []).extend(grads[k].reshape(-1) for k in keys)
-    dtype = next(iter(grads.values())).dtype if grads else torch.float32
+                sends.setdefault(peer, []).append(grads[key].reshape(-1))
+    dtype = grads[keys[0]].dtype if keys else torch.float32
     received = world.exchange(
         {peer: torch.cat(parts) for peer, parts in sends.items()},
         {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
@@ -93,42 +91,27 @@ def sum_over_holders(
     )
     del sends
     cursor = dict.fromkeys(received, 0)
-    norms: list[torch.Tensor] = []
-    # One group's flat copy at a time (not all before the exchange: the peak memory).
-    for hs, keys in groups:
-        flat = _flat([grads[k] for k in keys])
+    counted: list[torch.Tensor] = []
+    for key in keys:
+        g = grads[key]
         pieces = []
-        for peer in hs:  # in rank order: every holder sums alike
+        for peer in holders[key]:  # in rank order: every holder sums alike
             if peer == world.rank:
-                pieces.append(flat)
+                pieces.append(g)
             else:
-                pieces.append(received[peer][cursor[peer] : cursor[peer] + flat.numel()])
-                cursor[peer] += flat.numel()
+                pieces.append(received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g))
+                cursor[peer] += g.numel()
         if len(pieces) > 1:
-            _sum_in_order_(flat, pieces)
-            if len(keys) > 1:  # a group's flat is a copy: write its sums back
-                views = [grads[k] for k in keys]
-                sums = flat.split([g.numel() for g in views])
-                torch._foreach_copy_(
-                    views, [t.view_as(g) for t, g in zip(sums, views, strict=True)]
-                )
-        if hs[0] == world.rank:
-            norms.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
-    return float(torch.stack(norms).pow(2).sum()) if norms else 0.0
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat tensor of ``tensors``: a view of a lone contiguous one (its sum is then
-    written in place), else a copy."""
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+            _sum_in_order_(g, pieces)
+        if holders[key][0] == world.rank:
+            counted.append(g)
+    return squared_norm(counted)
 
 
 def _sum_in_order_(own: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """``own`` (one of ``pieces``) becomes their sum, added in list order: the same bits on
-    every holder. In place when that keeps the order: ``own`` first, or two pieces (a + b
-    and b + a are the same bits); else through one new tensor."""
+    every holder. In place when that keeps the order (``own`` first, or two pieces: a + b
+    and b + a are the same bits), else through one new tensor."""
     if pieces[0] is own or len(pieces) == 2:
         for piece in pieces:
             if piece is not own:
