@@ -33,6 +33,11 @@ activations and communication buffers, not the interpreter; ``ratio`` and
 ``memory_ratio`` (bulkhead / baseline); ``expected_memory_ratio``: the per-rank state bytes
 (fp32 parameters, gradients, AdamW's two slots: the ZeRO accounting) bulkhead's plan keeps
 for its ``maxFailures + 1`` copies over what the baseline keeps, for the rank holding most.
+``*_cpu_s_per_step``: CPU seconds (every rank's process time, its communication threads
+included) per timed step, summed over the ranks; ``cpu_ratio``: the baseline's over
+bulkhead's (like ``ratio``, above 1 means bulkhead costs less). On a shared machine a
+process's CPU time moves much less with the load than its wall time does, so ``cpu_ratio``
+is the steadier comparison there (it does not see time lost waiting).
 Each run's losses are kept: both sides must start from the same loss and stay finite.
 
 Rounds (``--rounds``, default 2) run every row's two sides one after the other, the
@@ -330,7 +335,7 @@ def _rank(slot: int, job: Job) -> None:
     side.after_warmup()
     dist.barrier()
     profiler = cProfile.Profile() if job.profile and slot == 0 else None
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
     for i in range(job.sizes.warmup, job.sizes.warmup + job.sizes.steps):
@@ -342,6 +347,7 @@ def _rank(slot: int, job: Job) -> None:
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
     if device.is_cuda:
         torch.cuda.synchronize(device.device)
+    cpu_seconds = time.process_time() - cpu_started  # before the barrier's wait
     dist.barrier()
     seconds = time.perf_counter() - started
     peak = peak_memory(device.device)
@@ -349,6 +355,7 @@ def _rank(slot: int, job: Job) -> None:
         "slot": slot,
         "losses": losses,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "peak_bytes": peak["bytes"] - base,
         "peak_what": peak["what"],
         "device": device.describe(),
@@ -385,6 +392,7 @@ def run(
     records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(row.processes)]
     return {
         "steps_per_s": sizes.steps / records[0]["seconds"],
+        "cpu_s_per_step": sum(r["cpu_seconds"] for r in records) / sizes.steps,
         "peak_bytes_per_rank": max(r["peak_bytes"] for r in records),
         "peak_bytes": [r["peak_bytes"] for r in records],
         "peak_what": records[0]["peak_what"],
@@ -479,6 +487,7 @@ def measure(
                 rr.runs[side].append(got)
                 print(
                     f"  round {index} {rr.row.name:16} {side:8} {got['steps_per_s']:7.3f} steps/s "
+                    f"{got['cpu_s_per_step']:6.2f} CPU s/step "
                     f"peak {got['peak_bytes_per_rank'] / 2**20:7.1f} MiB/rank",
                     flush=True,
                 )
@@ -489,6 +498,7 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     b, p = rr.runs["bulkhead"], rr.runs["baseline"]
     ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(b, p, strict=True)]
     mem = [x["peak_bytes_per_rank"] / y["peak_bytes_per_rank"] for x, y in zip(b, p, strict=True)]
+    cpu = [y["cpu_s_per_step"] / x["cpu_s_per_step"] for x, y in zip(b, p, strict=True)]
     cfg = config(rr.row, sizes)
     out: dict[str, Any] = {
         "mode": rr.row.name,
@@ -500,6 +510,10 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
         "baseline_steps_per_s": statistics.median(x["steps_per_s"] for x in p),
         "ratio": statistics.median(ratios),
         "round_ratios": ratios,
+        "bulkhead_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in b),
+        "baseline_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in p),
+        "cpu_ratio": statistics.median(cpu),
+        "round_cpu_ratios": cpu,
         "bulkhead_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in b)),
         "baseline_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in p)),
         "memory_ratio": statistics.median(mem),
@@ -546,13 +560,14 @@ def pipeline_prediction(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def report(results: dict[str, Any]) -> None:
     print(
-        f"{'mode':16} {'bulkhead':>9} {'baseline':>9} {'ratio':>6} "
+        f"{'mode':16} {'bulkhead':>9} {'baseline':>9} {'ratio':>6} {'cpu':>5} "
         f"{'MiB/rank b':>10} {'MiB/rank p':>10} {'mem':>5} {'exp.':>5}"
     )
     for r in results["rows"]:
         print(
             f"{r['mode']:16} {r['bulkhead_steps_per_s']:9.3f} {r['baseline_steps_per_s']:9.3f} "
-            f"{r['ratio']:6.3f} {r['bulkhead_peak_bytes_per_rank'] / 2**20:10.1f} "
+            f"{r['ratio']:6.3f} {r['cpu_ratio']:5.2f} "
+            f"{r['bulkhead_peak_bytes_per_rank'] / 2**20:10.1f} "
             f"{r['baseline_peak_bytes_per_rank'] / 2**20:10.1f} {r['memory_ratio']:5.2f} "
             f"{r['expected_memory_ratio']:5.2f}"
         )

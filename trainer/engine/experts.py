@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_LAYOUTS_KEPT = 8  # per MoE layer
+
 
 @dataclass(frozen=True)
 class Rebalance:
@@ -103,6 +105,19 @@ class QuotaDispatch:
         self.replicas = replicas  # (experts, team ranks): slots of each expert on each rank
         # Global assignments per expert since the last rebalance (the same on every rank).
         self.load = np.zeros(num_experts, dtype=np.int64)
+        # Layouts of recent (counts, replicas): a recomputed block's second pass, and
+        # micro-batches routed alike, reuse one instead of deriving the quotas again.
+        self._layouts: dict[tuple[bytes, bytes], DispatchLayout] = {}
+
+    def layout(self, counts: np.ndarray) -> DispatchLayout:
+        """The dispatch layout of these (ranks, experts) counts under the current replicas."""
+        key = (counts.tobytes(), self.replicas.tobytes())
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                del self._layouts[next(iter(self._layouts))]  # the oldest
+            found = self._layouts[key] = DispatchLayout.of(self.team.rank, counts, self.replicas)
+        return found
 
     def __call__(self, layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         top_k = routing.chosen.shape[-1]
@@ -111,7 +126,7 @@ class QuotaDispatch:
         counts = self.team.all_gather(local).cpu().numpy()  # (ranks, experts)
         if not recomputing():  # a checkpointed block's second pass routes the same tokens
             self.load += counts.sum(axis=0)
-        layout = DispatchLayout.of(self.team.rank, counts, self.replicas)
+        layout = self.layout(counts)
         order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(tokens.device)
         token_of = order // top_k  # assignment a is slot a % k of token a // k
         group = self.team.group

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.world import World
 
 _HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
@@ -72,7 +73,9 @@ def sum_over_holders(
 
     ``holders[key]``: ascending ranks, this one among them. One uneven all-to-all carries,
     to each peer, every gradient both hold, in key order; the sum runs in rank order, so
-    every holder computes the same bits and takes the same step.
+    every holder computes the same bits and takes the same step. Sums are written in
+    place (no copy of the gradients beyond the exchange's buffers: the peak memory) and
+    the norm is one fused call with one host sync.
     """
     keys = sorted(grads)
     sends: dict[int, list[torch.Tensor]] = {}
@@ -86,18 +89,35 @@ def sum_over_holders(
         {peer: sum(t.numel() for t in parts) for peer, parts in sends.items()},
         dtype,
     )
+    del sends
     cursor = dict.fromkeys(received, 0)
-    norm_sq = 0.0
+    counted: list[torch.Tensor] = []
     for key in keys:
         g = grads[key]
-        total = torch.zeros_like(g)
+        pieces = []
         for peer in holders[key]:  # in rank order: every holder sums alike
             if peer == world.rank:
-                total += g
+                pieces.append(g)
             else:
-                total += received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g)
+                pieces.append(received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g))
                 cursor[peer] += g.numel()
-        g.copy_(total)
+        if len(pieces) > 1:
+            _sum_in_order_(g, pieces)
         if holders[key][0] == world.rank:
-            norm_sq += float(total.double().pow(2).sum())
-    return norm_sq
+            counted.append(g)
+    return squared_norm(counted)
+
+
+def _sum_in_order_(own: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """``own`` (one of ``pieces``) becomes their sum, added in list order: the same bits on
+    every holder. In place when that keeps the order (``own`` first, or two pieces: a + b
+    and b + a are the same bits), else through one new tensor."""
+    if pieces[0] is own or len(pieces) == 2:
+        for piece in pieces:
+            if piece is not own:
+                own.add_(piece)
+        return
+    total = pieces[0] + pieces[1]
+    for piece in pieces[2:]:
+        total += piece
+    own.copy_(total)

@@ -62,7 +62,8 @@ class LocalSchedule:
         forward = engine.replicated or engine.model
         aux_coef = cfg.aux_coef
         device = world.device.device
-        forward.train()
+        if not engine.model.training:  # only evaluate() switches modes, and it restores them
+            forward.train()  # a walk over every module: not on every step
         lm_sum = aux_sum = 0.0
         # This rank's compute time, for straggler detection, must not include waiting for
         # the others: DDP waits for its last buckets after backward, so the clock stops when

@@ -168,7 +168,8 @@ class PipelineSchedule:
         aux_coef = cfg.aux_coef
         device = world.device.device
         dtype = self.wire(engine)
-        engine.model.train()
+        if not engine.model.training:  # only evaluate() switches modes, and it restores them
+            engine.model.train()  # a walk over every module: not on every step
         passes: dict[int, _Pass] = {}
         sending: list[tuple[dist.Work, torch.Tensor]] = []
         lm_sum = aux_sum = compute = 0.0

@@ -16,8 +16,9 @@ lost ones, in the same order, it is derived from the retained one instead of cre
 newcomer, a reordering, an aborted world) creates the next world with
 ``init_process_group``.
 
-Our own collectives (the step commit, the state exchange) are waited for by polling, so a
-rank blocked by a hung peer gives up as soon as ``should_abandon()`` says a newer
+Our own collectives (the step commit, the state exchange) are waited for in slices (gloo:
+blocking waits with a timeout, which wake the moment the collective ends; NCCL: polling),
+so a rank blocked by a hung peer gives up as soon as ``should_abandon()`` says a newer
 generation exists. Collectives inside FSDP2 block in the library; their failures arrive
 as exceptions, which ``guard`` turns into ``CollectiveError``.
 """
@@ -372,7 +373,10 @@ class World:
 
         try:
             works = launch()
-            poll_until(lambda: all(w.is_completed() for w in works), check)
+            if self.device.backend == "gloo":
+                wait_in_slices(works, check, self.abandon_after_s)
+            else:  # an NCCL wait only orders streams: the host polls the completion
+                poll_until(lambda: all(w.is_completed() for w in works), check)
             for w in works:
                 w.wait()
         except CollectiveError:
@@ -707,6 +711,34 @@ def poll_until(
         else:
             pause(elapsed, backoff)
         backoff = min(backoff * 2, _MAX_POLL_S)
+
+
+def wait_in_slices(
+    works: list[dist.Work], check: Callable[[float], None], first_slice_s: float
+) -> None:
+    """Block until every gloo ``work`` has ended, ``check(seconds since the start)`` between
+    slices (it raises to give up).
+
+    A blocking wait wakes the moment its collective ends, where a poll oversleeps it by up
+    to the poll's backoff (profiled: 10 % of a pipeline step). The first slice lasts until
+    ``first_slice_s`` (``check`` gives up only after it), later ones ``_MAX_POLL_S``. A slice
+    that runs out raises "Operation timed out!" with the work still pending (not failed);
+    a failed work is completed, and waiting for it again raises its error.
+    """
+    started = time.monotonic()
+    for work in works:
+        while True:
+            elapsed = time.monotonic() - started
+            # At least a millisecond: a zero timeout means "no timeout" to c10d.
+            slice_s = max(first_slice_s - elapsed, _MAX_POLL_S)
+            try:
+                work.wait(timedelta(seconds=slice_s))
+                break
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # ended meanwhile or failed: its own outcome decides
+                    break
+            check(time.monotonic() - started)
 
 
 def form_world(

@@ -19,6 +19,7 @@ No assignment is dropped or padded: rows out and in are exactly the routed assig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -35,12 +36,12 @@ class DispatchLayout:
         """``counts``: (ranks, experts) routed assignments; ``replicas``: (experts, ranks)."""
         return cls(rank, dispatch_quotas(np.asarray(counts).T, replicas))
 
-    @property
+    @cached_property
     def input_splits(self) -> list[int]:
         """Rows this rank sends to each rank."""
         return self.send[:, self.rank, :].sum(axis=0).tolist()
 
-    @property
+    @cached_property
     def output_splits(self) -> list[int]:
         """Rows this rank receives from each rank."""
         return self.send[:, :, self.rank].sum(axis=0).tolist()
@@ -65,7 +66,11 @@ class DispatchLayout:
 
     def received_rows(self) -> dict[int, np.ndarray]:
         """Expert -> rows of the received buffer holding its assignments (each source's
-        block is ordered by expert)."""
+        block is ordered by expert); computed once per layout (layouts are reused)."""
+        return self._received_rows
+
+    @cached_property
+    def _received_rows(self) -> dict[int, np.ndarray]:
         incoming = self.send[:, :, self.rank]  # (experts, sources)
         block_starts = np.concatenate([[0], np.cumsum(incoming.sum(axis=0))])
         rows: dict[int, list[np.ndarray]] = {}
