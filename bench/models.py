@@ -100,17 +100,52 @@ def _wait_until(moment: float) -> None:
 _START_MARGIN_S = 0.5
 
 
-def import_round(pool: Any, directory: Path, ranks: int, sizes: LlamaSizes) -> dict:
-    start_at = time.monotonic() + _START_MARGIN_S
-    results = pool.starmap(
-        _rank, [(str(directory), r, ranks, start_at, sizes) for r in range(ranks)]
-    )
-    return {
-        "bytes": sum(r[0] for r in results),
-        "max_rank_bytes": max(r[0] for r in results),
-        "wall_s": max(r[2] for r in results) - start_at,
-        "cpu_s": sum(r[3] for r in results),
-    }
+class RankProcesses:
+    """One process per importing rank, started (and torch imported) once, each reading its
+    share when told the instant to start. Not a ``multiprocessing.Pool``: a pool's worker
+    handler starts a new worker for one that exits, so a SIGTERM that ends the bench's
+    children could race it and leave one behind."""
+
+    def __init__(self, ctx: Any, directory: Path, ranks: int, sizes: LlamaSizes) -> None:
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(ranks)]
+        self.procs = [
+            ctx.Process(target=_serve_rank, daemon=True,
+                        args=(str(directory), r, ranks, sizes, self.tasks[r], self.results))
+            for r in range(ranks)
+        ]  # fmt: skip
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:  # every rank imported torch and waits
+            self.results.get(timeout=_RANK_TIMEOUT_S)
+
+    def round(self) -> dict:
+        start_at = time.monotonic() + _START_MARGIN_S
+        for tasks in self.tasks:
+            tasks.put(start_at)
+        results = [self.results.get(timeout=_RANK_TIMEOUT_S) for _ in self.tasks]
+        return {
+            "bytes": sum(r[0] for r in results),
+            "max_rank_bytes": max(r[0] for r in results),
+            "wall_s": max(r[2] for r in results) - start_at,
+            "cpu_s": sum(r[3] for r in results),
+        }
+
+    def close(self) -> None:
+        for tasks in self.tasks:
+            tasks.put(None)
+        for p in self.procs:
+            p.join(timeout=_RANK_TIMEOUT_S)
+
+
+_RANK_TIMEOUT_S = 300.0
+
+
+def _serve_rank(directory: str, rank: int, ranks: int, sizes: LlamaSizes, tasks: Any,
+                results: Any) -> None:  # fmt: skip
+    results.put(None)  # ready
+    while (start_at := tasks.get()) is not None:
+        results.put(_rank(directory, rank, ranks, start_at, sizes))
 
 
 def baseline_read(directory: Path) -> dict[str, float]:
@@ -259,11 +294,14 @@ def io_figures(args: argparse.Namespace) -> dict[str, Any]:
         # spawn: a forked child of a process that ran torch's OpenMP pool can deadlock in
         # it. The ranks start (and import torch) once; each round starts them together.
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(args.ranks) as pool:
+        ranks = RankProcesses(ctx, directory, args.ranks, sizes)
+        try:
             for _ in range(rounds):
-                ours_import.append(import_round(pool, directory, args.ranks, sizes))
+                ours_import.append(ranks.round())
                 base_import.append(baseline_read(directory))
                 sequential.append(sequential_shares(directory, args.ranks, sizes))
+        finally:
+            ranks.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     best_ours = min(ours_import, key=lambda r: r["wall_s"])

@@ -73,6 +73,9 @@ class FileControl:
         return Directive(action=action, generation=current)
 
     def progress(self, report: ProgressReport) -> Directive:
+        if report.setup is not None:  # set-up news carries no step (the manager's reading)
+            _append(self.root / "setup.jsonl", report.wire())
+            return self._directive(report.generation)
         # A line per step, as the manager reads a report (its own step and those before).
         for figures in report.figures():
             line = {"worker": report.worker, "generation": report.generation}
