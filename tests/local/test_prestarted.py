@@ -135,7 +135,7 @@ def test_a_worker_started_during_a_recovery_yields_the_cpu_until_it_ends(tmp_pat
         spec = TrainingJobSpec.model_validate({"workers": 2})
         driver = LocalDriver(
             "job", spec, tmp_path, RunRecorder(tmp_path), "http://127.0.0.1:1", "token",
-            lambda _: None, command=[sys.executable, "-c", "import time; time.sleep(60)"],
+            lambda _: None, command=[sys.executable, "-c", "import signal; signal.pause()"],
         )  # fmt: skip
         await driver.start_worker(WorkerRef("job", 0, 0))
         first = psutil.Process(driver._procs["job-w0-0"].process.pid)
