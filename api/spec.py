@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -68,19 +76,76 @@ class SpecModel(Model):
     model_config = ConfigDict(allow_inf_nan=False)
 
 
+def _no_crd_default(schema: dict[str, Any]) -> None:
+    """Keeps a field's default out of the CRD, so the API server does not fill it in."""
+    schema.pop("default", None)
+
+
+class GivenSettings(SpecModel):
+    """Settings whose defaults a preset or a checkpoint's config.json may replace.
+
+    A field counts as given when the manifest names it, even at its default value (the
+    user who writes ``nLayers: 4`` with the ``tiny`` preset gets 4 layers, not the preset's
+    2). So the defaults of such fields are kept out of the CRD (``Given``), and the wire
+    form a worker receives carries only what was given: the trainer sees the same
+    ``given()`` as the manifest's author wrote.
+    """
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        fields = type(self).model_fields
+        keep = {name for name in self.model_fields_set}
+        keep |= {fields[name].alias for name in self.model_fields_set if fields[name].alias}
+        return {k: v for k, v in data.items() if k in keep}
+
+    def given(self) -> dict[str, Any]:
+        """The fields the manifest names (snake_case), without explicit nulls."""
+        return {
+            name: getattr(self, name)
+            for name in type(self).model_fields
+            if name in self.model_fields_set and getattr(self, name) is not None
+        }
+
+
+def Given(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - a Field() factory
+    """A ``Field`` of a ``GivenSettings`` whose default stays out of the CRD."""
+    return Field(default, json_schema_extra=_no_crd_default, **kwargs)
+
+
+def _value(field: str, default: Any) -> str:
+    """CEL for a field that may be absent (its default then), the twin of ``getattr``."""
+    return f"(has(self.{field}) ? self.{field} : {default})"
+
+
 _TOP_K = "must be <= numExperts"
+MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 4, "top_k": 2, "every": 2, "load_balance_coef": 0.01,
+}  # fmt: skip
 
 
-class MoEConfig(SpecModel):
-    """Mixture-of-Experts feed-forward blocks."""
+class MoEConfig(GivenSettings):
+    """Mixture-of-Experts feed-forward blocks (a preset's experts, overridden by every field
+    given here)."""
 
-    num_experts: int = Field(4, ge=2, le=1024, description="Experts per MoE layer.")
-    top_k: int = Field(2, ge=1, le=8, description="Experts each token is routed to.")
-    every: int = Field(
-        2, ge=1, le=1024, description="Every n-th decoder block uses an MoE feed-forward (1 = all)."
+    num_experts: int = Given(
+        MOE_DEFAULTS["num_experts"], ge=2, le=1024, description="Experts per MoE layer (default 4)."
     )
-    load_balance_coef: float = Field(
-        0.01, ge=0, le=1, description="Weight of the load-balancing auxiliary loss."
+    top_k: int = Given(
+        MOE_DEFAULTS["top_k"], ge=1, le=8, description="Experts each token is routed to (default 2)."
+    )
+    every: int = Given(
+        MOE_DEFAULTS["every"],
+        ge=1,
+        le=1024,
+        description="Every n-th decoder block uses an MoE feed-forward (1 = all; default 2; "
+        "the mixtral family routes every block).",
+    )
+    load_balance_coef: float = Given(
+        MOE_DEFAULTS["load_balance_coef"],
+        ge=0,
+        le=1,
+        description="Weight of the load-balancing auxiliary loss (default 0.01).",
     )
 
     @model_validator(mode="after")
@@ -94,7 +159,8 @@ class MoEConfig(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.topK <= self.numExperts",
+                    f"{_value('topK', MOE_DEFAULTS['top_k'])} <= "
+                    f"{_value('numExperts', MOE_DEFAULTS['num_experts'])}",
                     _TOP_K,
                     "topK",
                 )
@@ -156,11 +222,20 @@ class PretrainedConfig(SpecModel):
 
 _HEADS = "must divide dModel"
 _KV_HEADS = "must divide nHeads"
+_SIZED_ELSEWHERE = "(has(self.preset) || has(self.pretrained))"
 
 
-class ModelConfig(SpecModel):
-    """The model: a family (gpt, llama, mixtral or a user's), its sizes (a preset, explicit
-    fields overriding it, or a Hugging Face config.json) and optional pretrained weights."""
+# The sizes a model has when neither a preset nor config.json nor the manifest gives them.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 64,
+    "dropout": 0.0, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+class ModelConfig(GivenSettings):
+    """The model: a family (gpt, llama, mixtral or a user's), its sizes (a preset, every
+    field given here overriding it, or a Hugging Face config.json) and optional pretrained
+    weights."""
 
     family: str = Field(
         "gpt",
@@ -173,11 +248,27 @@ class ModelConfig(SpecModel):
     pretrained: PretrainedConfig | None = Field(
         None, description="Hugging Face weights to start from (llama and mixtral families)."
     )
-    preset: ModelPreset | None = Field(None, description="Named size; explicit fields override.")
-    vocab_size: int = Field(256, ge=2, le=1_000_000, description="Byte-level data uses 256.")
-    d_model: int = Field(64, ge=8, le=65536, description="Hidden (embedding) width.")
-    n_layers: int = Field(4, ge=1, le=1024, description="Transformer blocks.")
-    n_heads: int = Field(4, ge=1, le=512, description="Attention heads; must divide dModel.")
+    preset: ModelPreset | None = Field(
+        None, description="Named size; every size field given here overrides it."
+    )
+    vocab_size: int = Given(
+        MODEL_DEFAULTS["vocab_size"],
+        ge=2,
+        le=1_000_000,
+        description="Vocabulary size (default 256: byte-level data uses 256).",
+    )
+    d_model: int = Given(
+        MODEL_DEFAULTS["d_model"], ge=8, le=65536, description="Hidden (embedding) width (default 64)."
+    )
+    n_layers: int = Given(
+        MODEL_DEFAULTS["n_layers"], ge=1, le=1024, description="Transformer blocks (default 4)."
+    )
+    n_heads: int = Given(
+        MODEL_DEFAULTS["n_heads"],
+        ge=1,
+        le=512,
+        description="Attention heads; must divide dModel (default 4).",
+    )
     n_kv_heads: int | None = Field(
         None,
         ge=1,
@@ -185,11 +276,11 @@ class ModelConfig(SpecModel):
         description="Key/value heads of grouped-query attention (llama, mixtral); must divide "
         "nHeads. Default nHeads.",
     )
-    seq_len: int = Field(
-        64,
+    seq_len: int = Given(
+        MODEL_DEFAULTS["seq_len"],
         ge=4,
         le=1_000_000,
-        description="Tokens per training sequence (with pretrained weights: default the "
+        description="Tokens per training sequence (default 64; with pretrained weights: the "
         "checkpoint's max_position_embeddings).",
     )
     ffn_dim: int | None = Field(
@@ -198,14 +289,24 @@ class ModelConfig(SpecModel):
         le=1_048_576,
         description="Feed-forward width (of each expert for MoE); default 4 x dModel.",
     )
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability (0 = none).")
-    rope_theta: float = Field(
-        10000.0, gt=0, le=1e12, description="Rotary embedding base (llama, mixtral)."
+    dropout: float = Given(
+        MODEL_DEFAULTS["dropout"], ge=0, lt=1, description="Dropout probability (default 0: none)."
+    )
+    rope_theta: float = Given(
+        MODEL_DEFAULTS["rope_theta"],
+        gt=0,
+        le=1e12,
+        description="Rotary embedding base (llama, mixtral; default 10000).",
     )
     rope_scaling: RopeScalingConfig | None = Field(
         None, description="Llama-3 rotary frequency scaling (llama, mixtral); omit for none."
     )
-    rms_norm_eps: float = Field(1e-5, gt=0, le=1, description="RMSNorm epsilon (llama, mixtral).")
+    rms_norm_eps: float = Given(
+        MODEL_DEFAULTS["rms_norm_eps"],
+        gt=0,
+        le=1,
+        description="RMSNorm epsilon (llama, mixtral; default 1e-5).",
+    )
     tie_embeddings: bool | None = Field(
         None,
         description="Share the embedding and the output head (llama, mixtral; default false; "
@@ -213,11 +314,21 @@ class ModelConfig(SpecModel):
     )
     moe: MoEConfig | None = Field(None, description="Omit for a dense model.")
 
+    def _sizes_known(self, *names: str) -> bool:
+        """Whether ``names`` have their final values here: given, or defaults that no preset
+        or config.json replaces (else the trainer checks them once the sizes are resolved)."""
+        sized_elsewhere = self.preset is not None or self.pretrained is not None
+        return not sized_elsewhere or set(names) <= self.model_fields_set
+
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
+        if self._sizes_known("d_model", "n_heads") and self.d_model % self.n_heads:
             raise _rule("nHeads", _HEADS, {"dModel": self.d_model, "nHeads": self.n_heads})
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+        if (
+            self.n_kv_heads is not None
+            and self._sizes_known("n_heads")
+            and self.n_heads % self.n_kv_heads
+        ):
             raise _rule(
                 "nKvHeads", _KV_HEADS, {"nHeads": self.n_heads, "nKvHeads": self.n_kv_heads}
             )
@@ -227,12 +338,15 @@ class ModelConfig(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.dModel % self.nHeads == 0",
+                    f"{_SIZED_ELSEWHERE} && !(has(self.dModel) && has(self.nHeads)) || "
+                    f"{_value('dModel', MODEL_DEFAULTS['d_model'])} % "
+                    f"{_value('nHeads', MODEL_DEFAULTS['n_heads'])} == 0",
                     _HEADS,
                     "nHeads",
                 ),
                 cel(
-                    "!has(self.nKvHeads) || self.nHeads % self.nKvHeads == 0",
+                    f"!has(self.nKvHeads) || {_SIZED_ELSEWHERE} && !has(self.nHeads) || "
+                    f"{_value('nHeads', MODEL_DEFAULTS['n_heads'])} % self.nKvHeads == 0",
                     _KV_HEADS,
                     "nKvHeads",
                 ),

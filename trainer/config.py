@@ -1,17 +1,18 @@
 """The trainer's one config object, resolved from a TrainingJobSpec.
 
-``spec.trainer.model`` may name a preset (tiny, tiny-moe, small, small-moe); explicit
-fields override it. Because the spec travels to workers in its wire form (defaults
-included), a field counts as explicit when it differs from the ModelConfig default: setting
-a field to exactly its default value does not override a preset.
+``spec.trainer.model`` may name a preset (tiny, tiny-moe, small, small-moe); every field
+the manifest gives overrides it, also at its default value (``GivenSettings``: the wire
+form a worker receives carries only the given fields).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bulkhead.api.spec import (
+    MODEL_DEFAULTS,
+    MOE_DEFAULTS,
     DataConfig,
     EvalConfig,
     ModelConfig,
@@ -78,23 +79,24 @@ class ModelSizes:
         return self.moe is not None and (layer + 1) % self.moe.every == 0
 
 
+# The ModelConfig fields that size the gpt family (ModelSizes' fields but its experts).
+_SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "ffn_dim", "dropout")
+
+
 def resolve_model(model: ModelConfig) -> ModelSizes:
-    """Concrete sizes: preset values, overridden by every field that differs from its default
+    """Concrete sizes: the defaults, then the preset, then every field the manifest gives
     (only the fields ``ModelSizes`` has: the gpt family's ``sizes`` refuses the others)."""
-    defaults = ModelConfig()
-    values: dict[str, Any] = {}
-    if model.preset is not None:
-        values.update(PRESETS[model.preset])
-    for name in (f.name for f in fields(ModelSizes)):
-        if name == "moe":
-            continue
-        value = getattr(model, name)
-        if name not in values or value != getattr(defaults, name):
-            values[name] = value
-    if model.moe is not None:
-        values["moe"] = model.moe.model_dump()
-    moe = values.pop("moe", None)
-    moe_sizes = MoESizes(**MoEConfig.model_validate(moe).model_dump()) if moe else None
+    given = model.given()
+    values: dict[str, Any] = {name: MODEL_DEFAULTS.get(name) for name in _SIZE_FIELDS}
+    preset = PRESETS[model.preset] if model.preset is not None else {}
+    values.update({k: v for k, v in preset.items() if k != "moe"})
+    values.update({k: v for k, v in given.items() if k in _SIZE_FIELDS})
+    # The experts: the preset's, each field the manifest gives overriding it.
+    moe_given = model.moe.given() if model.moe is not None else None
+    moe_sizes = None
+    if moe_given is not None or "moe" in preset:
+        merged = {**MOE_DEFAULTS, **preset.get("moe", {}), **(moe_given or {})}
+        moe_sizes = MoESizes(**MoEConfig.model_validate(merged).given())
     d_model = values["d_model"]
     if d_model % values["n_heads"]:
         raise ValueError(

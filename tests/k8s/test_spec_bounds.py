@@ -303,6 +303,10 @@ CROSS_FIELD: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "heads": ({"spec.trainer.model": {"dModel": 64, "nHeads": 3}}, "trainer.model.nHeads"),
     "kv-heads": ({"spec.trainer.model": {"nHeads": 4, "nKvHeads": 3}}, "trainer.model.nKvHeads"),
+    # Sizes not given are their defaults when no preset or checkpoint replaces them.
+    "heads-default": ({"spec.trainer.model": {"nHeads": 3}}, "trainer.model.nHeads"),
+    "kv-heads-default": ({"spec.trainer.model": {"nKvHeads": 3}}, "trainer.model.nKvHeads"),
+    "top-k-default": ({"spec.trainer.model.moe": {"topK": 5}}, "trainer.model.moe.topK"),
     "stages": (
         {"spec.trainer.parallelism.pipeline": {"minStages": 2, "maxStages": 1}},
         "trainer.parallelism.pipeline.maxStages",
@@ -420,3 +424,32 @@ def test_the_api_server_refuses_each_broken_rule_in_pydantics_words(
         if f'{field}: Invalid value: "object": {message}' not in server:
             different.append((rule, ours, server[:400]))
     assert different == []
+
+
+def test_the_api_server_fills_no_model_size_so_a_size_at_its_default_overrides_the_preset(
+    k8s_cluster: Cluster, trainingjob_crd: str, k8s_namespace: str
+) -> None:
+    """A preset's sizes are overridden by every size the manifest gives, also one equal to
+    its default: the CRD has no defaults for them (the API server would fill them in, and
+    nothing could tell a default from a given value), and what a worker parses is what the
+    manifest's author wrote."""
+    from bulkhead.trainer.config import train_config
+
+    api = client.CustomObjectsApi(k8s_cluster.api_client())
+    job = example_job("given-sizes")
+    job["spec"]["trainer"]["model"] = {
+        "preset": "tiny-moe", "nLayers": 4, "moe": {"numExperts": 4, "topK": 1},
+    }  # fmt: skip
+    job["spec"]["trainer"]["parallelism"] = {}
+    stored = api.create_namespaced_custom_object(
+        GROUP, VERSION, k8s_namespace, PLURAL, job, dry_run="All"
+    )
+    model = stored["spec"]["trainer"]["model"]
+    assert model == {"family": "gpt", **job["spec"]["trainer"]["model"]}, model
+    parsed = TrainingJob.model_validate(stored).spec
+    worker_sees = TrainingJob.model_validate({**stored, "spec": parsed.wire()}).spec
+    sizes = train_config(worker_sees).model
+    # nLayers 4 is the field's default, and the tiny-moe preset has 2 layers; the preset's
+    # 4 experts are given again, its top-k 2 is overridden, its width kept.
+    assert (sizes.n_layers, sizes.d_model) == (4, 64)
+    assert sizes.moe is not None and (sizes.moe.num_experts, sizes.moe.top_k) == (4, 1)

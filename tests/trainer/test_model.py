@@ -20,7 +20,7 @@ def build_model(sizes: ModelSizes, seed: int) -> GPT:
 
 
 def _wire_round_trip(model: dict) -> ModelConfig:
-    """The model config as a worker sees it: through the spec's wire form (defaults filled)."""
+    """The model config as a worker sees it: through the spec's wire form."""
     spec = TrainingJobSpec.model_validate({"workers": 1, "trainer": {"model": model}})
     return TrainingJobSpec.model_validate(spec.wire()).trainer.model
 
@@ -44,6 +44,19 @@ def test_explicit_fields_override_the_preset() -> None:
     assert sizes.n_layers == 6
     assert sizes.d_model == PRESETS["small-moe"]["d_model"]
     assert sizes.moe is not None and (sizes.moe.num_experts, sizes.moe.top_k) == (3, 1)
+
+
+def test_a_field_given_at_its_default_value_overrides_the_preset() -> None:
+    """nLayers 4 is the field's default; the tiny preset has 2 layers. The moe fields merge
+    into the preset's experts: topK given, numExperts and every kept from tiny-moe."""
+    sizes = resolve_model(_wire_round_trip({"preset": "tiny", "nLayers": 4, "seqLen": 64}))
+    assert (sizes.n_layers, sizes.d_model) == (4, PRESETS["tiny"]["d_model"])
+    moe = resolve_model(_wire_round_trip({"preset": "tiny-moe", "moe": {"topK": 1}})).moe
+    preset_moe = PRESETS["tiny-moe"]["moe"]
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.every) == (
+        preset_moe["num_experts"], 1, preset_moe["every"],
+    )  # fmt: skip
 
 
 def test_no_preset_uses_the_fields_and_default_ffn() -> None:

@@ -243,9 +243,9 @@ _NOT_GPT = {
 def gpt_sizes(model: ModelConfig) -> ModelSizes:
     """The gpt family's sizes of ``spec.trainer.model``; a setting only the llama and mixtral
     families honour is an error naming it (never silently ignored)."""
-    defaults = ModelConfig()
+    given = model.given()
     for name, wire in _NOT_GPT.items():
-        if getattr(model, name) != getattr(defaults, name):
+        if name in given:
             raise ValueError(
                 f"spec.trainer.model.{wire}: the gpt family has no such setting "
                 "(family llama or mixtral has)"

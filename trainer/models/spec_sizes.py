@@ -4,9 +4,8 @@ Without pretrained weights the sizes are the family's preset, overridden by ever
 field. With ``pretrained.path`` they come from the directory's ``config.json``; explicit
 fields must agree with it (a mismatch names the spec field and the config.json key), except
 the training settings ``seqLen`` (at most max_position_embeddings), ``dropout`` and
-``moe.loadBalanceCoef``, which the job chooses. As in ``bulkhead.trainer.config``, the spec
-reaches workers with its defaults filled in, so a field is explicit when it differs from
-its default.
+``moe.loadBalanceCoef``, which the job chooses. A field is explicit when the manifest
+gives it, also at its default value (``ModelConfig.given``).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bulkhead.api.spec import ModelConfig, MoEConfig, RopeScalingConfig
+from bulkhead.api.spec import MOE_DEFAULTS, ModelConfig, MoEConfig, RopeScalingConfig
 from bulkhead.trainer.config import MoESizes
 from bulkhead.trainer.models.hf_config import (
     CONFIG_FILE,
@@ -64,16 +63,6 @@ _AGREE_MOE: dict[str, tuple[str, str]] = {
 }
 
 
-def _explicit(model: Any) -> dict[str, Any]:
-    """The fields of ``model`` (a ModelConfig or MoEConfig) that differ from their defaults."""
-    defaults = type(model)()
-    return {
-        name: getattr(model, name)
-        for name in type(model).model_fields
-        if getattr(model, name) != getattr(defaults, name)
-    }
-
-
 def _rope_scaling(value: RopeScalingConfig | dict[str, Any] | None) -> RopeScaling | None:
     if value is None:
         return None
@@ -101,10 +90,10 @@ def resolve(model: ModelConfig, family: str) -> LlamaSizes:
                 f"{', '.join(presets)}, got {model.preset!r}"
             )
         values.update(presets[model.preset])
-    explicit = _explicit(model)
+    explicit = model.given()
     explicit.pop("preset", None)
     explicit.pop("family", None)
-    moe_explicit = _explicit(model.moe) if model.moe is not None else {}
+    moe_explicit = model.moe.given() if model.moe is not None else {}
     values.update({k: v for k, v in explicit.items() if k != "moe"})
     if family == "llama" and (model.moe is not None):
         raise ValueError("spec.trainer.model.moe: the llama family is dense; use family mixtral")
@@ -116,13 +105,13 @@ def resolve(model: ModelConfig, family: str) -> LlamaSizes:
                 "spec.trainer.model.moe: the mixtral family needs its experts "
                 "(numExperts, topK) or a preset"
             )
-        merged = {**MoEConfig().model_dump(), "every": 1, **base, **moe_explicit}
+        merged = {**MOE_DEFAULTS, "every": 1, **base, **moe_explicit}
         if merged["every"] != 1:
             raise ValueError(
                 f"spec.trainer.model.moe.every: the mixtral family routes every block (1), "
                 f"got {merged['every']}"
             )
-        moe = MoESizes(**MoEConfig.model_validate(merged).model_dump())
+        moe = MoESizes(**MoEConfig.model_validate(merged).given())
     defaults = ModelConfig()
     d_model = values.get("d_model", defaults.d_model)
     n_heads = values.get("n_heads", defaults.n_heads)
@@ -168,7 +157,7 @@ def _from_pretrained(model: ModelConfig, family: str) -> LlamaSizes:
             f"{mapping.architecture} ({mapping.family!r})"
         )
     sizes = mapping.sizes(config, source)
-    explicit = _explicit(model)
+    explicit = model.given()
     for name, (wire, key) in _AGREE.items():
         if name not in explicit:
             continue
@@ -183,7 +172,7 @@ def _from_pretrained(model: ModelConfig, family: str) -> LlamaSizes:
     if model.moe is not None:
         if sizes.moe is None:
             raise ValueError(f"spec.trainer.model.moe: {source} describes a dense model")
-        moe_explicit = _explicit(model.moe)
+        moe_explicit = model.moe.given()
         for name, (wire, key) in _AGREE_MOE.items():
             if name in moe_explicit and moe_explicit[name] != getattr(sizes.moe, name):
                 theirs = getattr(sizes.moe, name)
