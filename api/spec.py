@@ -108,7 +108,7 @@ class GivenSettings(SpecModel):
         }
 
 
-def Given(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - a Field() factory
+def Given(default: Any, **kwargs: Any) -> Any:  # a Field() factory, named like Field
     """A ``Field`` of a ``GivenSettings`` whose default stays out of the CRD."""
     return Field(default, json_schema_extra=_no_crd_default, **kwargs)
 
@@ -132,7 +132,10 @@ class MoEConfig(GivenSettings):
         MOE_DEFAULTS["num_experts"], ge=2, le=1024, description="Experts per MoE layer (default 4)."
     )
     top_k: int = Given(
-        MOE_DEFAULTS["top_k"], ge=1, le=8, description="Experts each token is routed to (default 2)."
+        MOE_DEFAULTS["top_k"],
+        ge=1,
+        le=8,
+        description="Experts each token is routed to (default 2).",
     )
     every: int = Given(
         MOE_DEFAULTS["every"],
@@ -258,7 +261,10 @@ class ModelConfig(GivenSettings):
         description="Vocabulary size (default 256: byte-level data uses 256).",
     )
     d_model: int = Given(
-        MODEL_DEFAULTS["d_model"], ge=8, le=65536, description="Hidden (embedding) width (default 64)."
+        MODEL_DEFAULTS["d_model"],
+        ge=8,
+        le=65536,
+        description="Hidden (embedding) width (default 64).",
     )
     n_layers: int = Given(
         MODEL_DEFAULTS["n_layers"], ge=1, le=1024, description="Transformer blocks (default 4)."
