@@ -21,16 +21,18 @@ loop of ``bench/_modes_baselines.py``. Nothing fails in either run.
   to a CPU of its own (``os.sched_setaffinity``, one torch thread) on both sides: Lazarus
   with one copy (maxFailures 0) and 5 slots per worker, so the 2 slots beyond one per
   expert go to the loaded experts at the rebalance | every expert once (0-3 on rank 0,
-  4-7 on rank 1). On a machine with fewer CPUs than processes, a rank waiting for its
-  peers hands its core to a busy one and an imbalance costs nothing: these rows measure
-  what a rank of its own (a GPU) would see;
+  4-7 on rank 1); sequences of 256 tokens, one micro-batch of 8 per rank. With fewer
+  CPUs than processes, a rank waiting for its peers hands its core to a busy one and an
+  imbalance costs nothing: these rows measure what a rank of its own (a GPU) would see;
 - ``composed``: 2 worker pods of 2 processes, one pipeline of 2 stages, each stage ZeRO-3
   sharded and its experts spread over its pod (maxFailures 0: one copy, as 4 processes
   allow) | ``Schedule1F1B`` x ``fully_shard`` x every expert once, the same pods.
 
 ``experts-skewed`` adds a bias to two experts' router logits (experts 0 and 4: on different
 ranks of the baseline, its best case) so that they take most of the tokens;
-``experts-skewed-pinned`` biases experts 0 and 1, both on the baseline's rank 0.
+``experts-skewed-pinned`` biases experts 0 and 1, both on the baseline's rank 0 (at the
+bias of 2, every token picks both of them: the baseline's rank 0 computes every routed
+token, bulkhead's rebalanced plan puts a replica of each on both ranks).
 
 Per row: ``bulkhead_steps_per_s`` and ``baseline_steps_per_s`` (rank 0, timed steps after
 the warm-up, between two barriers); ``*_peak_bytes_per_rank``: the largest over ranks of the
@@ -46,6 +48,9 @@ included) per timed step, summed over the ranks; ``cpu_ratio``: the baseline's o
 bulkhead's (like ``ratio``, above 1 means bulkhead costs less). On a shared machine a
 process's CPU time moves much less with the load than its wall time does, so ``cpu_ratio``
 is the steadier comparison there (it does not see time lost waiting).
+``busiest_rank_cpu_ratio``: the same for the rank with the most CPU time per step (the
+baseline's over bulkhead's): the step time when each rank has a CPU of its own and
+waits cost nothing, so it shows an imbalance between ranks that a shared CPU hides.
 Each run's losses are kept: both sides must start from the same loss and stay finite.
 
 Rounds (``--rounds``, default 2) run every row's two sides one after the other, the
@@ -64,6 +69,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import fcntl
+import io
 import json
 import math
 import os
@@ -72,7 +79,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -116,6 +123,9 @@ class Row:
     # Each rank pinned to a CPU of its own (rank r on CPU r), so that a rank waiting for
     # its peers cannot lend its core to a busy one: needs a CPU per process.
     pinned: bool = False
+    # Sequence length and micro-batch size instead of the sizes' (None: theirs).
+    seq_len: int | None = None
+    micro_batch: int | None = None
 
 
 ROWS = (
@@ -170,6 +180,10 @@ ROWS = (
             "every expert once, all-to-all dispatch, 1 CPU per rank",
             hot=(0, 1) if kind == "skewed" else (),  # both on baseline rank 0
             pinned=True,
+            # 4x the tokens per step in one micro-batch per rank: the expert matmuls, not
+            # the per-step and per-call costs, take most of a step, as on a GPU.
+            seq_len=256,
+            micro_batch=8,
         )
         for kind in ("uniform", "skewed")
     ),
@@ -201,6 +215,11 @@ FULL = Sizes(d_model=128, n_layers=4, seq_len=64, global_batch=16, micro_batch=2
 
 
 def config(row: Row, sizes: Sizes) -> TrainConfig:
+    sizes = replace(
+        sizes,
+        seq_len=row.seq_len or sizes.seq_len,
+        micro_batch=row.micro_batch or sizes.micro_batch,
+    )
     model: dict[str, Any] = {
         "family": row.family,
         "dModel": sizes.d_model,
@@ -245,7 +264,7 @@ class Job:
     sizes: Sizes
     port: int
     out_dir: str
-    profile: str | None = None  # rank 0 writes its timed steps' cProfile top here
+    profile: str | None = None  # every rank appends its timed steps' cProfile top here
 
 
 def _current_rss() -> int:
@@ -371,7 +390,7 @@ def _rank(slot: int, job: Job) -> None:
     losses = [side.step(dataset, i) for i in range(job.sizes.warmup)]
     placement = side.after_warmup()
     dist.barrier()
-    profiler = cProfile.Profile() if job.profile and slot == 0 else None
+    profiler = cProfile.Profile() if job.profile else None
     started, cpu_started = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
@@ -379,9 +398,11 @@ def _rank(slot: int, job: Job) -> None:
         losses.append(side.step(dataset, i))
     if profiler is not None:
         profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         with open(job.profile, "a") as out:  # type: ignore[arg-type]
-            out.write(f"== {job.row.name} {job.side}\n")
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+            fcntl.flock(out, fcntl.LOCK_EX)  # ranks append whole blocks
+            out.write(f"== {job.row.name} {job.side} rank {slot}\n{text.getvalue()}")
     if device.is_cuda:
         torch.cuda.synchronize(device.device)
     cpu_seconds = time.process_time() - cpu_started  # before the barrier's wait
@@ -539,6 +560,11 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(b, p, strict=True)]
     mem = [x["peak_bytes_per_rank"] / y["peak_bytes_per_rank"] for x, y in zip(b, p, strict=True)]
     cpu = [y["cpu_s_per_step"] / x["cpu_s_per_step"] for x, y in zip(b, p, strict=True)]
+    # The busiest rank's CPU: what a step takes when every rank has a CPU of its own.
+    busiest = [
+        max(y["cpu_s_per_step_by_rank"]) / max(x["cpu_s_per_step_by_rank"])
+        for x, y in zip(b, p, strict=True)
+    ]
     cfg = config(rr.row, sizes)
     out: dict[str, Any] = {
         "mode": rr.row.name,
@@ -554,6 +580,8 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
         "baseline_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in p),
         "cpu_ratio": statistics.median(cpu),
         "round_cpu_ratios": cpu,
+        "busiest_rank_cpu_ratio": statistics.median(busiest),
+        "round_busiest_rank_cpu_ratios": busiest,
         "bulkhead_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in b)),
         "baseline_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in p)),
         "memory_ratio": statistics.median(mem),
@@ -633,7 +661,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="a GPU's peak, for MFU")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument(
-        "--profile", type=Path, default=None, help="append rank 0's cProfile of round 0 here"
+        "--profile", type=Path, default=None, help="append every rank's cProfile of round 0 here"
     )
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
