@@ -17,12 +17,22 @@ loop of ``bench/_modes_baselines.py``. Nothing fails in either run.
   ``Schedule1F1B`` on the same 3 + 2 stages;
 - ``experts-uniform``/``-skewed``: Lazarus, >= 2 replicas of every expert, 5 slots per
   worker, rebalanced after the warm-up | every expert once, all-to-all dispatch;
+- ``experts-uniform-pinned``/``-skewed-pinned``: the experts on 2 processes, each pinned
+  to a CPU of its own (``os.sched_setaffinity``, one torch thread) on both sides: Lazarus
+  with one copy (maxFailures 0) and 5 slots per worker, so the 2 slots beyond one per
+  expert go to the loaded experts at the rebalance | every expert once (0-3 on rank 0,
+  4-7 on rank 1); sequences of 256 tokens, one micro-batch of 8 per rank. With fewer
+  CPUs than processes, a rank waiting for its peers hands its core to a busy one and an
+  imbalance costs nothing: these rows measure what a rank of its own (a GPU) would see;
 - ``composed``: 2 worker pods of 2 processes, one pipeline of 2 stages, each stage ZeRO-3
   sharded and its experts spread over its pod (maxFailures 0: one copy, as 4 processes
   allow) | ``Schedule1F1B`` x ``fully_shard`` x every expert once, the same pods.
 
 ``experts-skewed`` adds a bias to two experts' router logits (experts 0 and 4: on different
-ranks of the baseline, its best case) so that they take most of the tokens.
+ranks of the baseline, its best case) so that they take most of the tokens;
+``experts-skewed-pinned`` biases experts 0 and 1, both on the baseline's rank 0 (at the
+bias of 2, every token picks both of them: the baseline's rank 0 computes every routed
+token, bulkhead's rebalanced plan puts a replica of each on both ranks).
 
 Per row: ``bulkhead_steps_per_s`` and ``baseline_steps_per_s`` (rank 0, timed steps after
 the warm-up, between two barriers); ``*_peak_bytes_per_rank``: the largest over ranks of the
@@ -38,6 +48,9 @@ included) per timed step, summed over the ranks; ``cpu_ratio``: the baseline's o
 bulkhead's (like ``ratio``, above 1 means bulkhead costs less). On a shared machine a
 process's CPU time moves much less with the load than its wall time does, so ``cpu_ratio``
 is the steadier comparison there (it does not see time lost waiting).
+``busiest_rank_cpu_ratio``: the same for the rank with the most CPU time per step (the
+baseline's over bulkhead's): the step time when each rank has a CPU of its own and
+waits cost nothing, so it shows an imbalance between ranks that a shared CPU hides.
 Each run's losses are kept: both sides must start from the same loss and stay finite.
 
 Rounds (``--rounds``, default 2) run every row's two sides one after the other, the
@@ -56,6 +69,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import fcntl
+import io
 import json
 import math
 import os
@@ -64,7 +79,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -89,7 +104,6 @@ from bulkhead.trainer.parallel.plan import (
     state_bytes_per_rank,
 )
 
-HOT_EXPERTS = (0, 4)
 HOT_BIAS = 2.0  # added to the hot experts' router logits: most tokens pick them
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW's two slots
 RUN_TIMEOUT_S = 900.0
@@ -103,8 +117,15 @@ class Row:
     parallelism: dict[str, Any]
     max_failures: int
     baseline: str
-    skew: bool = False
+    # Experts whose router logits get ``HOT_BIAS`` (both sides alike); none: uniform routing.
+    hot: tuple[int, ...] = ()
     per_worker: int = 1  # processes per worker pod
+    # Each rank pinned to a CPU of its own (rank r on CPU r), so that a rank waiting for
+    # its peers cannot lend its core to a busy one: needs a CPU per process.
+    pinned: bool = False
+    # Sequence length and micro-batch size instead of the sizes' (None: theirs).
+    seq_len: int | None = None
+    micro_batch: int | None = None
 
 
 ROWS = (
@@ -145,7 +166,24 @@ ROWS = (
             {"experts": {"slotsPerWorker": 5, "rebalanceIntervalSteps": 0}},
             1,
             "every expert once, all-to-all dispatch",
-            skew=kind == "skewed",
+            hot=(0, 4) if kind == "skewed" else (),  # on different baseline ranks: its best case
+        )
+        for kind in ("uniform", "skewed")
+    ),
+    *(
+        Row(
+            f"experts-{kind}-pinned",
+            "mixtral",
+            2,
+            {"experts": {"slotsPerWorker": 5, "rebalanceIntervalSteps": 0}},
+            0,
+            "every expert once, all-to-all dispatch, 1 CPU per rank",
+            hot=(0, 1) if kind == "skewed" else (),  # both on baseline rank 0
+            pinned=True,
+            # 4x the tokens per step in one micro-batch per rank: the expert matmuls, not
+            # the per-step and per-call costs, take most of a step, as on a GPU.
+            seq_len=256,
+            micro_batch=8,
         )
         for kind in ("uniform", "skewed")
     ),
@@ -177,6 +215,11 @@ FULL = Sizes(d_model=128, n_layers=4, seq_len=64, global_batch=16, micro_batch=2
 
 
 def config(row: Row, sizes: Sizes) -> TrainConfig:
+    sizes = replace(
+        sizes,
+        seq_len=row.seq_len or sizes.seq_len,
+        micro_batch=row.micro_batch or sizes.micro_batch,
+    )
     model: dict[str, Any] = {
         "family": row.family,
         "dModel": sizes.d_model,
@@ -221,7 +264,7 @@ class Job:
     sizes: Sizes
     port: int
     out_dir: str
-    profile: str | None = None  # rank 0 writes its timed steps' cProfile top here
+    profile: str | None = None  # every rank appends its timed steps' cProfile top here
 
 
 def _current_rss() -> int:
@@ -231,11 +274,11 @@ def _current_rss() -> int:
     return 0
 
 
-def _skew(model: torch.nn.Module) -> None:
-    """Bias the router logits of ``HOT_EXPERTS`` in every MoE layer (both sides alike)."""
+def _skew(model: torch.nn.Module, hot: tuple[int, ...]) -> None:
+    """Bias the router logits of the ``hot`` experts in every MoE layer (both sides alike)."""
     for layer in model.moe_layers().values():  # type: ignore[operator]
         bias = torch.zeros(layer.num_experts)
-        bias[list(HOT_EXPERTS)] = HOT_BIAS
+        bias[list(hot)] = HOT_BIAS
         layer.router.register_forward_hook(lambda _m, _i, out, b=bias: out + b.to(out.device))
 
 
@@ -259,10 +302,13 @@ class BulkheadSide:
     def step(self, dataset: Any, step: int) -> float:
         return self.engine.step(dataset).loss
 
-    def after_warmup(self) -> None:
-        plan = self.engine.rebalanced_plan()  # Lazarus: replicas follow the load
-        if plan is not None:
-            self.engine.install(plan)
+    def after_warmup(self) -> list[str]:
+        """Rebalance (Lazarus: replicas follow the load); the placement the timed steps run."""
+        plan = self.engine.rebalanced_plan()
+        if plan is None:
+            return []
+        self.engine.install(plan)
+        return plan.experts.describe() if plan.experts is not None else []
 
 
 class BaselineSide:
@@ -309,11 +355,21 @@ class BaselineSide:
     def step(self, dataset: Any, step: int) -> float:
         return self.trainer.step(dataset, step)
 
-    def after_warmup(self) -> None:
-        pass
+    def after_warmup(self) -> list[str]:
+        return []
+
+
+def _pin(slot: int, processes: int) -> None:
+    """Pin this process (and the threads it starts later) to CPU ``slot``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < processes:
+        raise RuntimeError(f"a pinned row needs a CPU per process: {processes} > CPUs {cpus}")
+    os.sched_setaffinity(0, {cpus[slot]})
 
 
 def _rank(slot: int, job: Job) -> None:
+    if job.row.pinned:
+        _pin(slot, job.row.processes)  # before gloo and torch start their threads
     torch.set_num_threads(1)
     device = pick_device(slot)
     activate(device)
@@ -329,12 +385,12 @@ def _rank(slot: int, job: Job) -> None:
     reset_peak_memory(device.device)
     base = torch.cuda.memory_allocated(device.device) if device.is_cuda else _current_rss()
     model = side.start()
-    if job.row.skew:
-        _skew(model)
+    if job.row.hot:
+        _skew(model, job.row.hot)
     losses = [side.step(dataset, i) for i in range(job.sizes.warmup)]
-    side.after_warmup()
+    placement = side.after_warmup()
     dist.barrier()
-    profiler = cProfile.Profile() if job.profile and slot == 0 else None
+    profiler = cProfile.Profile() if job.profile else None
     started, cpu_started = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
@@ -342,9 +398,11 @@ def _rank(slot: int, job: Job) -> None:
         losses.append(side.step(dataset, i))
     if profiler is not None:
         profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         with open(job.profile, "a") as out:  # type: ignore[arg-type]
-            out.write(f"== {job.row.name} {job.side}\n")
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+            fcntl.flock(out, fcntl.LOCK_EX)  # ranks append whole blocks
+            out.write(f"== {job.row.name} {job.side} rank {slot}\n{text.getvalue()}")
     if device.is_cuda:
         torch.cuda.synchronize(device.device)
     cpu_seconds = time.process_time() - cpu_started  # before the barrier's wait
@@ -359,6 +417,7 @@ def _rank(slot: int, job: Job) -> None:
         "peak_bytes": peak["bytes"] - base,
         "peak_what": peak["what"],
         "device": device.describe(),
+        "placement": placement,
     }
     Path(job.out_dir, f"rank{slot}.json").write_text(json.dumps(record))
     dist.barrier()
@@ -393,11 +452,13 @@ def run(
     return {
         "steps_per_s": sizes.steps / records[0]["seconds"],
         "cpu_s_per_step": sum(r["cpu_seconds"] for r in records) / sizes.steps,
+        "cpu_s_per_step_by_rank": [r["cpu_seconds"] / sizes.steps for r in records],
         "peak_bytes_per_rank": max(r["peak_bytes"] for r in records),
         "peak_bytes": [r["peak_bytes"] for r in records],
         "peak_what": records[0]["peak_what"],
         "device": records[0]["device"],
         "losses": records[0]["losses"],
+        "placement": records[0]["placement"],
     }
 
 
@@ -499,6 +560,11 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(b, p, strict=True)]
     mem = [x["peak_bytes_per_rank"] / y["peak_bytes_per_rank"] for x, y in zip(b, p, strict=True)]
     cpu = [y["cpu_s_per_step"] / x["cpu_s_per_step"] for x, y in zip(b, p, strict=True)]
+    # The busiest rank's CPU: what a step takes when every rank has a CPU of its own.
+    busiest = [
+        max(y["cpu_s_per_step_by_rank"]) / max(x["cpu_s_per_step_by_rank"])
+        for x, y in zip(b, p, strict=True)
+    ]
     cfg = config(rr.row, sizes)
     out: dict[str, Any] = {
         "mode": rr.row.name,
@@ -514,6 +580,8 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
         "baseline_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in p),
         "cpu_ratio": statistics.median(cpu),
         "round_cpu_ratios": cpu,
+        "busiest_rank_cpu_ratio": statistics.median(busiest),
+        "round_busiest_rank_cpu_ratios": busiest,
         "bulkhead_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in b)),
         "baseline_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in p)),
         "memory_ratio": statistics.median(mem),
@@ -523,6 +591,9 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
         "bulkhead_losses": [x["losses"] for x in b],
         "baseline_losses": [x["losses"] for x in p],
         "peak_bytes_by_rank": {"bulkhead": b[-1]["peak_bytes"], "baseline": p[-1]["peak_bytes"]},
+        "bulkhead_cpu_s_per_step_by_rank": b[-1]["cpu_s_per_step_by_rank"],
+        "baseline_cpu_s_per_step_by_rank": p[-1]["cpu_s_per_step_by_rank"],
+        "bulkhead_placement": b[-1]["placement"],
         "peak_memory_measure": b[0]["peak_what"],
         "device": b[0]["device"],
     }
@@ -590,7 +661,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="a GPU's peak, for MFU")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument(
-        "--profile", type=Path, default=None, help="append rank 0's cProfile of round 0 here"
+        "--profile", type=Path, default=None, help="append every rank's cProfile of round 0 here"
     )
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-ROWS = ("data-parallel", "experts-skewed")  # two rows keep it short; each runs both sides
+ROWS = ("data-parallel", "experts-skewed", "experts-skewed-pinned")  # short: each runs both sides
 KEYS = (
     "mode",
     "bulkhead_steps_per_s",
@@ -60,3 +60,10 @@ def test_modes_quick(tmp_path: Path) -> None:
     # 20 experts of 4 MoE layers where every expert once holds 8.
     assert rows["data-parallel"]["expected_memory_ratio"] == 1.0
     assert rows["experts-skewed"]["expected_memory_ratio"] > 1.0
+    # Pinned, skewed: after the warm-up's rebalance both hot experts (0 and 1) have a
+    # replica on each of the 2 ranks, so each rank computes its own tokens for them.
+    blocks = [x for x in rows["experts-skewed-pinned"]["bulkhead_placement"] if "block" in x]
+    assert len(blocks) == 4, blocks
+    for line in blocks:
+        hosted = [part.split(": ")[1].split(",") for part in line.split("; ")[1:]]
+        assert len(hosted) == 2 and all({"0", "1"} <= set(h) for h in hosted), line

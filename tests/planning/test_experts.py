@@ -18,10 +18,12 @@ from bulkhead.trainer.planning.experts import (
     ExpertPlacement,
     allocate_replicas,
     blocks_fit,
+    doubles,
     mro_placement,
     place_experts,
     random_placement,
     spread_placement,
+    without_doubles,
 )
 from bulkhead.trainer.planning.recovery import recovery_probability
 
@@ -89,8 +91,11 @@ def test_recovery_probability_equals_enumeration_and_mro_is_best(inst, target, s
     for placement in (mro, chosen, *baselines):
         valid(placement, r, slots)
     fits = blocks_fit(r, nodes, slots, loads)
-    if fits:
-        assert chosen == mro
+    if fits:  # MRO, or MRO without its doubles where that costs nothing at the target
+        assert chosen in (mro, without_doubles(mro, loads))
+        assert doubles(chosen) <= doubles(mro)
+        for failures in range(1, target + 1):
+            assert recovery_probability(chosen, failures) == recovery_probability(mro, failures)
     for failures in range(nodes + 1):
         exact = recovery_probability(mro, failures)
         assert exact == brute_recovery(mro, failures)
@@ -101,6 +106,39 @@ def test_recovery_probability_equals_enumeration_and_mro_is_best(inst, target, s
                 assert exact >= base
             if failures == target:  # otherwise: the best candidate for the planned failures
                 assert recovery_probability(chosen, failures) >= base
+
+
+def test_hot_replicas_land_on_distinct_nodes() -> None:
+    # 2 nodes x 5 slots, 8 experts, 2 hot: MRO's leftovers fit only on the node that holds
+    # the hot experts already, where a second copy computes nothing more.
+    loads = [500, 500, 1, 1, 1, 1, 1, 1]
+    r = allocate_replicas(loads, 2, 5, 1)
+    assert r == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert doubles(mro_placement(r, names(2), 5, loads)) == 2
+    chosen = place_experts(r, names(2), 5, loads, failures=1)
+    valid(chosen, r, 5)
+    assert doubles(chosen) == 0
+    assert chosen.nodes_of(0) == chosen.nodes_of(1) == frozenset({0, 1})
+
+
+@FAST
+@given(instances())
+def test_without_doubles_keeps_the_replica_counts(inst) -> None:
+    nodes, slots, loads, f = inst
+    r = allocate_replicas(loads, nodes, slots, f)
+    for placement in (
+        mro_placement(r, names(nodes), slots, loads),
+        random_placement(r, names(nodes), slots),
+    ):
+        undoubled = without_doubles(placement, loads)
+        valid(undoubled, r, slots)
+        assert doubles(undoubled) <= doubles(placement)
+        # Only the doubles that no swap can remove are left: every other node holds the
+        # expert, or holds nothing this node lacks.
+        for a, held in enumerate(undoubled.slots):
+            for e in {e for e in held if held.count(e) > 1}:
+                for b, other in enumerate(undoubled.slots):
+                    assert b == a or e in other or set(other) <= set(held)
 
 
 def test_few_experts_nest_and_match_the_closed_form() -> None:

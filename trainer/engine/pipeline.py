@@ -246,7 +246,8 @@ class PipelineSchedule:
                     passes[i] = _Pass(inputs, out, weighted_aux, received_stats, sent_stats)
                 else:
                     if engine.root is not None:
-                        begin_microbatch(engine.root, engine.plan.zero, position == len(ops) - 1)
+                        last = position == len(ops) - 1
+                        begin_microbatch(engine.root, engine.plan.zero, last, reduce_once=True)
                     done = passes.pop(i)
                     grads: list[torch.Tensor | None] = [
                         None if grads_in is None else grads_in.take(i)

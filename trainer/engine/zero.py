@@ -17,7 +17,8 @@ rest):
   parameters stay gathered through the step, gradients are reduce-scattered per
   microbatch;
 - stage 1: as stage 2, but gradients accumulate whole over the microbatches and are
-  reduce-scattered once, on the last (``set_requires_gradient_sync``).
+  reduce-scattered once, on the last (``set_requires_gradient_sync``). A pipeline stage
+  does so at every stage (``begin_microbatch``).
 
 Under pipelines a stage is sharded over its worker pod's processes alone (``mesh``: the
 pod's group) and only the units the stage holds: the others stay on the meta device,
@@ -99,9 +100,17 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def begin_microbatch(root: FSDPModule, plan: ZeroPlan, last: bool) -> None:
-    """Stage 1 reduces gradients only on the step's last microbatch."""
-    if plan.stage == 1:
+def begin_microbatch(
+    root: FSDPModule, plan: ZeroPlan, last: bool, reduce_once: bool = False
+) -> None:
+    """Stage 1 (and every stage with ``reduce_once``) reduces gradients only on the step's
+    last microbatch: they accumulate whole until then. Pipeline stages pass
+    ``reduce_once`` (as ``torch.distributed.pipelining`` does with a ``fully_shard``
+    stage): a stage's backwards are interleaved with its forwards, so a reduce-scatter per
+    micro-batch is one more collective each that the stage's peers wait for, and a
+    stage's whole gradients are only its units'. Parameters are still gathered as
+    ``reshard_after_forward`` says."""
+    if plan.stage == 1 or reduce_once:
         root.set_requires_gradient_sync(last)
     root.set_is_last_backward(last)
 

@@ -10,7 +10,9 @@ Per MoE layer, with N nodes of c expert slots each (GPUs x slots per GPU):
   node of the block holds the whole group. Failure sets then nest ("all eggs in one
   basket"), which maximises Pr[the survivors still hold every expert] for every number of
   survivors. Replicas beyond the block go to free slots, spread over nodes that do not yet
-  hold the expert.
+  hold the expert. When those are only on nodes that already hold it (a second copy on a
+  node adds no capacity there), ``without_doubles`` swaps the copy with another node's
+  expert if that costs no recovery probability.
 - ``spread_placement`` / ``random_placement``: the baselines MRO is compared against.
 
 Recovery probability is in ``recovery``; re-placement after failures in ``expert_migration``.
@@ -194,34 +196,79 @@ def place_experts(
     loads: Sequence[int] | None = None,
     failures: int = 1,
 ) -> ExpertPlacement:
-    """MRO when its blocks fit; otherwise the best candidate for ``failures`` lost nodes.
+    """MRO when its blocks fit; otherwise the best candidate for ``failures`` lost nodes;
+    then a node's second copies of an expert moved to nodes without one where that costs
+    no recovery probability.
 
     When the groups' blocks need more nodes than exist, the last blocks are truncated and
     nesting no longer guarantees the optimum (a spread placement can then be better), so
     MRO, spread and a few random placements are scored by their exact recovery probability
     for ``failures`` failures (ties broken by fewer failures first) and the best is kept.
     """
-    mro = mro_placement(replicas, nodes, slots_per_node, loads)
-    if blocks_fit(replicas, len(nodes), slots_per_node, loads):
-        return mro
-    candidates = [
-        mro,
-        spread_placement(replicas, nodes, slots_per_node),
-        *(random_placement(replicas, nodes, slots_per_node, seed) for seed in range(4)),
-    ]
     k = min(failures, len(nodes))
 
     def score(p: ExpertPlacement) -> tuple[Any, ...]:
         return (recovery_probability(p, k), *(recovery_probability(p, j) for j in range(1, k)))
 
-    best = max(candidates, key=score)  # max keeps the first (MRO) on ties
-    log.info(
-        "MRO blocks do not fit on %d nodes; chose placement %d of %d candidates",
-        len(nodes),
-        candidates.index(best),
-        len(candidates),
-    )
-    return best
+    mro = mro_placement(replicas, nodes, slots_per_node, loads)
+    best = mro
+    if not blocks_fit(replicas, len(nodes), slots_per_node, loads):
+        candidates = [
+            mro,
+            spread_placement(replicas, nodes, slots_per_node),
+            *(random_placement(replicas, nodes, slots_per_node, seed) for seed in range(4)),
+        ]
+        best = max(candidates, key=score)  # max keeps the first (MRO) on ties
+        log.info(
+            "MRO blocks do not fit on %d nodes; chose placement %d of %d candidates",
+            len(nodes),
+            candidates.index(best),
+            len(candidates),
+        )
+    undoubled = without_doubles(best, loads)
+    return undoubled if undoubled != best and score(undoubled) >= score(best) else best
+
+
+def doubles(placement: ExpertPlacement) -> int:
+    """Slots holding an expert that their node already holds in another slot."""
+    return sum(len(s) - len(set(s)) for s in placement.slots)
+
+
+def without_doubles(
+    placement: ExpertPlacement, loads: Sequence[int] | None = None
+) -> ExpertPlacement:
+    """``placement`` with each second copy of an expert on a node swapped with an expert
+    of another node that holds no copy of it (the least loaded such expert).
+
+    A node computes each expert it holds once, so a second copy there adds no capacity
+    where the tokens are: MRO's leftovers fall on the only nodes with free slots, and a
+    hot expert's extra replicas can all land on one node, which then computes all of that
+    expert's tokens. Swapped, the copies are on distinct nodes and the dispatch quotas
+    share the expert's tokens among them. Every swap removes one double, so this ends.
+    """
+    slots = [list(s) for s in placement.slots]
+    load = (lambda e: loads[e]) if loads else (lambda e: 0)
+
+    def swap() -> bool:
+        """One swap that removes a double; False when none can."""
+        for a, held in enumerate(slots):
+            for e in sorted({e for e in held if held.count(e) > 1}):
+                options = [
+                    (load(x), b, x)
+                    for b, other in enumerate(slots)
+                    if b != a and e not in other
+                    for x in sorted(set(other) - set(held))
+                ]
+                if options:
+                    _, b, x = min(options)
+                    held[held.index(e)] = x
+                    slots[b][slots[b].index(x)] = e
+                    return True
+        return False
+
+    while swap():
+        pass
+    return ExpertPlacement(placement.nodes, tuple(tuple(s) for s in slots), placement.num_experts)
 
 
 def spread_placement(
