@@ -72,6 +72,7 @@ from bulkhead.operator.local.children import end_children_on_exit  # noqa: E402
 
 STRATEGIC = "application/strategic-merge-patch+json"
 REGISTER_CONCURRENCY = 64  # workers registering at the same time
+NODE_LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION"}
 
 
@@ -305,7 +306,14 @@ class Bench:
         # collector, KWOK, the scheduler's cache, every watcher) would otherwise be counted
         # in its start.
         await _until(lambda: self._gone(ns), f"namespace {ns} deleted", 600, 0.5)
+        await _until(lambda: self._no_leases(zone), f"{zone}'s node Leases deleted", 600, 0.5)
         return row
+
+    async def _no_leases(self, zone: str) -> bool:
+        """No Lease of this size's nodes is left (the garbage collector deletes them after
+        their Nodes)."""
+        leases = await self.kube.list(NODE_LEASES)
+        return not any(x["metadata"]["name"].startswith(f"{zone}-") for x in leases)
 
     async def _gone(self, ns: str) -> bool:
         try:
