@@ -16,7 +16,11 @@ Baseline, same run: creating the same number of pods one at a time (what an oper
 creates pods sequentially needs before any worker can even start): ``baseline_create_s``.
 Operator cost, same run: its CPU seconds and its API requests by lane (the operator's
 ``/metrics``) from the job's creation to Running (``operator_start_*``) and from the
-anomaly to the replacement Running (``operator_recovery_*``).
+anomaly to the replacement Running (``operator_recovery_*``); in the same windows the CPU
+seconds of each control-plane process (``..._cpu_s_kube-apiserver``; known when the bench
+started the cluster or the kubeconfig sits next to a ``make cluster`` state file) and the
+API server's requests by verb and resource (``..._writes_POST_pods/binding``), printed
+as writes per worker pod.
 Targets (issue 42), at 1000 nodes: tainted <= 1 s, new generation <= 1 s, replacement
 Running <= 5 s, job Running <= 30 s.
 
@@ -33,9 +37,11 @@ import asyncio
 import base64
 import json
 import os
+import re
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -51,6 +57,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "hack"))
 
+from k8s_control_plane import ControlPlane  # noqa: E402
+
 from bulkhead.api.protocol import MEMBER_HEADER  # noqa: E402
 from bulkhead.operator.k8s.kube import (  # noqa: E402
     KubeClient,
@@ -64,6 +72,8 @@ from bulkhead.operator.local.children import end_children_on_exit  # noqa: E402
 
 STRATEGIC = "application/strategic-merge-patch+json"
 REGISTER_CONCURRENCY = 64  # workers registering at the same time
+NODE_LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
+WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION"}
 
 
 def _node(name: str, zone: str, index: int) -> dict[str, Any]:
@@ -181,16 +191,50 @@ class PlayedWorkers:
         self.credentials[body["worker"]] = answer.json()["credential"]
 
 
+def _api_requests(metrics_text: str) -> dict[str, float]:
+    """The API server's requests so far by verb and resource (its own
+    ``apiserver_request_total``): ``writes_PATCH_pods/status``, ``reads_LIST_nodes``."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        resource = labels.get("resource", "")
+        if labels.get("subresource"):
+            resource += "/" + labels["subresource"]
+        kind = "writes" if labels.get("verb") in WRITE_VERBS else "reads"
+        key = f"{kind}_{labels.get('verb')}_{resource}"
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class Bench:
-    def __init__(self, kube: KubeClient, operator_url: str, operator_pid: int) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        operator_url: str,
+        operator_pid: int,
+        server: httpx.AsyncClient,
+        components: dict[str, int] | None = None,
+    ) -> None:
         self.kube = kube
         self.url = operator_url
         self.pid = operator_pid
+        self.server = server  # the API server, for its /metrics
+        # The control plane's processes, when known: their CPU is counted per phase too
+        # (on 2 cores, the job's start is bound by everyone's CPU, not the operator's).
+        self.components = components or {}
 
-    async def _operator_counters(self) -> dict[str, float]:
+    async def _counters(self) -> dict[str, float]:
+        """CPU seconds so far (the operator's, each control-plane process's), the
+        operator's API requests by lane and the API server's requests by verb/resource."""
         async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
             text = (await http.get("/metrics")).text
-        return {"cpu_s": _cpu_seconds(self.pid), **_kube_requests(text)}
+        counters = {"cpu_s": _cpu_seconds(self.pid), **_kube_requests(text)}
+        for name, pid in self.components.items():
+            counters[f"cpu_s_{name}"] = _cpu_seconds(pid)
+        server_metrics = (await self.server.get("/metrics")).text
+        return {**counters, **_api_requests(server_metrics)}
 
     async def nodes(self, zone: str, names: list[str], offset: int) -> None:
         await asyncio.gather(
@@ -208,7 +252,11 @@ class Bench:
         await _until(all_ready, f"{len(names)} nodes Ready", 120, 0.3)
 
     async def baseline_create(self, ns: str, n: int) -> float:
-        """n pods created one at a time (unschedulable on purpose, deleted afterwards)."""
+        """n pods created one at a time (never scheduled, deleted afterwards).
+
+        A scheduling gate keeps the scheduler from even trying them: an unschedulable pod
+        costs a failed attempt over every node, a status write and a FailedScheduling
+        Event, work that would spill into the measured job's start."""
         started = time.perf_counter()
         for i in range(n):
             pod = {
@@ -216,7 +264,7 @@ class Bench:
                 "kind": "Pod",
                 "metadata": {"name": f"seq-{i}", "labels": {"bench": "baseline"}},
                 "spec": {
-                    "nodeSelector": {"bench": "nowhere"},
+                    "schedulingGates": [{"name": "bulkhead.dev/bench-baseline"}],
                     "containers": [{"name": "c", "image": "x"}],
                 },
             }
@@ -240,7 +288,7 @@ class Bench:
         await _until(lambda: self._has_default_sa(ns), "default ServiceAccount", 60, 0.2)
         baseline = await self.baseline_create(ns, n)
         try:
-            return {
+            row = {
                 "nodes": n,
                 "baseline_create_s": baseline,
                 **await self._measure(n, zone, ns, job, names, index_offset),
@@ -254,6 +302,25 @@ class Bench:
             )
             with suppress(KubeError):
                 await self.kube.delete(core_path("namespaces", name=ns))
+        # The next size starts on a quiet cluster: deleting a thousand pods (the garbage
+        # collector, KWOK, the scheduler's cache, every watcher) would otherwise be counted
+        # in its start.
+        await _until(lambda: self._gone(ns), f"namespace {ns} deleted", 600, 0.5)
+        await _until(lambda: self._no_leases(zone), f"{zone}'s node Leases deleted", 600, 0.5)
+        return row
+
+    async def _no_leases(self, zone: str) -> bool:
+        """No Lease of this size's nodes is left (the garbage collector deletes them after
+        their Nodes)."""
+        leases = await self.kube.list(NODE_LEASES)
+        return not any(x["metadata"]["name"].startswith(f"{zone}-") for x in leases)
+
+    async def _gone(self, ns: str) -> bool:
+        try:
+            await self.kube.get(core_path("namespaces", name=ns))
+        except KubeError as exc:
+            return exc.status == 404
+        return False
 
     async def _has_default_sa(self, ns: str) -> bool:
         try:
@@ -286,7 +353,7 @@ class Bench:
             },
         }
         every = max(0.1, n / 2000)
-        before_start = await self._operator_counters()
+        before_start = await self._counters()
         bench_cpu = time.process_time()
         started = time.perf_counter()
         await self.kube.create(tj_path(ns), manifest)
@@ -313,7 +380,7 @@ class Bench:
                 await workers.all_registered()
             tj = await _until(lambda: self._phase(ns, job, "Running"), "phase Running", 600, every)
             job_running = time.perf_counter() - started
-            after_start = await self._operator_counters()
+            after_start = await self._counters()
             # This process plays the workers on the same cores as the control plane.
             bench_start_cpu_s = time.process_time() - bench_cpu
             pods = dict(workers.pods)
@@ -333,7 +400,7 @@ class Bench:
                 )
             )
             await asyncio.sleep(0.2)  # the long poll is parked at the endpoint
-            before_anomaly = await self._operator_counters()
+            before_anomaly = await self._counters()
             t0 = time.perf_counter()
             await self._set_anomaly(bad_node)
             taint_task = asyncio.create_task(self._tainted(bad_node, t0))
@@ -351,7 +418,7 @@ class Bench:
                 "registered_s": workers.all_registered_s,
                 "bench_start_cpu_s": bench_start_cpu_s,
             }
-            after_recovery = await self._operator_counters()
+            after_recovery = await self._counters()
             # What the operator spent: CPU and API requests (by lane) from the job's
             # creation to phase Running, and from the anomaly to the replacement Running.
             for phase, (a, b) in {
@@ -470,8 +537,25 @@ def _busy_cores(count: int) -> Iterator[None]:
             hog.wait()
 
 
+def _server_client(kubeconfig: Path) -> httpx.AsyncClient:
+    """A plain client of the API server (for its /metrics, which is text, not JSON)."""
+    creds = load_credentials(kubeconfig)
+    tls: ssl.SSLContext | bool = False
+    if creds.verify:
+        tls = ssl.create_default_context(cafile=creds.ca_file)
+        if creds.cert_file:
+            tls.load_cert_chain(creds.cert_file, creds.key_file)
+    auth = creds.authorization()
+    headers = {"Authorization": auth} if auth else {}
+    return httpx.AsyncClient(base_url=creds.server, verify=tls, headers=headers, timeout=30)
+
+
 async def _run(
-    kubeconfig: Path, sizes: list[int], log: Path, busy: int = 0
+    kubeconfig: Path,
+    sizes: list[int],
+    log: Path,
+    busy: int = 0,
+    components: dict[str, int] | None = None,
 ) -> list[dict[str, float]]:
     kubectl = ["kubectl", f"--kubeconfig={kubeconfig}"]
     installed = subprocess.run(
@@ -482,18 +566,21 @@ async def _run(
         subprocess.run([*kubectl, "apply", "-f", str(crd)], check=True, capture_output=True)
     proc, url = _start_operator(kubeconfig, log)
     kube = KubeClient(load_credentials(kubeconfig), concurrency=64)
+    server = _server_client(kubeconfig)
     try:
         rows = []
         offset = 1000
         for hogs in sorted({0, busy}):
             with _busy_cores(hogs):
                 for n in sizes:
-                    row = await Bench(kube, url, proc.pid).size(n, offset)
+                    bench = Bench(kube, url, proc.pid, server, components)
+                    row = await bench.size(n, offset)
                     rows.append({**row, "busy_cores": hogs})
                     offset += n + 1
         return rows
     finally:
         await kube.close()
+        await server.aclose()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
@@ -533,6 +620,22 @@ def _print(rows: list[dict[str, float]]) -> None:
             )
             cpu = r[f"operator_{phase}_cpu_s"]
             print(f"{r['nodes']:>6} {r['busy_cores']:>4} {phase:>9} {cpu:>9.2f}  {lanes}")
+    print("The job's start: CPU seconds by process; the API server's writes per worker pod")
+    for r in rows:
+        cpu = {"operator": r["operator_start_cpu_s"], "bench": r["bench_start_cpu_s"]}
+        prefix = "operator_start_cpu_s_"
+        cpu |= {k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)}
+        print(
+            f"{r['nodes']:>6} {r['busy_cores']:>4}  total {sum(cpu.values()):.1f}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
+        )
+        prefix = "operator_start_writes_"
+        writes = {k.removeprefix(prefix): v / r["nodes"] for k, v in r.items()
+                  if k.startswith(prefix) and v / r["nodes"] >= 0.01}  # fmt: skip
+        print(
+            f"{'':>12}writes/pod {sum(writes.values()):.2f}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(writes.items(), key=lambda kv: -kv[1]))
+        )
 
 
 def main() -> None:
@@ -560,7 +663,13 @@ def main() -> None:
             cluster = Cluster.start(Path(tmp) / "k8s", gpu_nodes=0)
             kubeconfig = cluster.kubeconfig
         try:
-            rows = asyncio.run(_run(kubeconfig, sizes, Path(tmp) / "operator.log", args.busy))
+            # The control plane's processes (started here, or a `make cluster` one whose
+            # state file sits next to its kubeconfig): their CPU is counted too.
+            plane = ControlPlane.attach(kubeconfig.parent)
+            components = {c.name: c.pid for c in plane.components} if plane else None
+            rows = asyncio.run(
+                _run(kubeconfig, sizes, Path(tmp) / "operator.log", args.busy, components)
+            )
         finally:
             if cluster is not None:
                 cluster.stop()

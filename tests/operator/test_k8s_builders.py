@@ -238,3 +238,22 @@ def test_the_sidecar_and_the_shared_memory_volume_are_always_bounded():
     pod = builders.build_worker_pod(ctx, "llm-w0-0", slot=0, incarnation=0)
     shm = next(v for v in pod["spec"]["volumes"] if v["name"] == names.SHM_VOLUME)
     assert shm["emptyDir"]["sizeLimit"] == "100Gi"
+
+
+def test_the_workers_spec_leaves_out_the_pod_template_but_keeps_its_gpu_count():
+    gpus = {"limits": {"nvidia.com/gpu": 4}}
+    template = {
+        "spec": {
+            "containers": [{"name": "trainer", "image": "x", "resources": gpus}],
+            "volumes": [{"name": "data", "emptyDir": {}}],
+        }
+    }
+    ctx = _ctx(template=template)
+    pod = builders.build_worker_pod(ctx, "llm-w0-0", slot=0, incarnation=0)
+    wire = json.loads(_env(pod["spec"]["containers"][0])[protocol.JOB_SPEC_ENV])
+    assert "template" not in wire  # the pod is the template: not repeated in its env
+    seen_by_worker = parse_spec(wire)
+    assert seen_by_worker.trainer_processes == ctx.spec.trainer_processes == 4
+    assert seen_by_worker.model_dump(exclude={"template", "processes_per_worker"}) == (
+        ctx.spec.model_dump(exclude={"template", "processes_per_worker"})
+    )
