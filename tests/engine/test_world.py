@@ -6,13 +6,16 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from bulkhead.trainer.engine import world
 from bulkhead.trainer.engine.device import (
     NCCL_RECOVERY_ENV,
     AbortMonitor,
@@ -229,6 +232,57 @@ def test_a_coordinators_store_is_reached_over_one_connection_while_it_answers() 
     del other, second
     with pytest.raises(CollectiveError, match="unreachable"):
         coordinator_store(address, 4, timeout_s=0.3)
+
+
+def _listening(table: str, port: int) -> list[str]:
+    """Local addresses (hex, as the kernel shows them) listening on ``port`` in
+    /proc/self/net/``table``."""
+    rows = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+    fields = [row.split() for row in rows]
+    return [
+        f[1].split(":")[0] for f in fields if int(f[1].split(":")[1], 16) == port and f[3] == "0A"
+    ]
+
+
+def test_a_store_host_listens_on_its_own_address_not_on_every_interface_over_ipv6() -> None:
+    # A TCPStore server left to itself listens on [::] and sees an IPv4 peer as
+    # ::ffff:127.0.0.1, whose reverse name lookup (for its accept's log line, in its event
+    # loop) /etc/hosts cannot answer: a DNS query per connection, and a dropped one froze
+    # the coordinator's store for 5 s (the check-in of every member with it).
+    host = StoreHost("127.0.0.1", 10)
+    assert _listening("tcp", host.port) == ["0100007F"]  # 127.0.0.1, IPv4
+    assert _listening("tcp6", host.port) == []
+    client = coordinator_store(host.address, 1, timeout_s=5)
+    client.set("seen", "1")
+    assert host.store.get("seen") == b"1"
+
+
+def test_a_check_in_waiting_for_a_late_member_makes_no_store_wait_time_out(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch logs a store wait that times out with both socket addresses, each formatted by
+    # a reverse name lookup: a dropped DNS query held the waiting member for 5 s. Waiting
+    # for a late member must not go through timed-out waits.
+    monkeypatch.setattr(world, "_CHECK_IN_POLL_S", 0.0)  # the late member's path at once
+    host = StoreHost("127.0.0.1", 10)
+    waiting = dist.PrefixStore("gen1", coordinator_store(host.address, 1, timeout_s=5))
+    late = dist.PrefixStore("gen1", dist.TCPStore(
+        "127.0.0.1", host.port, None, False, timedelta(seconds=5), wait_for_workers=False
+    ))  # fmt: skip
+    capfd.readouterr()
+
+    def arrive_late() -> None:
+        while not late.check(["checked-in/0"]):
+            time.sleep(0.01)
+        time.sleep(0.8)  # late: a wait in 0.5 s slices would have timed out
+        check_in(late, 1, 1, 2, timeout_s=10)
+
+    thread = threading.Thread(target=arrive_late)
+    thread.start()
+    check_in(waiting, 1, 0, 2, timeout_s=10)
+    thread.join()
+    assert waiting.get("outcome") == b"go"
+    assert "timed out" not in capfd.readouterr().err
 
 
 def test_once_every_member_checked_in_nobody_gives_up() -> None:

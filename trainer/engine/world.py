@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 # Polling an in-flight collective: start fine-grained (steps take milliseconds), back off.
 _FIRST_POLL_S = 0.0002
 _MAX_POLL_S = 0.02
-# A rendezvous check-in polls for this long, then waits in the store in slices this long.
+# A rendezvous check-in polls fine-grained for this long, then every _CHECK_IN_LATE_POLL_S.
 _CHECK_IN_POLL_S = 1.0
-_CHECK_IN_WAIT_S = 0.5
+_CHECK_IN_LATE_POLL_S = 0.25
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
 
@@ -157,14 +157,50 @@ class StoreHost:
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host = host
+        listener = listen_on(host)
+        port = listener.getsockname()[1]
+        # The store takes the listener over (and closes it with itself).
         self.store = dist.TCPStore(
-            host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+            host,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
         self.port = self.store.port
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def listen_on(host: str) -> socket.socket:
+    """A listening socket on ``host`` itself, in that address's family, on a free port.
+
+    Left to itself, a TCPStore server listens on every interface over IPv6, so a peer
+    connecting over IPv4 is accepted as ``::ffff:<its address>``, and the server formats
+    every accepted peer's address with a reverse name lookup, in its event loop: for that
+    form of the address /etc/hosts has no answer, so it is a DNS query (seen with strace),
+    and a query the resolver drops freezes the store for the resolver's 5 s timeout (5
+    lookups in 300 here). Every new client, ``await_listener``'s probe and the partition
+    probe of every collective-error report is such a connection, and a frozen coordinator's
+    store holds every member's check-in, which then fails as if the members still arriving
+    had not come (``rank(s) [..] did not check in``). Accepted on the host's own family,
+    a peer is the address itself, which /etc/hosts answers without a query (127.0.0.1 in
+    local mode).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _never() -> bool:
@@ -526,13 +562,13 @@ def check_in(
             _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
 
     def pause(elapsed: float, backoff_s: float) -> None:
-        if elapsed < _CHECK_IN_POLL_S:
-            time.sleep(backoff_s)  # members usually arrive within milliseconds of each other
-            return
-        # A member is late: wait in the store server rather than poll it (thousands of
-        # ranks polling one store would load it), looking up between waits.
-        with contextlib.suppress(dist.DistStoreError):
-            store.wait(["outcome"], timedelta(seconds=min(_CHECK_IN_WAIT_S, timeout_s)))
+        # Members usually arrive within milliseconds of each other; once one is late, a
+        # slower poll keeps thousands of ranks from loading the store. Not a store wait
+        # in slices (as many requests: a wait that times out is cancelled by a second):
+        # torch logs each timed-out wait with both socket addresses, formatted by reverse
+        # name lookups, and a lookup the resolver drops held the waiting rank for 5 s
+        # (``listen_on``), past the moment the last member arrived.
+        time.sleep(backoff_s if elapsed < _CHECK_IN_POLL_S else _CHECK_IN_LATE_POLL_S)
 
     poll_until(lambda: store.check(["outcome"]), check, pause)
     outcome = store.get("outcome").decode()
