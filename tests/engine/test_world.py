@@ -4,7 +4,10 @@ picking the device. In-process, with real sockets and a real one-rank gloo group
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -283,6 +286,56 @@ def test_a_check_in_waiting_for_a_late_member_makes_no_store_wait_time_out(
     thread.join()
     assert waiting.get("outcome") == b"go"
     assert "timed out" not in capfd.readouterr().err
+
+
+_STORE_SERVER = """
+import signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+print(store.port, flush=True)
+signal.pause()
+"""
+
+
+def test_a_member_queued_behind_a_stalled_store_is_not_late() -> None:
+    # The coordinator's store stalls (its process frozen here; a dropped DNS query in its
+    # event loop did the same for 5 s) for longer than the check-in timeout while rank 1
+    # is on its way: rank 1 checks in once the store answers again, and the rendezvous
+    # completes instead of failing with "rank(s) [1] did not check in".
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+
+        def client() -> dist.Store:
+            return dist.PrefixStore("gen1", dist.TCPStore(
+                "127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False
+            ))  # fmt: skip
+
+        waiting, late = client(), client()
+        answered = threading.Event()
+
+        def arrive_after_the_stall() -> None:
+            while not late.check(["checked-in/0"]):
+                time.sleep(0.01)
+            server.send_signal(signal.SIGSTOP)
+            time.sleep(5.0)  # the stall: longer than the 3 s timeout
+            server.send_signal(signal.SIGCONT)
+            late.check(["checked-in/0"])  # the store answers again
+            answered.set()
+            time.sleep(0.5)  # rank 1 arrives a moment later
+            check_in(late, 1, 1, 2, timeout_s=3)
+
+        thread = threading.Thread(target=arrive_after_the_stall)
+        thread.start()
+        check_in(waiting, 1, 0, 2, timeout_s=3)
+        thread.join()
+        assert answered.is_set() and waiting.get("outcome") == b"go"
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
 
 
 def test_once_every_member_checked_in_nobody_gives_up() -> None:

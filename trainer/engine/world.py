@@ -56,6 +56,9 @@ _MAX_POLL_S = 0.02
 # A rendezvous check-in polls fine-grained for this long, then every _CHECK_IN_LATE_POLL_S.
 _CHECK_IN_POLL_S = 1.0
 _CHECK_IN_LATE_POLL_S = 0.25
+# A store that takes longer than this to answer a look-up was stalled (a round trip takes
+# milliseconds): a check-in does not count the rest against the members still arriving.
+_STORE_ANSWER_S = 0.5
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
 
@@ -549,17 +552,30 @@ def check_in(
     writes ``go``, a member giving up writes why (abandoned, or who is missing). Either every
     member goes on to the init or none does, so no member is left waiting in the library
     for one that gave up a moment after everyone had checked in.
+
+    The timeout counts the time the store answered: while it is stalled (its process
+    frozen, its event loop held by a slow name lookup) nobody can check in, and members
+    queued behind the stall are not late. Nor does anyone give up while every member has
+    checked in (the last one's ``go`` is on its way), up to twice the timeout.
     """
     store.set(f"checked-in/{rank}", b"1")
     if store.add("arrivals", 1) == world_size:
         _decide(store, "go")
+    stalled = [0.0]  # seconds the store took to answer beyond _STORE_ANSWER_S
+
+    def decided() -> bool:
+        asked = time.monotonic()
+        answer = store.check(["outcome"])
+        stalled[0] += max(0.0, time.monotonic() - asked - _STORE_ANSWER_S)
+        return answer
 
     def check(elapsed: float) -> None:  # a decision here ends the poll at its next look
         if should_abandon():
             _decide(store, "abandoned: a newer generation exists")
-        elif elapsed > timeout_s:
+        elif elapsed - stalled[0] > timeout_s:
             missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
-            _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
+            if missing or elapsed > 2 * timeout_s:
+                _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
 
     def pause(elapsed: float, backoff_s: float) -> None:
         # Members usually arrive within milliseconds of each other; once one is late, a
@@ -570,7 +586,7 @@ def check_in(
         # (``listen_on``), past the moment the last member arrived.
         time.sleep(backoff_s if elapsed < _CHECK_IN_POLL_S else _CHECK_IN_LATE_POLL_S)
 
-    poll_until(lambda: store.check(["outcome"]), check, pause)
+    poll_until(decided, check, pause)
     outcome = store.get("outcome").decode()
     if outcome != "go":
         raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
