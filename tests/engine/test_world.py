@@ -38,6 +38,7 @@ from bulkhead.trainer.engine.world import (
     _MAX_POLL_S,
     CollectiveError,
     StoreHost,
+    World,
     await_listener,
     check_in,
     coordinator_store,
@@ -200,6 +201,30 @@ def test_abort_monitor_fires_once_and_survives_a_broken_predicate() -> None:
     assert monitor.fired.wait(10)
     monitor.stop()
     assert aborted == [1]
+
+
+def test_a_main_thread_that_never_leaves_an_aborted_generation_is_reported_wedged() -> None:
+    wedged = threading.Event()
+    monitor = AbortMonitor(
+        lambda: True, lambda: None, interval_s=0.01, wedged=wedged.set, wedged_after_s=0.05
+    ).start()
+    assert wedged.wait(10)  # nobody stopped it: the aborted generation was never left
+    # Stopped within the delay (the main thread left the generation): not wedged.
+    left = threading.Event()
+    monitor = AbortMonitor(lambda: True, lambda: None, interval_s=0.01, wedged=left.set,
+                           wedged_after_s=30).start()  # fmt: skip
+    assert monitor.fired.wait(10)
+    monitor.stop()
+    assert not left.is_set()
+
+
+def test_an_abandoned_world_stays_abandoned_when_its_collective_then_fails() -> None:
+    # The abort makes the main thread's collective fail; that failure must not turn the
+    # world into a failed one, which ``close`` would shut down (waiting for what is in flight).
+    world = World(1, 0, 1, ["w"], ["n"], pick_device(cuda_available=False))
+    world.abort("a newer generation exists")
+    world._fail("forward/backward: connection closed", abandoned=False)
+    assert world._state == "abandoned"
 
 
 def test_waiting_for_a_dead_coordinators_store_ends_when_a_newer_generation_exists() -> None:

@@ -345,7 +345,9 @@ class World:
     def _fail(self, why: str, abandoned: bool) -> None:
         """Mark the world failed and cut its connections so every peer fails now too."""
         first = not self.failed
-        self._state = "abandoned" if abandoned else "failed"
+        # Once abandoned, always: the error the abort then causes in the main thread must
+        # not make ``close`` shut the world down, which waits for its in-flight operations.
+        self._state = "abandoned" if abandoned or self._state == "abandoned" else "failed"
         if first:
             cut = self.connections.cut()
             log.info("generation %d failed (%s); cut %d connections", self.generation, why, cut)
