@@ -125,6 +125,18 @@ def test_parking_forgets_the_registry_and_the_next_world_forms() -> None:
     assert not dist.is_initialized()
 
 
+def test_a_generations_subgroups_time_out_as_its_world_does() -> None:
+    # torch's default for new groups is 30 min on gloo: a rank blocked in a shard or replica
+    # group of a cut generation would wait there long after the others moved on.
+    world = open_world(1, 0, ["w0"], ["n0"], dist.HashStore(), pick_device(cuda_available=False),
+                       timeout_s=6)  # fmt: skip
+    try:
+        sub = dist.new_group([0])
+        assert sub._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=6)
+    finally:
+        world.close()
+
+
 def test_a_failed_rendezvous_leaves_the_next_world_named_as_in_a_fresh_process() -> None:
     # A rank whose rendezvous timed out (a member of its generation was dead) must name
     # the next world's groups as a newcomer's fresh process does, or both wait on

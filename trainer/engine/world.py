@@ -626,6 +626,7 @@ def open_world(
         raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
     checked_in = time.monotonic()
     before = set(own_socket_fds())
+    bound_new_groups(timeout_s)
     shrunk = retained is not None and _shrink(
         retained, generation, rank, workers, scoped, timeout_s, shrinker or SHRINKER
     )
@@ -660,6 +661,19 @@ def open_world(
             ("shrink" if shrunk else "init"): round(time.monotonic() - checked_in, 3),
         },
     )
+
+
+def bound_new_groups(timeout_s: float) -> None:
+    """Make the groups created from now on (``new_group``, a 2-D ``init_device_mesh``: the
+    ZeRO shard and replica groups, a pod's team) time out as the world does.
+
+    torch gives them ``default_pg_timeout`` (30 min for gloo), not the default group's
+    timeout: a rank blocked in one of them after its generation was cut waited there long
+    past the generations the survivors went on to, which failed for want of it ("rank(s)
+    [3] did not check in", twice, then a restart). Relies on torch's module default, which
+    ``tests/engine`` guards.
+    """
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
 
 
 def _shrink(
