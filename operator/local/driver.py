@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -58,7 +57,7 @@ from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
 from bulkhead.trainer.pod.launcher import die_with_parent
-from bulkhead.trainer.pod.prestart import handover_line
+from bulkhead.trainer.pod.prestart import can_renice_back, handover_line
 from bulkhead.trainer.pod.prestart import prestarted_command as default_prestarted_command
 
 log = logging.getLogger(__name__)
@@ -435,15 +434,6 @@ def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
                 # "pid (comm) state ppid ...": starttime is field 22, the 20th after comm.
                 found.append((int(stat[stat.rindex(")") + 2 :].split()[19]), int(pid)))
     return min(found)[1] if found else None
-
-
-def can_renice_back() -> bool:
-    """Whether this process may give a child whose priority it lowered its own back
-    (setpriority(2): root, or RLIMIT_NICE allowing this process's nice value)."""
-    if os.geteuid() == 0:
-        return True
-    allowed = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    return allowed == resource.RLIM_INFINITY or 20 - allowed <= os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -41,7 +41,14 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import Member
-from bulkhead.trainer.pod.launcher import STOP_TIMEOUT_S, PodLauncher, ServingRelay, child_env
+from bulkhead.trainer.pod.launcher import (
+    PRESTART_NICE,
+    STOP_TIMEOUT_S,
+    PodLauncher,
+    ServingRelay,
+    child_env,
+)
+from bulkhead.trainer.pod.prestart import can_renice_back
 from bulkhead.trainer.pod.relay import CachedView, PodRelay
 
 JOB = "pods"
@@ -502,6 +509,7 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         rank0.close()
         h.wait_for(lambda: len(launcher.waiting) == 2, timeout=60)
         waiting = {rank: p.pid for rank, p in launcher.waiting.items()}
+        waiting_nice = [psutil.Process(pid).nice() for pid in waiting.values()]
         first = [child.pid for child in launcher.children]
         victim = launcher.children[1]
         killed_at = time.time()
@@ -521,12 +529,18 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         rejoined = [m.worker for m in h.session.status.membership.members]
         now = [child.pid for child in launcher.children]
         started = [psutil.Process(pid).create_time() for pid in now]
+        working_nice = [psutil.Process(pid).nice() for pid in now]
     finally:
         launcher.terminate()
         runner.join(60)
     assert sorted(rejoined) == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
     assert now == [waiting[0], waiting[1]] and not set(now) & set(first)
     assert all(t < killed_at for t in started), "a replacement started after the kill"
+    # Waiting, they import at a lower priority (their CPU is a start's or a recovery's);
+    # at work, they have the launcher's.
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, own + PRESTART_NICE) if can_renice_back() else own
+    assert waiting_nice == [lowered, lowered] and working_nice == [own, own]
     assert launcher.restarts == 1 and h.driver.started == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
     assert h.driver.stopped == []
     assert any("pre-started processes take over" in m for m in _events(h, "WorkerRestarted"))

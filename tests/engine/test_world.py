@@ -4,15 +4,21 @@ picking the device. In-process, with real sockets and a real one-rank gloo group
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from bulkhead.trainer.engine import world
 from bulkhead.trainer.engine.device import (
     NCCL_RECOVERY_ENV,
     AbortMonitor,
@@ -32,6 +38,7 @@ from bulkhead.trainer.engine.world import (
     _MAX_POLL_S,
     CollectiveError,
     StoreHost,
+    World,
     await_listener,
     check_in,
     coordinator_store,
@@ -118,6 +125,18 @@ def test_parking_forgets_the_registry_and_the_next_world_forms() -> None:
     assert not dist.is_initialized()
 
 
+def test_a_generations_subgroups_time_out_as_its_world_does() -> None:
+    # torch's default for new groups is 30 min on gloo: a rank blocked in a shard or replica
+    # group of a cut generation would wait there long after the others moved on.
+    world = open_world(1, 0, ["w0"], ["n0"], dist.HashStore(), pick_device(cuda_available=False),
+                       timeout_s=6)  # fmt: skip
+    try:
+        sub = dist.new_group([0])
+        assert sub._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=6)
+    finally:
+        world.close()
+
+
 def test_a_failed_rendezvous_leaves_the_next_world_named_as_in_a_fresh_process() -> None:
     # A rank whose rendezvous timed out (a member of its generation was dead) must name
     # the next world's groups as a newcomer's fresh process does, or both wait on
@@ -196,6 +215,30 @@ def test_abort_monitor_fires_once_and_survives_a_broken_predicate() -> None:
     assert aborted == [1]
 
 
+def test_a_main_thread_that_never_leaves_an_aborted_generation_is_reported_wedged() -> None:
+    wedged = threading.Event()
+    monitor = AbortMonitor(
+        lambda: True, lambda: None, interval_s=0.01, wedged=wedged.set, wedged_after_s=0.05
+    ).start()
+    assert wedged.wait(10)  # nobody stopped it: the aborted generation was never left
+    # Stopped within the delay (the main thread left the generation): not wedged.
+    left = threading.Event()
+    monitor = AbortMonitor(lambda: True, lambda: None, interval_s=0.01, wedged=left.set,
+                           wedged_after_s=30).start()  # fmt: skip
+    assert monitor.fired.wait(10)
+    monitor.stop()
+    assert not left.is_set()
+
+
+def test_an_abandoned_world_stays_abandoned_when_its_collective_then_fails() -> None:
+    # The abort makes the main thread's collective fail; that failure must not turn the
+    # world into a failed one, which ``close`` would shut down (waiting for what is in flight).
+    world = World(1, 0, 1, ["w"], ["n"], pick_device(cuda_available=False))
+    world.abort("a newer generation exists")
+    world._fail("forward/backward: connection closed", abandoned=False)
+    assert world._state == "abandoned"
+
+
 def test_waiting_for_a_dead_coordinators_store_ends_when_a_newer_generation_exists() -> None:
     with socket.socket() as closed:  # a port nobody listens on: connections are refused
         closed.bind(("127.0.0.1", 0))
@@ -229,6 +272,107 @@ def test_a_coordinators_store_is_reached_over_one_connection_while_it_answers() 
     del other, second
     with pytest.raises(CollectiveError, match="unreachable"):
         coordinator_store(address, 4, timeout_s=0.3)
+
+
+def _listening(table: str, port: int) -> list[str]:
+    """Local addresses (hex, as the kernel shows them) listening on ``port`` in
+    /proc/self/net/``table``."""
+    rows = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+    fields = [row.split() for row in rows]
+    return [
+        f[1].split(":")[0] for f in fields if int(f[1].split(":")[1], 16) == port and f[3] == "0A"
+    ]
+
+
+def test_a_store_host_listens_on_its_own_address_not_on_every_interface_over_ipv6() -> None:
+    # A TCPStore server left to itself listens on [::] and sees an IPv4 peer as
+    # ::ffff:127.0.0.1, whose reverse name lookup (for its accept's log line, in its event
+    # loop) /etc/hosts cannot answer: a DNS query per connection, and a dropped one froze
+    # the coordinator's store for 5 s (the check-in of every member with it).
+    host = StoreHost("127.0.0.1", 10)
+    assert _listening("tcp", host.port) == ["0100007F"]  # 127.0.0.1, IPv4
+    assert _listening("tcp6", host.port) == []
+    client = coordinator_store(host.address, 1, timeout_s=5)
+    client.set("seen", "1")
+    assert host.store.get("seen") == b"1"
+
+
+def test_a_check_in_waiting_for_a_late_member_makes_no_store_wait_time_out(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch logs a store wait that times out with both socket addresses, each formatted by
+    # a reverse name lookup: a dropped DNS query held the waiting member for 5 s. Waiting
+    # for a late member must not go through timed-out waits.
+    monkeypatch.setattr(world, "_CHECK_IN_POLL_S", 0.0)  # the late member's path at once
+    host = StoreHost("127.0.0.1", 10)
+    waiting = dist.PrefixStore("gen1", coordinator_store(host.address, 1, timeout_s=5))
+    late = dist.PrefixStore("gen1", dist.TCPStore(
+        "127.0.0.1", host.port, None, False, timedelta(seconds=5), wait_for_workers=False
+    ))  # fmt: skip
+    capfd.readouterr()
+
+    def arrive_late() -> None:
+        while not late.check(["checked-in/0"]):
+            time.sleep(0.01)
+        time.sleep(0.8)  # late: a wait in 0.5 s slices would have timed out
+        check_in(late, 1, 1, 2, timeout_s=10)
+
+    thread = threading.Thread(target=arrive_late)
+    thread.start()
+    check_in(waiting, 1, 0, 2, timeout_s=10)
+    thread.join()
+    assert waiting.get("outcome") == b"go"
+    assert "timed out" not in capfd.readouterr().err
+
+
+_STORE_SERVER = """
+import signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+print(store.port, flush=True)
+signal.pause()
+"""
+
+
+def test_a_member_queued_behind_a_stalled_store_is_not_late() -> None:
+    # The coordinator's store stalls (its process frozen here; a dropped DNS query in its
+    # event loop did the same for 5 s) for longer than the check-in timeout while rank 1
+    # is on its way: rank 1 checks in once the store answers again, and the rendezvous
+    # completes instead of failing with "rank(s) [1] did not check in".
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+
+        def client() -> dist.Store:
+            return dist.PrefixStore("gen1", dist.TCPStore(
+                "127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False
+            ))  # fmt: skip
+
+        waiting, late = client(), client()
+        answered = threading.Event()
+
+        def arrive_after_the_stall() -> None:
+            while not late.check(["checked-in/0"]):
+                time.sleep(0.01)
+            server.send_signal(signal.SIGSTOP)
+            time.sleep(5.0)  # the stall: longer than the 3 s timeout
+            server.send_signal(signal.SIGCONT)
+            late.check(["checked-in/0"])  # the store answers again
+            answered.set()
+            time.sleep(0.5)  # rank 1 arrives a moment later
+            check_in(late, 1, 1, 2, timeout_s=3)
+
+        thread = threading.Thread(target=arrive_after_the_stall)
+        thread.start()
+        check_in(waiting, 1, 0, 2, timeout_s=3)
+        thread.join()
+        assert answered.is_set() and waiting.get("outcome") == b"go"
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
 
 
 def test_once_every_member_checked_in_nobody_gives_up() -> None:

@@ -80,6 +80,10 @@ class AbortMonitor:
     ``abort`` once (for NCCL: abort every process group of the generation), which makes
     a collective blocked in the main thread return with an error. Gloo cannot be
     interrupted this way (pytorch#130345; see failfast.py); on gloo the monitor is not started.
+
+    ``wedged``: called once when the monitor is still not stopped ``wedged_after_s`` after
+    the abort, i.e. the main thread never left the aborted generation (every wait of it is
+    bounded by the collective timeout): the process is of no use to the job any more.
     """
 
     def __init__(
@@ -87,10 +91,14 @@ class AbortMonitor:
         should_abort: Callable[[], bool],
         abort: Callable[[], None],
         interval_s: float = 0.05,
+        wedged: Callable[[], None] | None = None,
+        wedged_after_s: float = 60.0,
     ) -> None:
         self._should_abort = should_abort
         self._abort = abort
         self._interval = interval_s
+        self._wedged = wedged
+        self._wedged_after_s = wedged_after_s
         self._stop = threading.Event()
         self.fired = threading.Event()
         self._thread = threading.Thread(target=self._run, name="abort-monitor", daemon=True)
@@ -117,6 +125,8 @@ class AbortMonitor:
                 self._abort()
             finally:
                 self.fired.set()
+            if self._wedged is not None and not self._stop.wait(self._wedged_after_s):
+                self._wedged()
             return
 
 

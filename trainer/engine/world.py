@@ -53,9 +53,12 @@ log = logging.getLogger(__name__)
 # Polling an in-flight collective: start fine-grained (steps take milliseconds), back off.
 _FIRST_POLL_S = 0.0002
 _MAX_POLL_S = 0.02
-# A rendezvous check-in polls for this long, then waits in the store in slices this long.
+# A rendezvous check-in polls fine-grained for this long, then every _CHECK_IN_LATE_POLL_S.
 _CHECK_IN_POLL_S = 1.0
-_CHECK_IN_WAIT_S = 0.5
+_CHECK_IN_LATE_POLL_S = 0.25
+# A store that takes longer than this to answer a look-up was stalled (a round trip takes
+# milliseconds): a check-in does not count the rest against the members still arriving.
+_STORE_ANSWER_S = 0.5
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
 
@@ -157,14 +160,50 @@ class StoreHost:
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host = host
+        listener = listen_on(host)
+        port = listener.getsockname()[1]
+        # The store takes the listener over (and closes it with itself).
         self.store = dist.TCPStore(
-            host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+            host,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
         self.port = self.store.port
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def listen_on(host: str) -> socket.socket:
+    """A listening socket on ``host`` itself, in that address's family, on a free port.
+
+    Left to itself, a TCPStore server listens on every interface over IPv6, so a peer
+    connecting over IPv4 is accepted as ``::ffff:<its address>``, and the server formats
+    every accepted peer's address with a reverse name lookup, in its event loop: for that
+    form of the address /etc/hosts has no answer, so it is a DNS query (seen with strace),
+    and a query the resolver drops freezes the store for the resolver's 5 s timeout (5
+    lookups in 300 here). Every new client, ``await_listener``'s probe and the partition
+    probe of every collective-error report is such a connection, and a frozen coordinator's
+    store holds every member's check-in, which then fails as if the members still arriving
+    had not come (``rank(s) [..] did not check in``). Accepted on the host's own family,
+    a peer is the address itself, which /etc/hosts answers without a query (127.0.0.1 in
+    local mode).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _never() -> bool:
@@ -306,7 +345,9 @@ class World:
     def _fail(self, why: str, abandoned: bool) -> None:
         """Mark the world failed and cut its connections so every peer fails now too."""
         first = not self.failed
-        self._state = "abandoned" if abandoned else "failed"
+        # Once abandoned, always: the error the abort then causes in the main thread must
+        # not make ``close`` shut the world down, which waits for its in-flight operations.
+        self._state = "abandoned" if abandoned or self._state == "abandoned" else "failed"
         if first:
             cut = self.connections.cut()
             log.info("generation %d failed (%s); cut %d connections", self.generation, why, cut)
@@ -513,28 +554,41 @@ def check_in(
     writes ``go``, a member giving up writes why (abandoned, or who is missing). Either every
     member goes on to the init or none does, so no member is left waiting in the library
     for one that gave up a moment after everyone had checked in.
+
+    The timeout counts the time the store answered: while it is stalled (its process
+    frozen, its event loop held by a slow name lookup) nobody can check in, and members
+    queued behind the stall are not late. Nor does anyone give up while every member has
+    checked in (the last one's ``go`` is on its way), up to twice the timeout.
     """
     store.set(f"checked-in/{rank}", b"1")
     if store.add("arrivals", 1) == world_size:
         _decide(store, "go")
+    stalled = [0.0]  # seconds the store took to answer beyond _STORE_ANSWER_S
+
+    def decided() -> bool:
+        asked = time.monotonic()
+        answer = store.check(["outcome"])
+        stalled[0] += max(0.0, time.monotonic() - asked - _STORE_ANSWER_S)
+        return answer
 
     def check(elapsed: float) -> None:  # a decision here ends the poll at its next look
         if should_abandon():
             _decide(store, "abandoned: a newer generation exists")
-        elif elapsed > timeout_s:
+        elif elapsed - stalled[0] > timeout_s:
             missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
-            _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
+            if missing or elapsed > 2 * timeout_s:
+                _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
 
     def pause(elapsed: float, backoff_s: float) -> None:
-        if elapsed < _CHECK_IN_POLL_S:
-            time.sleep(backoff_s)  # members usually arrive within milliseconds of each other
-            return
-        # A member is late: wait in the store server rather than poll it (thousands of
-        # ranks polling one store would load it), looking up between waits.
-        with contextlib.suppress(dist.DistStoreError):
-            store.wait(["outcome"], timedelta(seconds=min(_CHECK_IN_WAIT_S, timeout_s)))
+        # Members usually arrive within milliseconds of each other; once one is late, a
+        # slower poll keeps thousands of ranks from loading the store. Not a store wait
+        # in slices (as many requests: a wait that times out is cancelled by a second):
+        # torch logs each timed-out wait with both socket addresses, formatted by reverse
+        # name lookups, and a lookup the resolver drops held the waiting rank for 5 s
+        # (``listen_on``), past the moment the last member arrived.
+        time.sleep(backoff_s if elapsed < _CHECK_IN_POLL_S else _CHECK_IN_LATE_POLL_S)
 
-    poll_until(lambda: store.check(["outcome"]), check, pause)
+    poll_until(decided, check, pause)
     outcome = store.get("outcome").decode()
     if outcome != "go":
         raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
@@ -572,6 +626,7 @@ def open_world(
         raise CollectiveError(f"generation {generation}: rendezvous failed: {exc}") from exc
     checked_in = time.monotonic()
     before = set(own_socket_fds())
+    bound_new_groups(timeout_s)
     shrunk = retained is not None and _shrink(
         retained, generation, rank, workers, scoped, timeout_s, shrinker or SHRINKER
     )
@@ -606,6 +661,19 @@ def open_world(
             ("shrink" if shrunk else "init"): round(time.monotonic() - checked_in, 3),
         },
     )
+
+
+def bound_new_groups(timeout_s: float) -> None:
+    """Make the groups created from now on (``new_group``, a 2-D ``init_device_mesh``: the
+    ZeRO shard and replica groups, a pod's team) time out as the world does.
+
+    torch gives them ``default_pg_timeout`` (30 min for gloo), not the default group's
+    timeout: a rank blocked in one of them after its generation was cut waited there long
+    past the generations the survivors went on to, which failed for want of it ("rank(s)
+    [3] did not check in", twice, then a restart). Relies on torch's module default, which
+    ``tests/engine`` guards.
+    """
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
 
 
 def _shrink(

@@ -9,7 +9,10 @@ per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It
 - keeps a pre-started trainer process per local rank (``prestart``: torch imported, waiting
   for its launch environment), started once the pod trains (it reported a step, or has
   been in one generation for ``PRESTART_SETTLE_S``), so that starting them does not
-  compete with a start or a recovery for the CPU;
+  compete with a start or a recovery for the CPU; where it can give them their priority
+  back, they import at ``PRESTART_NICE`` lower (a pod's set-up under load outlasted the
+  settle time, and its first step took 8 s beside their imports) and get the launcher's at
+  their hand-over;
 - when one process exits with an error, or falls silent (no poll for half the hang timeout:
   it is stopped or wedged), kills the others (the pod's world is broken) and, when a
   pre-started process waits for every local rank, hands them over in place of the killed
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -46,7 +50,7 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.trainer.checkpoint.paths import local_rank_shm_dir
-from bulkhead.trainer.pod.prestart import hand_over, prestarted_command
+from bulkhead.trainer.pod.prestart import can_renice_back, hand_over, prestarted_command
 from bulkhead.trainer.pod.relay import PodRelay, relay_app
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,8 @@ STOP_TIMEOUT_S = 5.0
 # member of one running generation this long: forming a world and building the engine
 # took 1-6 s on a loaded 2-core machine.
 PRESTART_SETTLE_S = 10.0
+# How much lower (in nice steps) pre-started processes run until they are handed over.
+PRESTART_NICE = 10
 
 
 def child_command() -> list[str]:
@@ -107,6 +113,8 @@ class PodLauncher:
         # None: no pre-started processes (a process lost fails the pod).
         self.prestart_command = prestart_command
         self.prestart_settle_s = prestart_settle_s
+        # Lower the pre-started processes' priority only if it can be given back.
+        self.prestart_nice = PRESTART_NICE if can_renice_back() else 0
         self.children: list[subprocess.Popen[bytes]] = []
         self.waiting: dict[int, subprocess.Popen[bytes]] = {}  # local rank -> pre-started
         self.restarts = 0  # restarts in place so far
@@ -165,7 +173,7 @@ class PodLauncher:
                     self.prestart_command,
                     env=child_env(self.env, rank, self._relay_url),
                     stdin=subprocess.PIPE,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=lambda: _yielding_child(self.prestart_nice),
                 )
                 log.info(
                     "pre-started a process for local rank %d (pid %d)", rank, self.waiting[rank].pid
@@ -197,8 +205,12 @@ class PodLauncher:
             )
         self.waiting.clear()
         self.children = []
+        own = os.getpriority(os.PRIO_PROCESS, 0)
         for rank, process in enumerate(ready):
             self.children.append(process)
+            if self.prestart_nice:  # from now on it is the pod's trainer process
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.setpriority(os.PRIO_PROCESS, process.pid, own)
             if not hand_over(process, child_env(self.env, rank, self._relay_url)):
                 log.error("pre-started process %d of local rank %d died", process.pid, rank)
                 return False
@@ -374,6 +386,13 @@ def die_with_parent() -> None:
 
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _yielding_child(nice: int) -> None:
+    """In a pre-started child before exec: die with the launcher, run ``nice`` lower."""
+    die_with_parent()
+    if nice:
+        os.nice(nice)
 
 
 def run_pod(env: Mapping[str, str], relay: PodRelay, silence_limit_s: float) -> int:

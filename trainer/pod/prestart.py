@@ -6,6 +6,8 @@ JSON line on stdin and becomes the trainer that environment names; end of input 
 one makes it exit 3. Local mode's driver keeps a pool of them for its worker "pods", and a
 multi-process pod's launcher keeps one per local rank for the trainer processes it runs:
 both start them with ``prestarted_command`` and hand one over with ``handover_line``.
+Their imports take seconds of CPU that a start or a recovery needs: where the starter can
+give a process its priority back (``can_renice_back``), it starts them at a lower one.
 No torch here: the operator's local driver imports it.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import resource
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -43,3 +47,12 @@ def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> bool:
         with contextlib.suppress(OSError):
             process.stdin.close()
     return True
+
+
+def can_renice_back() -> bool:
+    """Whether this process may give a child whose priority it lowered its own back
+    (setpriority(2): root, or RLIMIT_NICE allowing this process's nice value)."""
+    if os.geteuid() == 0:
+        return True
+    allowed = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return allowed == resource.RLIM_INFINITY or 20 - allowed <= os.getpriority(os.PRIO_PROCESS, 0)

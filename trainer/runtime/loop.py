@@ -17,9 +17,11 @@ some survivor finished it.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -70,6 +72,9 @@ from bulkhead.trainer.straggler import StragglerDetector, node_agent_report
 log = logging.getLogger(__name__)
 # How often a worker waiting for a generation that includes it checks whether it is a spare.
 _SPARE_CHECK_S = 2.0
+# The exit of a process wedged in an aborted generation: an infrastructure failure (any
+# code outside WorkerExit), so its pod restarts it in place or it is replaced.
+EXIT_WEDGED = 1
 
 Outcome = Literal["done", "reconfigure"]
 
@@ -309,7 +314,10 @@ class ElasticTrainer:
         # generation has existed for longer than a step should take, a side thread aborts
         # this world, so a collective blocked on a hung or cut-off peer returns an error.
         monitor = AbortMonitor(
-            lambda: self._overdue(view), lambda: world.abort("a newer generation exists")
+            lambda: self._overdue(view),
+            lambda: world.abort("a newer generation exists"),
+            wedged=lambda: self._wedged(view),
+            wedged_after_s=self.cfg.timeouts.collective_s,
         ).start()
         try:
             plan = make_plan(view.generation, world.workers, world.nodes, self.cfg)
@@ -466,6 +474,20 @@ class ElasticTrainer:
         self.held = engine.held_state()
         self._complete(view)
         return "done"
+
+    def _wedged(self, view: MembershipView) -> None:
+        """The main thread stayed in generation ``view`` a collective timeout after its
+        world was aborted: where it is goes to the log, and the process exits as failed
+        (its pod's launcher hands over to a pre-started process, or it is replaced),
+        rather than hold every later generation's check-in until the job restarts."""
+        log.error(
+            "generation %d: still in it %gs after its world was aborted: exiting; threads:",
+            view.generation,
+            self.cfg.timeouts.collective_s,
+        )
+        logging.shutdown()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(EXIT_WEDGED)
 
     def _overdue(self, view: MembershipView) -> bool:
         """A newer generation exists and this one has not reached a step boundary within
