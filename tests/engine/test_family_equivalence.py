@@ -13,7 +13,8 @@ tiny model, not the model's arithmetic): each case runs as few processes as it n
 shards show ZeRO 1/2; hpZ needs a group of 4; a kill needs a surviving holder) on a
 short batch (4 sequences of 32 tokens: in the composition one micro-batch per pipeline;
 multi-micro-batch schedules are ``test_pipeline_engine``'s). A layout given a 1 % larger
-learning rate than the reference still fails every case of both families.
+learning rate than the reference still fails every case of both families (checked: all
+13, each on the loss of step 1 or 2, 1.9x or 5.5x the tolerance off).
 
 Micro-batches: a MoE block's balance loss is a function of the whole micro-batch's
 routing (not a mean over samples), so every layout runs micro-batches of one sample per
