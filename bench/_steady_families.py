@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -166,10 +167,13 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": median, "rel_iqr_half": (q3 - q1) / 2 / median, "n": len(values)}
 
 
-def steady_state(quick: bool, work: Path) -> dict[str, Any]:
+def steady_state(
+    quick: bool, work: Path, after_round: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Per mode and family: engine CPU per GFLOP and the engine overhead ratio, and llama's
-    over gpt's for both (medians over every measured step of every round)."""
-    steps, rounds = (2, 2) if quick else (4, 4)
+    over gpt's for both (medians over every measured step of every round so far, also
+    handed to ``after_round`` after each round: a long run interrupted keeps its figures)."""
+    steps, rounds = (2, 2) if quick else (4, 6)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         m: {f: {"per_gflop": [], "overhead": []} for f in FAMILY_MODELS} for m in MODES
     }
@@ -183,6 +187,12 @@ def steady_state(quick: bool, work: Path) -> dict[str, Any]:
                 s = samples[mode][family]
                 s["per_gflop"] += [cpu / gflop for cpu in got["engine"]]
                 s["overhead"] += [e / b for e, b in zip(got["engine"], got["bare"], strict=True)]
+        if after_round is not None:
+            after_round({"rounds": r + 1, **_figures(samples)})
+    return _figures(samples)
+
+
+def _figures(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, by_family in samples.items():
         fig = {f: {k: _spread(v) for k, v in s.items()} for f, s in by_family.items()}
@@ -198,6 +208,8 @@ def steady_state(quick: bool, work: Path) -> dict[str, Any]:
 
 def report(figures: dict[str, Any]) -> None:
     for mode, f in figures.items():
+        if mode == "rounds":
+            continue
         g, lm = f["gpt_cpu_s_per_gflop"], f["llama_cpu_s_per_gflop"]
         go, lo = f["gpt_engine_overhead"], f["llama_engine_overhead"]
         print(

@@ -195,7 +195,12 @@ def main() -> None:
 
         work = Path(tempfile.mkdtemp(prefix="bench-models-steady-"))
         try:
-            figures["steady_state"] = steady_state(args.quick, work)
+
+            def save(partial: dict[str, Any]) -> None:  # each round's figures so far
+                if args.out:
+                    Path(args.out).write_text(json.dumps(figures | {"steady_state": partial}))
+
+            figures["steady_state"] = steady_state(args.quick, work, save)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         report(figures["steady_state"])
