@@ -11,19 +11,16 @@
    allocator's recycled heap while four fresh ranks could not.
 2. Export: ``export_hf`` (shards, index, config.json) vs safetensors' ``save_file`` of the
    same tensors into one file from one process (target <= 1.5x).
-3. Steady state, llama vs gpt (the protocol costs nothing; target within 3 %): both
-   families of the same width, depth, heads and parameter count (SwiGLU at 2/3 of the GELU
-   width, no GQA) train under each mode (one process; ZeRO-3 over 2 ranks; 2 pipeline
-   stages) in real gloo processes (``_engine_runs``). Measured: the CPU seconds of every
-   rank over the steps after the first, per training FLOP (``6 N + 12 L s d`` per token, N
-   the non-embedding parameters), llama's over gpt's; the modes alternate families within
-   each round and the best round counts.
+3. Steady state, llama vs gpt (the protocol costs nothing; target within 3 %): CPU per
+   training FLOP and the engine overhead ratio (engine step over the bare model's own
+   step), medians over many alternated rounds: ``_steady_families``.
 
-Every timing is the best of a few rounds in which both sides run back to back (the machine
-is shared: the best is the least disturbed); CPU seconds are reported beside wall seconds.
-Both sides read files the previous step just wrote, i.e. from the page cache.
+Every timing of parts 1 and 2 is the best of a few rounds in which both sides run back to
+back (the machine is shared: the best is the least disturbed); CPU seconds are reported
+beside wall seconds. Both sides read files the previous step just wrote, i.e. from the
+page cache.
 
-    .venv/bin/python -P bench/models.py [--quick] [--out FILE] [--ranks N] [--skip-io]
+    .venv/bin/python -P bench/models.py [--quick] [--out FILE] [--ranks N] [--only io|steady]
 """
 
 from __future__ import annotations
@@ -175,72 +172,6 @@ def sequential_shares(directory: Path, ranks: int, sizes: LlamaSizes) -> dict[st
     return {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
-# Same width, depth, heads and parameter count: GELU 4d vs SwiGLU's three 8/3 d matrices.
-FAMILY_MODELS = {
-    "gpt": {"family": "gpt", "ffnDim": 1024},
-    "llama": {"family": "llama", "ffnDim": 688, "nKvHeads": 4, "tieEmbeddings": True},
-}
-MODES: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (ranks, parallelism)
-    "one process": (1, {}),
-    "ZeRO-3 x 2": (2, {"zero": {"stage": 3}}),
-    "pipeline 2 stages": (2, {"pipeline": {"minStages": 2}}),
-}
-
-
-def family_config(family: str, ranks: int, parallelism: dict[str, Any], quick: bool) -> Any:
-    from bulkhead.api.spec import TrainingJobSpec
-    from bulkhead.trainer.config import train_config
-
-    seq = 128 if quick else 256
-    model = {"vocabSize": 256, "dModel": 256, "nLayers": 4, "nHeads": 4, "seqLen": seq,
-             **FAMILY_MODELS[family]}  # fmt: skip
-    spec = TrainingJobSpec.model_validate(
-        {
-            "workers": ranks,
-            "trainer": {
-                "model": model,
-                "batch": {"globalBatchSize": 8, "microBatchSize": 2},
-                "steps": 1000,
-                "parallelism": parallelism,
-            },
-            "faultTolerance": {"maxFailures": 0},  # one copy: every rank computes
-        }
-    )
-    return train_config(spec)
-
-
-def train_flops_per_step(cfg: Any) -> float:
-    """``6 N + 12 L s d`` per token (N: the blocks' and head's parameters)."""
-    shape = cfg.shape
-    n = sum(u.active_params for u in shape.units if u.kind != "embedding")
-    per_token = 6 * n + 12 * shape.n_layers * shape.seq_len * shape.d_model
-    return per_token * shape.seq_len * cfg.global_batch_size
-
-
-def steady_state(quick: bool, work: Path) -> dict[str, Any]:
-    """llama's CPU seconds per training FLOP over gpt's, per mode (best of the rounds)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_engine_runs.py
-    from _engine_runs import Scenario, run
-
-    steps, rounds = (3, 1) if quick else (8, 3)
-    per_flop: dict[str, dict[str, list[float]]] = {m: {"gpt": [], "llama": []} for m in MODES}
-    for r in range(rounds):
-        for mode, (ranks, parallelism) in MODES.items():
-            for family in ("gpt", "llama") if r % 2 == 0 else ("llama", "gpt"):
-                cfg = family_config(family, ranks, parallelism, quick)
-                name = f"{family}-{mode.replace(' ', '-')}-{r}"
-                done = run(Scenario(name, cfg, ranks, steps, placement="cpu"), work)
-                cpu = sum(rec["steady_cpu_s"] for rec in done["records"])
-                counted = done["records"][0]["steady_steps"]
-                per_flop[mode][family].append(cpu / (counted * train_flops_per_step(cfg)))
-    out = {}
-    for mode, by_family in per_flop.items():
-        gpt, llama = min(by_family["gpt"]), min(by_family["llama"])
-        out[mode] = {"gpt_cpu_s_per_gflop": gpt * 1e9, "llama_cpu_s_per_gflop": llama * 1e9,
-                     "llama_over_gpt": llama / gpt}  # fmt: skip
-    return out
-
-
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float]:
     started, cpu = time.perf_counter(), time.process_time()
     fn(*args, **kwargs)
@@ -259,17 +190,20 @@ def main() -> None:
     if args.only != "steady":
         figures |= io_figures(args)
     if args.only != "io":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_engine_runs.py
+        from _steady_families import report, steady_state
+
         work = Path(tempfile.mkdtemp(prefix="bench-models-steady-"))
         try:
-            figures["steady_state"] = steady_state(args.quick, work)
+
+            def save(partial: dict[str, Any]) -> None:  # each round's figures so far
+                if args.out:
+                    Path(args.out).write_text(json.dumps(figures | {"steady_state": partial}))
+
+            figures["steady_state"] = steady_state(args.quick, work, save)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        for mode, f in figures["steady_state"].items():
-            print(
-                f"steady state, {mode}: llama {f['llama_cpu_s_per_gflop']:.3f} vs gpt "
-                f"{f['gpt_cpu_s_per_gflop']:.3f} CPU s per GFLOP = {f['llama_over_gpt']:.3f}x "
-                "(target within 3 %)"
-            )
+        report(figures["steady_state"])
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -2,7 +2,8 @@
 
 ``parallelize`` (``build_engine``: the model the plan needs, laid out by one function per
 parallelism, and the engine's parts), ``engine`` (one ``Engine``: one optimizer step
-committed on every rank; adoption of the state from its holders), ``parts`` (what
+committed on every rank, its state as keys), ``adoption`` (a new engine takes the state
+from its holders: roll forward, exchange, transfer or fresh start), ``parts`` (what
 differs per parallelism), ``holdings`` (who holds which keys: whole-world or grouped),
 ``local_step`` (the whole model's passes; DP/ZeRO keys), ``pipeline`` (a stage's 1F1B/GPipe
 schedule and keys) and ``experts`` (quota dispatch, expert keys, placement and

@@ -19,18 +19,20 @@ update communicates, so a failure before the agreement leaves every survivor's s
 the last completed step. A failure *during* the agreement can leave some ranks committed
 and others not (a ring all-reduce delivers its result to some ranks before others): the
 ones that did not keep their reduced gradients, and the next adoption completes their
-step with the gradient norm a committed rank applied (``_roll_forward``), so every
-survivor is at the same step again without any state copy.
+step with the gradient norm a committed rank applied (``adoption.roll_forward``), so
+every survivor is at the same step again without any state copy.
+
+The class reads in that order: how it is built, its plan, the step, its state as keys
+(and ``adopt``, whose work is in ``adoption``).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,37 +40,24 @@ from torch.distributed.tensor import DTensor, Shard
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import ByteDataset
+from bulkhead.trainer.engine import adoption
 from bulkhead.trainer.engine.clip import scale_, squared_norm
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.groups import ParamGroups, group_sizes
 from bulkhead.trainer.engine.optim import lr_at, make_optimizer, materialize_optimizer
 from bulkhead.trainer.engine.precision import autocast
-from bulkhead.trainer.engine.pretrained import (
-    PretrainedReader,
-    hf_reader,
-    initial_state_from_pretrained,
-)
-from bulkhead.trainer.engine.state import (
-    Adoption,
-    CommitRecord,
-    HeldState,
-    _local,
-)
-from bulkhead.trainer.engine.transfers import execute_transfer
+from bulkhead.trainer.engine.pretrained import PretrainedReader
+from bulkhead.trainer.engine.state import Adoption, CommitRecord, HeldState, _local
 from bulkhead.trainer.engine.world import CollectiveError, World
 from bulkhead.trainer.engine.zero import after_optimizer_step
-from bulkhead.trainer.models.protocol import build_seeded
-from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec, Range
+from bulkhead.trainer.parallel.layout import NOTHING, Holding, KeySpec
 from bulkhead.trainer.parallel.plan import ParallelPlan, StateBytes, state_bytes_per_rank
 from bulkhead.trainer.parallel.rank_memory import rank_state
-from bulkhead.trainer.parallel.transfer import plan_transfer
 
 if TYPE_CHECKING:  # these import this module
     from bulkhead.trainer.engine.experts import Rebalance
     from bulkhead.trainer.engine.parallelize import Layout
     from bulkhead.trainer.engine.parts import EngineParts
-
-log = logging.getLogger(__name__)
 
 
 def import_lazy_dependencies() -> None:
@@ -144,6 +133,8 @@ class Engine:
         self.initialized = True  # parameters hold the seeded initialization (see build)
         self._entries, self.specs = self.keys.layout(self, self._state_entries())
 
+    # -- plan --------------------------------------------------------------------------
+
     @property
     def plan(self) -> ParallelPlan:
         """The plan this engine runs (its caller installs a new one: ``install``)."""
@@ -179,230 +170,6 @@ class Engine:
     def keygroups(self) -> ParamGroups:
         """The key group of each parameter name (units, tied weights, experts)."""
         return ParamGroups(self.model, experts=self.plan.experts is not None)
-
-    # -- state as keys -----------------------------------------------------------------
-
-    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
-        """Every key of the state this rank has storage for, with its tensor (the
-        layout's ``keys`` then group them and list the keys held elsewhere)."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        tensors: list[tuple[str, torch.Tensor]] = [
-            (f"param/{name}", p) for name, p in self.model.named_parameters()
-        ]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                slots = self.optimizer.state[p]
-                for slot in sorted(slots):
-                    if isinstance(slots[slot], torch.Tensor):
-                        tensors.append((f"optim/{names[id(p)]}/{slot}", slots[slot]))
-        tensors += [(f"buffer/{name}", b) for name, b in self.model.named_buffers()]
-        entries = []
-        for key, t in tensors:
-            spec = KeySpec(
-                name=key,
-                numel=t.numel(),
-                rows=t.shape[0] if t.dim() > 0 else 1,
-                dtype=str(t.dtype).removeprefix("torch."),
-                shardable=self.keys.shardable(self, key, t),
-            )
-            if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
-                raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
-            entries.append((spec, t))
-        return entries
-
-    @property
-    def holding(self) -> Holding:
-        if not self.adopted:
-            return NOTHING
-        return self.holdings.holding_of(self.plan, self.world.rank, self.completed_steps)
-
-    def local_tensors(self) -> dict[str, torch.Tensor]:
-        """Every key's flat local range (views: writing them writes the state)."""
-        out = {}
-        for spec, t in self._entries:
-            local = _local(t.detach())
-            if local.numel():
-                out[spec.name] = local.reshape(-1)
-        return out
-
-    def held_state(self) -> HeldState:
-        """This engine's state, for the next generation's engine or a snapshot."""
-        if self.experts is not None and self.experts.interrupted is not None:
-            return self.experts.interrupted  # the committed step's, a migration failed
-        finish = self._finish_pending if self._pending is not None else None
-        record = CommitRecord(self._committed_norm_sq, finish)
-        return HeldState(self.holding, self.local_tensors(), record)
-
-    def state_bytes(self) -> tuple[StateBytes, StateBytes]:
-        """(held by this rank now, the ZeRO formula for the plan): parameters, gradients
-        and optimizer state; gradients as left by the last step."""
-
-        def size(t: torch.Tensor | None) -> int:
-            return _local(t).numel() * t.element_size() if t is not None else 0
-
-        params = [t for spec, t in self._entries if spec.name.startswith("param/")]
-        held = StateBytes(
-            params=sum(size(t) for t in params),
-            grads=sum(size(t.grad) for t in params),
-            # The slots shaped like their parameter, not AdamW's scalar step count (by
-            # shape: ``spec.shardable`` is False for every key of expert layouts and of
-            # pipeline stages without ZeRO).
-            optimizer=sum(
-                size(t)
-                for spec, t in self._entries
-                if spec.name.startswith("optim/") and t.dim() >= 1
-            ),
-        )
-        num_params = sum(spec.numel for spec in self.specs if spec.name.startswith("param/"))
-        return held, state_bytes_per_rank(self.plan.zero, num_params)
-
-    def planned_state_bytes(self) -> StateBytes:
-        """What the planner (``bulkhead plan``) predicts this rank holds between steps, for
-        every layout (pipeline stages and hosted experts included)."""
-        per_group = group_sizes(self.cfg.family, self.cfg.model, self.plan.experts is not None)
-        return rank_state(self.plan, per_group, self.world.rank)
-
-    def assemble(self, pieces: list[HeldState]) -> HeldState:
-        """One whole state from the pieces of one checkpoint step."""
-        return self.holdings.assemble(pieces, self.specs)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Every key whole on every rank (collective; tests and benches)."""
-        return self.holdings.full_state(
-            self.world, self.plan, self.specs, self._entries, self.local_tensors(),
-            self.completed_steps,
-        )  # fmt: skip
-
-    # -- adoption ----------------------------------------------------------------------
-
-    def adopt(self, held: HeldState | None) -> Adoption:
-        """Take the newest state any rank holds (collective: every rank calls it).
-
-        ``held``: what this process holds (its previous engine's state, or pieces restored
-        from a checkpoint), None for a new member. Returns an incomplete ``Adoption`` when
-        some key has no holder; the state is then unchanged and the caller falls back.
-        """
-        started = time.perf_counter()
-        held = self._roll_forward(held)
-        holdings = self._holdings(held)
-        if all(h.empty for h in holdings):
-            if self.cfg.pretrained is not None:
-                self._load_pretrained(self.cfg.pretrained)
-            elif not self.initialized:
-                self._initialize()
-            self.completed_steps = 0
-            self.adopted = True
-            return Adoption(0, "fresh", 0, time.perf_counter() - started, {})
-        needs = self._needs(holdings)
-        held = self._source(held)
-        transfer = plan_transfer(holdings, needs, self.specs)
-        if not transfer.complete:
-            return Adoption(
-                transfer.step, "incomplete", 0, time.perf_counter() - started, transfer.missing
-            )
-        received = execute_transfer(
-            transfer,
-            self.world,
-            held,
-            self.local_tensors(),
-            needs[self.world.rank],
-            {s.name: s for s in self.specs},
-        )
-        self.completed_steps = transfer.step
-        self.adopted = True
-        only_local = all(m.src == m.dst for m in transfer.moves)
-        return Adoption(
-            transfer.step,
-            "kept" if only_local else "peers",
-            received,
-            time.perf_counter() - started,
-            {},
-        )
-
-    def _roll_forward(self, held: HeldState | None) -> HeldState | None:
-        """Complete a step some ranks committed and this one did not (collective).
-
-        Every rank shares its step, whether it has one pending, and the gradient norm its
-        last committed step applied. A rank with step s pending completes it when some
-        rank is at s + 1: its gradients were fully reduced (no rank can commit before
-        every rank has), so the update with the same norm is the one the others applied.
-        When no rank committed, the pending step is dropped and redone by everyone.
-        ``held``'s commit record is consumed.
-        """
-        record = held.commit if held is not None else None
-        step = held.holding.step if held is not None else -1
-        pending = record is not None and record.finish is not None
-        norm = record.norm_sq if record is not None and record.norm_sq is not None else math.nan
-        row = torch.tensor([step, float(pending), norm], dtype=torch.float64)
-        rows = self.world.all_gather(row.to(self.world.device.device)).cpu().tolist()
-        if held is None:
-            return None
-        held.commit = None  # used once: let the previous engine (its gradients) go
-        if not pending:
-            return held
-        assert record is not None and record.finish is not None
-        ahead = [r for r in rows if r[0] == step + 1 and not math.isnan(r[2])]
-        if not ahead:
-            return HeldState(held.holding, held.tensors)
-        record.finish(ahead[0][2])
-        log.info(
-            "step %d: committed by %d rank(s) but not here; completed it with their gradient norm",
-            step,
-            len(ahead),
-        )
-        return HeldState(replace(held.holding, step=step + 1), held.tensors)
-
-    def _initialize(self) -> None:
-        """The seeded initial parameters, each rank its own ranges (a fresh start of an
-        engine built without them)."""
-        seeded = build_seeded(self.cfg.family, self.cfg.model, self.cfg.seed).named_parameters()
-        whole = {f"param/{name}": p.detach().reshape(-1) for name, p in seeded}
-        wanted = self._needs([NOTHING] * self.world.world_size)[self.world.rank]
-        local = self.local_tensors()
-        for key, (start, stop) in wanted.items():
-            if key in whole and key in local:
-                local[key].copy_(whole[key][start:stop])
-        self.initialized = True
-
-    # How a fresh start reads pretrained weights (None: the Hugging Face reader).
-    read_pretrained: PretrainedReader | None = None
-
-    @torch.no_grad()
-    def _load_pretrained(self, directory: str) -> None:
-        """A fresh start from ``directory``'s weights: each rank reads its own ranges."""
-        wanted = self._needs([NOTHING] * self.world.world_size)[self.world.rank]
-        local = self.local_tensors()
-        read = self.read_pretrained or hf_reader()
-        tensors = initial_state_from_pretrained(
-            directory,
-            self.model,
-            {k: r for k, r in wanted.items() if k in local},
-            {s.name: s for s in self.specs},
-            read,
-            into=local,
-        )
-        for key, flat in tensors.items():
-            if flat.data_ptr() != local[key].data_ptr():  # read elsewhere (another device)
-                local[key].copy_(flat)
-        self.initialized = True
-        log.info("fresh start from the pretrained weights in %s", directory)
-
-    # Adoption: what every rank holds (collective), what each must hold, and this rank's
-    # held state as a transfer source, all from the layout's holdings policy.
-
-    def _holdings(self, held: HeldState | None) -> list[Holding]:
-        holdings = self.holdings.exchange(self.world, self.plan, held, self.specs)
-        if self.experts is not None:
-            self.experts.observe(self.plan, holdings)
-        return holdings
-
-    def _needs(self, holdings: list[Holding]) -> list[dict[str, Range]]:
-        if self.experts is not None:  # the placement settled onto what the ranks hold
-            self.experts.settle_once(self)
-        return self.holdings.needs(self.plan, self.specs, len(holdings))
-
-    def _source(self, held: HeldState | None) -> HeldState | None:
-        return self.holdings.source(held, self.specs)
 
     # -- training ----------------------------------------------------------------------
 
@@ -508,3 +275,111 @@ class Engine:
         assert self._pending is not None
         step, local_grads = self._pending
         self._apply(step, local_grads, norm_sq)
+
+    # -- state as keys -----------------------------------------------------------------
+
+    def _state_entries(self) -> list[tuple[KeySpec, torch.Tensor]]:
+        """Every key of the state this rank has storage for, with its tensor (the
+        layout's ``keys`` then group them and list the keys held elsewhere)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        tensors: list[tuple[str, torch.Tensor]] = [
+            (f"param/{name}", p) for name, p in self.model.named_parameters()
+        ]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                slots = self.optimizer.state[p]
+                for slot in sorted(slots):
+                    if isinstance(slots[slot], torch.Tensor):
+                        tensors.append((f"optim/{names[id(p)]}/{slot}", slots[slot]))
+        tensors += [(f"buffer/{name}", b) for name, b in self.model.named_buffers()]
+        entries = []
+        for key, t in tensors:
+            spec = KeySpec(
+                name=key,
+                numel=t.numel(),
+                rows=t.shape[0] if t.dim() > 0 else 1,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shardable=self.keys.shardable(self, key, t),
+            )
+            if self.plan.zero.sharded and not t.is_meta and spec.shardable != _is_sharded(t):
+                raise AssertionError(f"{key}: FSDP2 layout differs from the plan's")
+            entries.append((spec, t))
+        return entries
+
+    @property
+    def holding(self) -> Holding:
+        if not self.adopted:
+            return NOTHING
+        return self.holdings.holding_of(self.plan, self.world.rank, self.completed_steps)
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """Every key's flat local range (views: writing them writes the state)."""
+        out = {}
+        for spec, t in self._entries:
+            local = _local(t.detach())
+            if local.numel():
+                out[spec.name] = local.reshape(-1)
+        return out
+
+    def held_state(self) -> HeldState:
+        """This engine's state, for the next generation's engine or a snapshot."""
+        if self.experts is not None and self.experts.interrupted is not None:
+            return self.experts.interrupted  # the committed step's, a migration failed
+        finish = self._finish_pending if self._pending is not None else None
+        record = CommitRecord(self._committed_norm_sq, finish)
+        return HeldState(self.holding, self.local_tensors(), record)
+
+    def state_bytes(self) -> tuple[StateBytes, StateBytes]:
+        """(held by this rank now, the ZeRO formula for the plan): parameters, gradients
+        and optimizer state; gradients as left by the last step."""
+
+        def size(t: torch.Tensor | None) -> int:
+            return _local(t).numel() * t.element_size() if t is not None else 0
+
+        params = [t for spec, t in self._entries if spec.name.startswith("param/")]
+        held = StateBytes(
+            params=sum(size(t) for t in params),
+            grads=sum(size(t.grad) for t in params),
+            # The slots shaped like their parameter, not AdamW's scalar step count (by
+            # shape: ``spec.shardable`` is False for every key of expert layouts and of
+            # pipeline stages without ZeRO).
+            optimizer=sum(
+                size(t)
+                for spec, t in self._entries
+                if spec.name.startswith("optim/") and t.dim() >= 1
+            ),
+        )
+        num_params = sum(spec.numel for spec in self.specs if spec.name.startswith("param/"))
+        return held, state_bytes_per_rank(self.plan.zero, num_params)
+
+    def planned_state_bytes(self) -> StateBytes:
+        """What the planner (``bulkhead plan``) predicts this rank holds between steps, for
+        every layout (pipeline stages and hosted experts included)."""
+        per_group = group_sizes(self.cfg.family, self.cfg.model, self.plan.experts is not None)
+        return rank_state(self.plan, per_group, self.world.rank)
+
+    def assemble(self, pieces: list[HeldState]) -> HeldState:
+        """One whole state from the pieces of one checkpoint step."""
+        return self.holdings.assemble(pieces, self.specs)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every key whole on every rank (collective; tests and benches)."""
+        return self.holdings.full_state(
+            self.world, self.plan, self.specs, self._entries, self.local_tensors(),
+            self.completed_steps,
+        )  # fmt: skip
+
+    # -- adoption ----------------------------------------------------------------------
+
+    # How a fresh start reads pretrained weights (None: the Hugging Face reader).
+    read_pretrained: PretrainedReader | None = None
+
+    def adopt(self, held: HeldState | None) -> Adoption:
+        """Take the newest state any rank holds (collective: every rank calls it).
+
+        ``held``: what this process holds (its previous engine's state, or pieces restored
+        from a checkpoint), None for a new member. Returns an incomplete ``Adoption`` when
+        some key has no holder; the state is then unchanged and the caller falls back
+        (``adoption.adopt``).
+        """
+        return adoption.adopt(self, held)

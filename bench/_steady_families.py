@@ -1,0 +1,222 @@
+"""Steady state of the llama family against gpt's (``bench/models.py --only steady``).
+
+Issue 34's target: llama's steady state under each mode within 3 % of gpt's cost per FLOP
+("the protocol costs nothing"). Both families have the same width, depth, heads and
+parameter count (SwiGLU at 2/3 of the GELU width, no GQA) and train under each mode (one
+process; ZeRO-3 over 2 ranks; 2 pipeline stages) in real gloo processes built as a worker
+builds them (``build_engine``).
+
+Two figures per family and mode, from many rounds in which the families alternate (the
+machine is shared: its speed drifts by up to 20 % within minutes, so medians and their
+spread, never one best round):
+
+- CPU seconds of every rank per training FLOP of an engine step (``6 N + 12 L s d`` per
+  token, N the non-embedding parameters). Llama over gpt mixes what the engine costs with
+  what each family's operators cost on a CPU (RMSNorm, rotary, SwiGLU vs LayerNorm, GELU).
+- The engine overhead ratio: the CPU seconds of an engine step (every rank) over those of
+  the bare model's own forward + backward + AdamW of the same global batch in the same
+  micro-batches, run in rank 0's process right after each engine step. The operators'
+  cost is on both sides, so llama's ratio over gpt's is what the protocol and the engine
+  cost one family more than the other.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bulkhead.api.spec import TrainingJobSpec
+from bulkhead.trainer.config import TrainConfig, train_config
+from bulkhead.trainer.data import ByteDataset, open_dataset
+from bulkhead.trainer.data.order import micro_batches, step_positions
+from bulkhead.trainer.engine.device import pick_device
+from bulkhead.trainer.models.protocol import build_seeded
+
+# Same width, depth, heads and parameter count: GELU 4d vs SwiGLU's three 8/3 d matrices.
+FAMILY_MODELS = {
+    "gpt": {"family": "gpt", "ffnDim": 1024},
+    "llama": {"family": "llama", "ffnDim": 688, "nKvHeads": 4, "tieEmbeddings": True},
+}
+MODES: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (ranks, parallelism)
+    "one process": (1, {}),
+    "ZeRO-3 x 2": (2, {"zero": {"stage": 3}}),
+    "pipeline 2 stages": (2, {"pipeline": {"minStages": 2}}),
+}
+
+
+def family_config(family: str, ranks: int, parallelism: dict[str, Any], quick: bool) -> TrainConfig:
+    seq = 64 if quick else 128
+    model = {"vocabSize": 256, "dModel": 256, "nLayers": 4, "nHeads": 4, "seqLen": seq,
+             **FAMILY_MODELS[family]}  # fmt: skip
+    spec = TrainingJobSpec.model_validate(
+        {
+            "workers": ranks,
+            "trainer": {
+                "model": model,
+                "batch": {"globalBatchSize": 8, "microBatchSize": 2},
+                "steps": 1000,
+                "parallelism": parallelism,
+            },
+            "faultTolerance": {"maxFailures": 0},  # one copy: every rank computes
+        }
+    )
+    return train_config(spec)
+
+
+def train_flops_per_step(cfg: TrainConfig) -> float:
+    """``6 N + 12 L s d`` per token (N: the blocks' and head's parameters)."""
+    shape = cfg.shape
+    n = sum(u.active_params for u in shape.units if u.kind != "embedding")
+    per_token = 6 * n + 12 * shape.n_layers * shape.seq_len * shape.d_model
+    return per_token * shape.seq_len * cfg.global_batch_size
+
+
+class BareLoop:
+    """The model's own training step, nothing of the engine: forward + backward of the
+    global batch in the engine's micro-batches, gradient clipping, AdamW."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.model = build_seeded(cfg.family, cfg.model, cfg.seed)
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas)
+
+    def step(self, dataset: ByteDataset, step: int) -> None:
+        gb = self.cfg.global_batch_size
+        self.optimizer.zero_grad(set_to_none=True)
+        for positions in micro_batches(step_positions(step, gb), self.cfg.micro_batch_size):
+            batch = dataset.batch(positions)
+            out = self.model(batch.inputs, batch.targets)
+            (out.total(self.cfg.aux_coef) * (len(positions) / gb)).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
+        self.optimizer.step()
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    cfg: TrainConfig
+    ranks: int
+    steps: int  # measured steps, after one that builds caches
+
+
+def _rank(slot: int, run: Run, port: int, out_dir: str) -> None:
+    from _engine_runs import _open
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
+    )
+    dataset = open_dataset(run.cfg)
+    world, engine = _open(1, slot, list(range(run.ranks)), store, pick_device(), run.cfg)
+    engine.adopt(None)
+    bare = BareLoop(run.cfg) if slot == 0 else None
+    engine_cpu, bare_cpu = [], []
+    for step in range(run.steps + 1):
+        cpu = time.process_time()
+        engine.step(dataset)
+        engine_cpu.append(time.process_time() - cpu)
+        if bare is not None:  # the others wait in the next step's first collective
+            cpu = time.process_time()
+            bare.step(dataset, step)
+            bare_cpu.append(time.process_time() - cpu)
+    world.close()
+    record = {"engine_cpu_s": engine_cpu[1:], "bare_cpu_s": bare_cpu[1:]}
+    Path(out_dir, f"rank{slot}.json").write_text(json.dumps(record))
+
+
+def run_ranks(run: Run, work: Path) -> dict[str, list[float]]:
+    """Per measured step: every rank's engine CPU seconds summed, and the bare step's."""
+    from _engine_runs import process_context
+
+    out_dir = work / run.name
+    out_dir.mkdir(parents=True)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
+    ctx = process_context()
+    procs = [ctx.Process(target=_rank, args=(s, run, store.port, str(out_dir)))
+             for s in range(run.ranks)]  # fmt: skip
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{run.name}: exit codes {[p.exitcode for p in procs]}")
+    records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(run.ranks)]
+    engine = [sum(r["engine_cpu_s"][i] for r in records) for i in range(run.steps)]
+    return {"engine": engine, "bare": records[0]["bare_cpu_s"]}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """Median and the quartiles' half-distance relative to it (the noise of a figure)."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": median, "rel_iqr_half": (q3 - q1) / 2 / median, "n": len(values)}
+
+
+def steady_state(
+    quick: bool, work: Path, after_round: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Per mode and family: engine CPU per GFLOP and the engine overhead ratio, and llama's
+    over gpt's for both (medians over every measured step of every round so far, also
+    handed to ``after_round`` after each round: a long run interrupted keeps its figures)."""
+    steps, rounds = (2, 2) if quick else (4, 6)
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {
+        m: {f: {"per_gflop": [], "overhead": []} for f in FAMILY_MODELS} for m in MODES
+    }
+    for r in range(rounds):
+        for mode, (ranks, parallelism) in MODES.items():
+            for family in ("gpt", "llama") if r % 2 == 0 else ("llama", "gpt"):
+                cfg = family_config(family, ranks, parallelism, quick)
+                name = f"{family}-{mode.replace(' ', '-')}-{r}"
+                got = run_ranks(Run(name, cfg, ranks, steps), work)
+                gflop = train_flops_per_step(cfg) / 1e9
+                s = samples[mode][family]
+                s["per_gflop"] += [cpu / gflop for cpu in got["engine"]]
+                s["overhead"] += [e / b for e, b in zip(got["engine"], got["bare"], strict=True)]
+        if after_round is not None:
+            after_round({"rounds": r + 1, **_figures(samples)})
+    return _figures(samples)
+
+
+def _figures(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, by_family in samples.items():
+        fig = {f: {k: _spread(v) for k, v in s.items()} for f, s in by_family.items()}
+        gpt, llama = fig["gpt"], fig["llama"]
+        out[mode] = {
+            **{f"{f}_cpu_s_per_gflop": fig[f]["per_gflop"] for f in fig},
+            **{f"{f}_engine_overhead": fig[f]["overhead"] for f in fig},
+            "llama_over_gpt": llama["per_gflop"]["median"] / gpt["per_gflop"]["median"],
+            "overhead_llama_over_gpt": llama["overhead"]["median"] / gpt["overhead"]["median"],
+        }
+    return out
+
+
+def report(figures: dict[str, Any]) -> None:
+    for mode, f in figures.items():
+        if mode == "rounds":
+            continue
+        g, lm = f["gpt_cpu_s_per_gflop"], f["llama_cpu_s_per_gflop"]
+        go, lo = f["gpt_engine_overhead"], f["llama_engine_overhead"]
+        print(
+            f"steady state, {mode}: CPU s per GFLOP llama {lm['median']:.3f} "
+            f"(+-{lm['rel_iqr_half']:.1%}) vs gpt {g['median']:.3f} (+-{g['rel_iqr_half']:.1%}) "
+            f"= {f['llama_over_gpt']:.3f}x; engine step / bare step llama {lo['median']:.3f} "
+            f"(+-{lo['rel_iqr_half']:.1%}) vs gpt {go['median']:.3f} "
+            f"(+-{go['rel_iqr_half']:.1%}) = {f['overhead_llama_over_gpt']:.3f}x "
+            f"(target within 3 %; medians of {g['n']} steps per family)"
+        )
