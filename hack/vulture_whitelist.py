@@ -54,3 +54,4 @@ _.prestarted_main  # bulkhead.trainer.worker:prestarted_main (operator/local/dri
 _.NO_HF  # spec.trainer.model.family: hf_models:NO_HF (tests/models)
 _.low_fd_limit  # a pytest fixture requested by parameter (tests/checkpoint)
 _.bulkhead  # tests/packaging/test_dashboard.py imports modules for their metrics
+_.default_pg_timeout  # torch.distributed's module default, read by new_group (world.py)
