@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from bulkhead.trainer.engine import world
+from bulkhead.trainer.engine import rendezvous
 from bulkhead.trainer.engine.device import (
     NCCL_RECOVERY_ENV,
     AbortMonitor,
@@ -33,18 +33,20 @@ from bulkhead.trainer.engine.failfast import (
     own_socket_fds,
     parse_proc_net_tcp,
 )
-from bulkhead.trainer.engine.world import (
-    _FIRST_POLL_S,
-    _MAX_POLL_S,
-    CollectiveError,
+from bulkhead.trainer.engine.rendezvous import (
+    FIRST_POLL_S,
+    MAX_POLL_S,
     StoreHost,
-    World,
     await_listener,
     check_in,
     coordinator_store,
+    poll_until,
+)
+from bulkhead.trainer.engine.world import (
+    CollectiveError,
+    World,
     open_world,
     park_default_world,
-    poll_until,
 )
 
 PROC_NET_TCP = """\
@@ -303,7 +305,7 @@ def test_a_check_in_waiting_for_a_late_member_makes_no_store_wait_time_out(
     # torch logs a store wait that times out with both socket addresses, each formatted by
     # a reverse name lookup: a dropped DNS query held the waiting member for 5 s. Waiting
     # for a late member must not go through timed-out waits.
-    monkeypatch.setattr(world, "_CHECK_IN_POLL_S", 0.0)  # the late member's path at once
+    monkeypatch.setattr(rendezvous, "_CHECK_IN_POLL_S", 0.0)  # the late member's path at once
     host = StoreHost("127.0.0.1", 10)
     waiting = dist.PrefixStore("gen1", coordinator_store(host.address, 1, timeout_s=5))
     late = dist.PrefixStore("gen1", dist.TCPStore(
@@ -391,8 +393,8 @@ def test_the_poll_loop_backs_off_to_its_cap_and_ends_when_done_or_when_check_giv
     answers = iter([False] * 12 + [True])
     poll_until(lambda: next(answers), lambda _: None, lambda _, backoff: pauses.append(backoff))
     assert len(pauses) == 12
-    assert pauses[0] == _FIRST_POLL_S and pauses[-1] == _MAX_POLL_S
-    assert all(b == min(a * 2, _MAX_POLL_S) for a, b in itertools.pairwise(pauses))
+    assert pauses[0] == FIRST_POLL_S and pauses[-1] == MAX_POLL_S
+    assert all(b == min(a * 2, MAX_POLL_S) for a, b in itertools.pairwise(pauses))
 
     def give_up(elapsed: float) -> None:
         if elapsed > 0.05:

@@ -17,12 +17,8 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d as c10d
 
 from bulkhead.trainer.engine.device import pick_device
-from bulkhead.trainer.engine.world import (
-    NcclShrinker,
-    open_world,
-    rank_keys,
-    shrink_exclusions,
-)
+from bulkhead.trainer.engine.shrink import NcclShrinker, rank_keys, shrink_exclusions
+from bulkhead.trainer.engine.world import open_world
 
 
 def test_exclusions_are_the_lost_ranks_when_the_survivors_keep_their_order() -> None:

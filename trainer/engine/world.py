@@ -2,8 +2,8 @@
 
 Each generation is its own ``init_process_group`` under the store prefix ``gen<G>`` (FSDP2
 and DeviceMesh need a *registered* default group; a standalone backend object does not work
-with them), over one connection to the coordinator's store for as long as the coordinator
-stays (``coordinator_store``). A world that ends at a healthy step boundary is destroyed
+with them), after the generation's rendezvous at its coordinator's store (``rendezvous``).
+A world that ends at a healthy step boundary is destroyed
 normally. A world whose collective failed is shut down, which closes its connections so
 every peer still waiting on this rank sees the error at once instead of waiting out the
 timeout. A world with an operation this rank abandoned (a hung peer, a newer generation) is
@@ -12,7 +12,7 @@ waits for its in-flight operation. A world is never reused, except through a com
 *shrink*: on NCCL builds that offer it (``dist.shrink_group``, NCCL >= 2.27), a world that
 ended without a hang is retained, and when the next generation is the same ranks less the
 lost ones, in the same order, it is derived from the retained one instead of created anew
-(no bootstrap, no topology search: docs/communicators.md). Everything else (gloo, a
+(no bootstrap, no topology search: ``shrink``, docs/communicators.md). Everything else (gloo, a
 newcomer, a reordering, an aborted world) creates the next world with
 ``init_process_group``.
 
@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,209 +45,34 @@ from bulkhead.trainer.engine.failfast import (
     new_listen_ports,
     own_socket_fds,
 )
+from bulkhead.trainer.engine.rendezvous import (
+    MAX_POLL_S,
+    CollectiveError,
+    StoreHost,
+    check_in,
+    coordinator_store,
+    never,
+    poll_until,
+)
+from bulkhead.trainer.engine.shrink import (
+    SHRINKER,
+    Retained,
+    Shrinker,
+    rank_keys,
+    shrink_exclusions,
+)
 
 log = logging.getLogger(__name__)
 
-# Polling an in-flight collective: start fine-grained (steps take milliseconds), back off.
-_FIRST_POLL_S = 0.0002
-_MAX_POLL_S = 0.02
-# A rendezvous check-in polls fine-grained for this long, then every _CHECK_IN_LATE_POLL_S.
-_CHECK_IN_POLL_S = 1.0
-_CHECK_IN_LATE_POLL_S = 0.25
-# A store that takes longer than this to answer a look-up was stalled (a round trip takes
-# milliseconds): a check-in does not count the rest against the members still arriving.
-_STORE_ANSWER_S = 0.5
 # Process groups of parked worlds: never shut down or freed while the process lives.
 _PARKED: list[object] = []
-
-
-class Shrinker(Protocol):
-    """Derives the next generation's default group from the current one (the seam the
-    NCCL shrink path goes through; tests inject their own)."""
-
-    def supported(self) -> bool:
-        """Whether the current default group can be shrunk."""
-
-    def shrink(
-        self, excluded: list[int], store: dist.Store, rank: int, world_size: int, timeout_s: float
-    ) -> None:
-        """Make the default group the current one less ``excluded`` (old ranks); this
-        process becomes ``rank`` of ``world_size``. Raises on failure."""
-
-
-class NcclShrinker:
-    """``dist.shrink_group`` (torch 2.15 with NCCL >= 2.27: ``ncclCommShrink``)."""
-
-    def supported(self) -> bool:
-        if getattr(dist, "shrink_group", None) is None or not dist.is_initialized():
-            return False
-        try:
-            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
-            return bool(backend.supports_shrinking)
-        except (RuntimeError, AttributeError):
-            return False  # no CUDA backend (gloo), or a torch without the attribute
-
-    def shrink(
-        self, excluded: list[int], store: dist.Store, rank: int, world_size: int, timeout_s: float
-    ) -> None:
-        # SHRINK_ABORT: whatever the failed generation left in flight is aborted first.
-        dist.shrink_group(excluded, shrink_flags=c10d.SHRINK_ABORT)
-        if dist.get_rank() != rank or dist.get_world_size() != world_size:
-            raise RuntimeError(
-                f"shrunk to rank {dist.get_rank()} of {dist.get_world_size()}, "
-                f"expected {rank} of {world_size}"
-            )
-
-
-SHRINKER: Shrinker = NcclShrinker()
-
-
-@dataclass(frozen=True)
-class Retained:
-    """A world kept for the next generation to shrink: its ranks' keys, in rank order."""
-
-    generation: int
-    rank_keys: tuple[tuple[str, int], ...]
 
 
 _RETAINED: list[Retained] = []  # at most one: the last world, when it can be shrunk
 
 
-def rank_keys(workers: list[str]) -> list[tuple[str, int]]:
-    """Each rank as (worker, which of that worker's processes): a worker pod's G
-    processes hold G ranks under one name."""
-    seen: dict[str, int] = {}
-    keys = []
-    for worker in workers:
-        keys.append((worker, seen.get(worker, 0)))
-        seen[worker] = seen.get(worker, 0) + 1
-    return keys
-
-
-def shrink_exclusions(
-    old: list[tuple[str, int]] | tuple[tuple[str, int], ...], new: list[tuple[str, int]]
-) -> list[int] | None:
-    """The old world's ranks to exclude when the new world is exactly the old one less
-    them, in the same order (a shrink renumbers the survivors in their old order); None
-    when it is not (a newcomer, another order, nothing lost)."""
-    position = {key: rank for rank, key in enumerate(old)}
-    if len(new) >= len(old) or any(key not in position for key in new):
-        return None
-    kept = [position[key] for key in new]
-    if kept != sorted(kept):
-        return None
-    keep = set(kept)
-    return [rank for rank in range(len(old)) if rank not in keep]
-
-
-class CollectiveError(RuntimeError):
-    """A rendezvous or collective failed or timed out (a peer died, hung or went away)."""
-
-
 class NotAMember(LookupError):
     """This worker is not in the generation it was asked to join."""
-
-
-class StoreHost:
-    """The TCPStore server this worker hosts for the generations it coordinates.
-
-    Every worker hosts one from the start (on a free port it registers as its address), so
-    whichever worker becomes the coordinator already serves one, and a coordinator that
-    survives keeps serving across generations.
-    """
-
-    def __init__(self, host: str, timeout_s: float) -> None:
-        self.host = host
-        listener = listen_on(host)
-        port = listener.getsockname()[1]
-        # The store takes the listener over (and closes it with itself).
-        self.store = dist.TCPStore(
-            host,
-            port,
-            None,
-            True,
-            timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        self.port = self.store.port
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def listen_on(host: str) -> socket.socket:
-    """A listening socket on ``host`` itself, in that address's family, on a free port.
-
-    Left to itself, a TCPStore server listens on every interface over IPv6, so a peer
-    connecting over IPv4 is accepted as ``::ffff:<its address>``, and the server formats
-    every accepted peer's address with a reverse name lookup, in its event loop: for that
-    form of the address /etc/hosts has no answer, so it is a DNS query (seen with strace),
-    and a query the resolver drops freezes the store for the resolver's 5 s timeout (5
-    lookups in 300 here). Every new client, ``await_listener``'s probe and the partition
-    probe of every collective-error report is such a connection, and a frozen coordinator's
-    store holds every member's check-in, which then fails as if the members still arriving
-    had not come (``rank(s) [..] did not check in``). Accepted on the host's own family,
-    a peer is the address itself, which /etc/hosts answers without a query (127.0.0.1 in
-    local mode).
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(socket.SOMAXCONN)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
-def _never() -> bool:
-    return False
-
-
-# This process's client of the coordinator's store, by the coordinator's address (at most
-# one): every generation with the same coordinator rendezvouses over the same connection.
-_CLIENTS: dict[str, dist.Store] = {}
-
-
-def coordinator_store(
-    address: str, generation: int, timeout_s: float, should_abandon: Callable[[], bool] = _never
-) -> dist.Store:
-    """A client of the store at ``address`` (``host:port``): the one this process already
-    has when it still answers, else a new connection.
-
-    Survivors of a lost worker keep their coordinator, so they reuse the connection they
-    have: a new TCPStore client per generation took 5.0 s now and then on this machine
-    (survivors of one worker of 8 lost, ZeRO-3, at load 10-30), holding everyone else at
-    the check-in, while a round trip on the open connection takes milliseconds. The 5 s is
-    torch's: before connecting, its client looks up the store address's name (a reverse
-    DNS query, seen with strace: PTR 1.0.0.127.in-addr.arpa for ::ffff:127.0.0.1, which
-    /etc/hosts does not answer), and a query the resolver drops is retried after its 5 s
-    timeout (1 lookup in 60 here). A new process's first connection still pays it.
-    """
-    client = _CLIENTS.get(address)
-    if client is not None:
-        try:
-            client.check(["alive"])  # one round trip: the connection and its server live
-            return client
-        except (RuntimeError, dist.DistError) as exc:
-            log.info(
-                "generation %d: connection to the store at %s lost (%s): reconnecting",
-                generation,
-                address,
-                exc,
-            )
-    _CLIENTS.clear()  # a client of a former coordinator's store is not needed again
-    host, _, port = address.rpartition(":")
-    await_listener(host, int(port), generation, timeout_s, should_abandon)
-    client = dist.TCPStore(
-        host, int(port), None, False, timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    _CLIENTS[address] = client
-    return client
 
 
 def world_order(view: MembershipView) -> list[Member]:
@@ -289,7 +112,7 @@ class World:
     workers: list[str]
     nodes: list[str]
     device: DeviceChoice
-    should_abandon: Callable[[], bool] = _never
+    should_abandon: Callable[[], bool] = never
     abandon_after_s: float = 0.5
     store: dist.Store | None = None
     sockets_before: set[int] = field(default_factory=set)
@@ -534,71 +357,6 @@ def park_default_world() -> None:
     world.group_count = 0
 
 
-def check_in(
-    store: dist.Store,
-    generation: int,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    should_abandon: Callable[[], bool] = _never,
-) -> None:
-    """Wait until every member of the generation has checked in, or give up at once when
-    a newer generation exists.
-
-    ``init_process_group`` waits on the store in the library, unabandonable: a member that
-    died after the generation was published would hold every survivor there for the whole
-    collective timeout, although the manager has already published the next generation.
-    Checking in first, polled, leaves the library's waits only live members to wait for.
-
-    The outcome is one store value, decided once (compare-and-set): the last member in
-    writes ``go``, a member giving up writes why (abandoned, or who is missing). Either every
-    member goes on to the init or none does, so no member is left waiting in the library
-    for one that gave up a moment after everyone had checked in.
-
-    The timeout counts the time the store answered: while it is stalled (its process
-    frozen, its event loop held by a slow name lookup) nobody can check in, and members
-    queued behind the stall are not late. Nor does anyone give up while every member has
-    checked in (the last one's ``go`` is on its way), up to twice the timeout.
-    """
-    store.set(f"checked-in/{rank}", b"1")
-    if store.add("arrivals", 1) == world_size:
-        _decide(store, "go")
-    stalled = [0.0]  # seconds the store took to answer beyond _STORE_ANSWER_S
-
-    def decided() -> bool:
-        asked = time.monotonic()
-        answer = store.check(["outcome"])
-        stalled[0] += max(0.0, time.monotonic() - asked - _STORE_ANSWER_S)
-        return answer
-
-    def check(elapsed: float) -> None:  # a decision here ends the poll at its next look
-        if should_abandon():
-            _decide(store, "abandoned: a newer generation exists")
-        elif elapsed - stalled[0] > timeout_s:
-            missing = [r for r in range(world_size) if not store.check([f"checked-in/{r}"])]
-            if missing or elapsed > 2 * timeout_s:
-                _decide(store, f"failed: rank(s) {missing} did not check in within {timeout_s:g}s")
-
-    def pause(elapsed: float, backoff_s: float) -> None:
-        # Members usually arrive within milliseconds of each other; once one is late, a
-        # slower poll keeps thousands of ranks from loading the store. Not a store wait
-        # in slices (as many requests: a wait that times out is cancelled by a second):
-        # torch logs each timed-out wait with both socket addresses, formatted by reverse
-        # name lookups, and a lookup the resolver drops held the waiting rank for 5 s
-        # (``listen_on``), past the moment the last member arrived.
-        time.sleep(backoff_s if elapsed < _CHECK_IN_POLL_S else _CHECK_IN_LATE_POLL_S)
-
-    poll_until(decided, check, pause)
-    outcome = store.get("outcome").decode()
-    if outcome != "go":
-        raise CollectiveError(f"generation {generation}: rendezvous {outcome}")
-
-
-def _decide(store: dist.Store, outcome: str) -> None:
-    """Write the rendezvous' outcome unless a member already did (then theirs stands)."""
-    store.compare_set("outcome", "", outcome)
-
-
 def open_world(
     generation: int,
     rank: int,
@@ -607,7 +365,7 @@ def open_world(
     store: dist.Store,
     device: DeviceChoice,
     timeout_s: float,
-    should_abandon: Callable[[], bool] = _never,
+    should_abandon: Callable[[], bool] = never,
     abandon_after_s: float = 0.5,
     shrinker: Shrinker | None = None,
 ) -> World:
@@ -717,70 +475,6 @@ def _shrink(
     return False
 
 
-def await_listener(
-    host: str,
-    port: int,
-    generation: int,
-    timeout_s: float,
-    should_abandon: Callable[[], bool] = _never,
-) -> None:
-    """Wait until the coordinator's store accepts connections, or give up at once when a
-    newer generation exists.
-
-    The TCPStore client retries its connect inside the library for the whole timeout: a
-    coordinator that died after the generation was published would hold every survivor
-    there, past the next generation the manager has already published.
-    """
-    refused: list[OSError] = []  # the last connect's error
-
-    def accepts() -> bool:
-        try:
-            probe = socket.create_connection((host, port), timeout=min(1.0, timeout_s))
-        except OSError as exc:
-            refused[:] = [exc]
-            return False
-        probe.close()
-        return True
-
-    def check(elapsed: float) -> None:
-        if should_abandon():
-            raise CollectiveError(
-                f"generation {generation}: rendezvous abandoned: a newer generation exists"
-            ) from refused[0]
-        if elapsed > timeout_s:
-            raise CollectiveError(
-                f"generation {generation}: store at {host}:{port} unreachable for "
-                f"{timeout_s:g}s: {refused[0]}"
-            ) from refused[0]
-
-    poll_until(accepts, check)
-
-
-def poll_until(
-    done: Callable[[], bool],
-    check: Callable[[float], None],
-    pause: Callable[[float, float], None] | None = None,
-) -> None:
-    """The poll-with-backoff loop of this module's waits, which a newer generation must be
-    able to cut short (the library's own waits cannot be).
-
-    Until ``done()``: ``check(seconds since the start)``, which raises to give up (or
-    settles what ``done`` reads), then ``pause(elapsed, backoff)``: by default a sleep of the
-    backoff, which starts fine-grained (steps take milliseconds) and doubles up to
-    ``_MAX_POLL_S``.
-    """
-    started = time.monotonic()
-    backoff = _FIRST_POLL_S
-    while not done():
-        elapsed = time.monotonic() - started
-        check(elapsed)
-        if pause is None:
-            time.sleep(backoff)
-        else:
-            pause(elapsed, backoff)
-        backoff = min(backoff * 2, _MAX_POLL_S)
-
-
 def wait_in_slices(
     works: list[dist.Work], check: Callable[[float], None], first_slice_s: float
 ) -> None:
@@ -789,7 +483,7 @@ def wait_in_slices(
 
     A blocking wait wakes the moment its collective ends, where a poll oversleeps it by up
     to the poll's backoff (profiled: 10 % of a pipeline step). The first slice lasts until
-    ``first_slice_s`` (``check`` gives up only after it), later ones ``_MAX_POLL_S``. A slice
+    ``first_slice_s`` (``check`` gives up only after it), later ones ``MAX_POLL_S``. A slice
     that runs out raises "Operation timed out!" with the work still pending (not failed);
     a failed work is completed, and waiting for it again raises its error.
     """
@@ -798,7 +492,7 @@ def wait_in_slices(
         while True:
             elapsed = time.monotonic() - started
             # At least a millisecond: a zero timeout means "no timeout" to c10d.
-            slice_s = max(first_slice_s - elapsed, _MAX_POLL_S)
+            slice_s = max(first_slice_s - elapsed, MAX_POLL_S)
             try:
                 work.wait(timedelta(seconds=slice_s))
                 break
@@ -815,7 +509,7 @@ def form_world(
     host: StoreHost | None,
     device: DeviceChoice,
     timeout_s: float,
-    should_abandon: Callable[[], bool] = _never,
+    should_abandon: Callable[[], bool] = never,
     abandon_after_s: float = 0.5,
     processes_per_worker: int = 1,
 ) -> World:

@@ -52,8 +52,9 @@ from bulkhead.trainer.engine.engine import (
 )
 from bulkhead.trainer.engine.evaluate import EvalResult, evaluate
 from bulkhead.trainer.engine.parallelize import build_engine
+from bulkhead.trainer.engine.rendezvous import StoreHost
 from bulkhead.trainer.engine.state import HeldState, describe_adoption
-from bulkhead.trainer.engine.world import CollectiveError, StoreHost, World, form_world
+from bulkhead.trainer.engine.world import CollectiveError, World, form_world
 from bulkhead.trainer.parallel.plan import ParallelPlan, make_plan
 from bulkhead.trainer.runtime.checkpointing import RestoredState, StorageProgress
 from bulkhead.trainer.runtime.control_client import (
