@@ -1187,6 +1187,16 @@ class TrainingJobSpec(SpecModel):
         """Trainer processes per worker pod: processesPerWorker, else one per GPU, else 1."""
         return self.processes_per_worker or trainer_gpus(self.template) or 1
 
+    def worker_wire(self) -> dict[str, Any]:
+        """The spec as every driver hands it to its workers (``JOB_SPEC_ENV``): without the
+        pod template, which the worker runs in already (a user's template is often
+        kilobytes, and a pod's every byte is stored, sent to every watcher and decoded once
+        per pod event), and with the trainer processes per pod explicit, since they may
+        come from the template's GPU count."""
+        wire = {**self.wire(), "processesPerWorker": self.trainer_processes}
+        wire.pop("template", None)
+        return wire
+
     @model_validator(mode="after")
     def _cross_field(self) -> TrainingJobSpec:
         if self.min_workers > self.workers:

@@ -25,6 +25,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -264,14 +265,14 @@ def process_context() -> Any:
     return ctx
 
 
-def run(sc: Scenario, root: Path, timeout_s: float = 600) -> dict[str, Any]:
-    """Run one scenario on fresh processes: its records, rank 0's parameters, kill time."""
-    out_dir = root / sc.name
-    out_dir.mkdir(parents=True)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
+def run_processes(
+    name: str, target: Callable[..., None], args: list[tuple[Any, ...]], timeout_s: float
+) -> list[int]:
+    """One fresh process per ``args`` (rank order), from the fork server, all waited for
+    within ``timeout_s``: their exit codes. One still running then is killed and named in
+    the error (no bench leaves a rank behind)."""
     ctx = process_context()
-    procs = [ctx.Process(target=_worker, args=(s, sc, store.port, str(out_dir))) for s in
-             range(sc.slots)]  # fmt: skip
+    procs = [ctx.Process(target=target, args=a) for a in args]
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
@@ -279,15 +280,24 @@ def run(sc: Scenario, root: Path, timeout_s: float = 600) -> dict[str, Any]:
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        hung = [s for s, p in enumerate(procs) if p.is_alive()]
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
     if hung:
-        raise RuntimeError(f"{sc.name}: slot(s) {hung} did not finish within {timeout_s:g} s")
+        raise RuntimeError(f"{name}: process(es) {hung} did not finish within {timeout_s:g} s")
+    return [p.exitcode for p in procs]
+
+
+def run(sc: Scenario, root: Path, timeout_s: float = 600) -> dict[str, Any]:
+    """Run one scenario on fresh processes: its records, rank 0's parameters, kill time."""
+    out_dir = root / sc.name
+    out_dir.mkdir(parents=True)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
+    args = [(s, sc, store.port, str(out_dir)) for s in range(sc.slots)]
+    codes = dict(enumerate(run_processes(sc.name, _worker, args, timeout_s)))
     victim = sc.slots - 1 if sc.kill_at is not None else None
-    codes = {s: p.exitcode for s, p in enumerate(procs)}
     if victim is not None and codes[victim] != -signal.SIGKILL:
         raise RuntimeError(f"{sc.name}: the victim exited {codes[victim]}, not by SIGKILL")
     bad = {s: c for s, c in codes.items() if s != victim and c != 0}

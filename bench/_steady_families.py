@@ -136,26 +136,15 @@ def _rank(slot: int, run: Run, port: int, out_dir: str) -> None:
 
 def run_ranks(run: Run, work: Path) -> dict[str, list[float]]:
     """Per measured step: every rank's engine CPU seconds summed, and the bare step's."""
-    from _engine_runs import process_context
+    from _engine_runs import run_processes
 
     out_dir = work / run.name
     out_dir.mkdir(parents=True)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
-    ctx = process_context()
-    procs = [ctx.Process(target=_rank, args=(s, run, store.port, str(out_dir)))
-             for s in range(run.ranks)]  # fmt: skip
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"{run.name}: exit codes {[p.exitcode for p in procs]}")
+    args = [(s, run, store.port, str(out_dir)) for s in range(run.ranks)]
+    codes = run_processes(run.name, _rank, args, timeout_s=600)
+    if any(codes):
+        raise RuntimeError(f"{run.name}: exit codes {codes}")
     records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(run.ranks)]
     engine = [sum(r["engine_cpu_s"][i] for r in records) for i in range(run.steps)]
     return {"engine": engine, "bare": records[0]["bare_cpu_s"]}

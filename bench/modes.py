@@ -89,7 +89,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's own helpers
 
-from _engine_runs import peak_memory, process_context, reset_peak_memory
+from _engine_runs import peak_memory, reset_peak_memory, run_processes
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.operator.local.children import end_children_on_exit
@@ -431,21 +431,9 @@ def run(
     out_dir = root / f"{row.name}-{side}-{time.monotonic_ns()}"
     out_dir.mkdir(parents=True)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
-    ctx = process_context()
     job = Job(row, side, sizes, store.port, str(out_dir), str(profile) if profile else None)
-    procs = [ctx.Process(target=_rank, args=(s, job)) for s in range(row.processes)]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    codes = [p.exitcode for p in procs]
+    args = [(s, job) for s in range(row.processes)]
+    codes = run_processes(f"{row.name} ({side})", _rank, args, RUN_TIMEOUT_S)
     if any(codes):
         raise RuntimeError(f"{row.name} ({side}): ranks exited with {codes}; see {out_dir}")
     records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(row.processes)]

@@ -140,16 +140,6 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def worker_spec_json(spec: TrainingJobSpec) -> str:
-    """The job's spec as its workers read it: without the pod template, which the worker
-    runs in already (a user's template is often kilobytes, and a pod's every byte is
-    stored, sent to every watcher and decoded once per pod event), and with the trainer
-    processes per pod made explicit, since they may come from the template's GPU count."""
-    wire = {**spec.wire(), "processesPerWorker": spec.trainer_processes}
-    wire.pop("template", None)
-    return json.dumps(wire, separators=(",", ":"))
-
-
 def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dict[str, Any]]:
     """The launch contract's environment (see bulkhead.api.protocol)."""
     return [
@@ -176,7 +166,7 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
         _env_var(protocol.INCARNATION_ENV, str(incarnation)),
         _field_env(protocol.NODE_ENV, "spec.nodeName"),
         _field_env(protocol.ADVERTISE_HOST_ENV, "status.podIP"),
-        _env_var(protocol.JOB_SPEC_ENV, worker_spec_json(ctx.spec)),
+        _env_var(protocol.JOB_SPEC_ENV, json.dumps(ctx.spec.worker_wire(), separators=(",", ":"))),
         _env_var(protocol.SHM_DIR_ENV, names.SHM_MOUNT),
         # One trainer process: the sidecar's socket. Several: each has its own, in its
         # rank's directory of the shared memory (the launcher and the sidecar agree on it).

@@ -161,7 +161,7 @@ class LocalDriver:
             INCARNATION_ENV: str(worker.incarnation),
             NODE_ENV: node,
             ADVERTISE_HOST_ENV: "127.0.0.1",
-            JOB_SPEC_ENV: json.dumps(self.spec.wire()),
+            JOB_SPEC_ENV: json.dumps(self.spec.worker_wire()),
             RUN_DIR_ENV: str(self.run_dir),
             "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
