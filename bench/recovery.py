@@ -40,7 +40,9 @@ data-parallel and kill-all rows also run the same job under
 ``torchrun --max-restarts=1`` (a checkpoint every step, every rank restarted) in the same
 invocation. ``--quick``: 2 and 4 workers; ``--row NAME`` (repeatable) runs only those rows.
 ``--out`` writes ``{scaling: {row: {kill_to_step_s, lost_steps, restarts,
-restarted_in_place?, torchrun_kill_to_step_s?, torchrun_lost_steps?}}}``.
+restarted_in_place?, torchrun_kill_to_step_s?, torchrun_lost_steps?, recovery}}}``, where
+``recovery`` says where the first kill's time went: the manager's milestones after the
+kill and each rank's own timeline of the generation that resumed (``first_recovery``).
 
 Goodput with and without failures, against torchrun too, is ``bench/goodput.py``.
 """
@@ -184,6 +186,47 @@ def kill_to_next_step(run_dir: Path) -> list[float]:
         if after:
             out.append(min(after) - kill_t)
     return out
+
+
+def first_recovery(run_dir: Path) -> dict[str, Any]:
+    """Where the first injected fault's time to the next step went: the manager's
+    milestones (seconds after the kill: the first loss seen, the restart decided, the last
+    generation published before training resumed) and, per rank, the trainer's own timeline
+    of the generation that resumed (``generation N: recovered|started: phase 0.12s, ...``),
+    by worker log. Survivors time from the end of their last generation, processes started
+    for the recovery from their hand-over."""
+    events = _read(run_dir / "events.jsonl")
+    rows = _read(run_dir / "metrics.jsonl")
+    kill = next((e for e in events if e["reason"] == "FaultInjected"), None)
+    if kill is None:
+        return {}
+    generation = max((r["generation"] for r in rows if r["t"] <= kill["t"]), default=0)
+    resumed = min((r for r in rows if r["t"] > kill["t"] and r["generation"] > generation),
+                  key=lambda r: r["t"], default=None)  # fmt: skip
+    if resumed is None:
+        return {}
+    after = [e for e in events if kill["t"] <= e["t"] <= resumed["t"]]
+
+    def first(reason: str) -> float | None:
+        found = [e["t"] - kill["t"] for e in after if e["reason"] == reason]
+        return round(found[0], 3) if found else None
+
+    published = [e["t"] - kill["t"] for e in after if e["reason"] == "MembershipPublished"]
+    pattern = re.compile(rf"generation {resumed['generation']}: (?:recovered|started): (.*)$")
+    timelines = {
+        log.stem: found.group(1)
+        for log in sorted((run_dir / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if (found := pattern.search(line))
+    }
+    return {
+        "generation": resumed["generation"],
+        "lost_seen_s": first("WorkerLost"),
+        "restart_decided_s": first("Restarting"),
+        "published_s": round(published[-1], 3) if published else None,
+        "step_s": round(resumed["t"] - kill["t"], 3),
+        "timelines": timelines,
+    }
 
 
 def _job(name: str, spec: dict[str, Any]) -> TrainingJob:
@@ -426,6 +469,7 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
         for m in re.findall(r"pre-started process \d+ runs .* \(imports done ([0-9.]+)s before\)",
                             log.read_text(errors="replace"))
     )  # fmt: skip
+    row["recovery"] = first_recovery(run_dir)
     if case.pods:  # the pod's pre-started processes took over (else a new pod replaced it)
         events = _read(run_dir / "events.jsonl")
         took_over = "RestartingInPlace" if case.nan else "WorkerRestarted"
@@ -465,6 +509,16 @@ def scaling(args: argparse.Namespace) -> None:
             print(f"{case.name:9} kill -> next step {row['kill_to_step_s']:6.2f} s  "
                   f"steps redone {row['lost_steps']}  restarts {row['restarts']}{theirs}",
                   flush=True)  # fmt: skip
+            rec = row["recovery"]
+            if rec:
+                print(
+                    f"          loss seen +{rec['lost_seen_s']} s, restart decided "
+                    f"+{rec['restart_decided_s']} s, generation {rec['generation']} published "
+                    f"+{rec['published_s']} s, its first step +{rec['step_s']} s",
+                    flush=True,
+                )
+                for worker, line in rec["timelines"].items():
+                    print(f"          {worker}: {line}", flush=True)  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"scaling": rows, "steps": steps, "kill_step": kill_step,

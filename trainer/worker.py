@@ -115,8 +115,10 @@ def _setup_logging(worker: str) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def run(env: Mapping[str, str]) -> int:
-    """Run one worker to its end; returns the process exit code."""
+def run(env: Mapping[str, str], started_at: float | None = None) -> int:
+    """Run one worker to its end; returns the process exit code. ``started_at``: when this
+    process was given its launch environment (``time.monotonic``), where its first
+    generation's timeline starts."""
     launch = _read_launch(env)
     if launch is None:
         return WorkerExit.USER_ERROR
@@ -161,7 +163,7 @@ def run(env: Mapping[str, str]) -> int:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     trainer: ElasticTrainer | None = None
     try:
-        trainer = _build_trainer(launch, env, spec, cfg, connect)
+        trainer = _build_trainer(launch, env, spec, cfg, connect, started_at)
         trainer.run()
         return WorkerExit.DONE
     except DataError as exc:
@@ -205,6 +207,7 @@ def _build_trainer(
     spec: TrainingJobSpec,
     cfg: TrainConfig,
     connect: Callable[[], ControlChannel],
+    started_at: float | None = None,
 ) -> ElasticTrainer:
     """The elastic trainer of this process: its datasets, identity, checkpointer, reporters."""
     from bulkhead.trainer.data import open_datasets
@@ -232,6 +235,7 @@ def _build_trainer(
         checkpointer=_checkpointer(env, spec, launch),
         node_agent=NodeAgentReporter.from_env(env),
         eval_dataset=datasets.eval,
+        started_at=started_at,
     )
 
 
@@ -306,7 +310,7 @@ def main() -> None:
     # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
     # the state that matters lives in the surviving replicas and the checkpoint sidecar.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
-    _finish(run(os.environ))
+    _finish(run(os.environ, started_at=time.monotonic()))
 
 
 def prestarted_main() -> None:
@@ -326,6 +330,7 @@ def prestarted_main() -> None:
     tls_context()  # its control clients' (the CA bundle's load), made before it is needed
     ready = time.monotonic()
     line = sys.stdin.readline()
+    handed_over = time.monotonic()
     if not line.strip():
         os._exit(WorkerExit.STOPPED)
     env = json.loads(line)
@@ -338,11 +343,11 @@ def prestarted_main() -> None:
         os.close(fd)
     print(
         f"pre-started process {os.getpid()} runs {env.get(WORKER_ENV, '?')} "
-        f"(imports done {time.monotonic() - ready:.1f}s before)",
+        f"(imports done {handed_over - ready:.1f}s before)",
         file=sys.stderr,
         flush=True,
     )
-    _finish(run(os.environ))
+    _finish(run(os.environ, started_at=handed_over))
 
 
 def _finish(code: int) -> None:
