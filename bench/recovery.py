@@ -33,7 +33,8 @@ launchers switch to their pre-started processes (``nan-pods-2x2``; the pods are 
 single-process workers are stopped and started afresh (``nan-dp-4``). Each
 row: seconds from the kill to the next completed step (events.jsonl and metrics.jsonl),
 steps redone, restarts, and for each worker started from a pre-started process how long
-before its imports had finished (local mode keeps up to 4 started ahead); the pod row
+before its hand-over its imports had finished (negative: it was handed over while still
+importing; local mode keeps up to 4 started ahead, from the job's Running on); the pod row
 also says whether the pod's own pre-started processes took over (``restarted_in_place``)
 or a new pod replaced it; the
 data-parallel and kill-all rows also run the same job under
@@ -463,11 +464,16 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
     lost = [r["lost_steps"] for r in result.summary["recoveries"]]
     row: dict[str, Any] = {"kill_to_step_s": round(seconds[0], 3), "lost_steps": sum(lost),
                            "restarts": result.summary["restarts"]}  # fmt: skip
-    # Replacements that took a pre-started process: how long before its imports were done.
+    # Workers that took a pre-started process: how long before their hand-over its imports
+    # were done; negative: handed over while still importing, which ended that much later
+    # (on a loaded machine the pool may not be ready yet: the row then times imports too).
     row["prestarted_ready_s"] = sorted(
-        float(m) for log in (run_dir / "logs").glob("*.log")
-        for m in re.findall(r"pre-started process \d+ runs .* \(imports done ([0-9.]+)s before\)",
-                            log.read_text(errors="replace"))
+        float(ready) if ready else -float(late)
+        for log in (run_dir / "logs").glob("*.log")
+        for ready, late in re.findall(
+            r"pre-started process \d+ runs .* \((?:imports done ([0-9.]+)s before|handed over "
+            r"before its imports were done: ([0-9.]+)s later)\)",
+            log.read_text(errors="replace"))
     )  # fmt: skip
     row["recovery"] = first_recovery(run_dir)
     if case.pods:  # the pod's pre-started processes took over (else a new pod replaced it)

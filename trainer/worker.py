@@ -43,6 +43,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import Timeouts, TrainConfig, train_config
+from bulkhead.trainer.pod.prestart import HANDED_OVER_AT
 from bulkhead.trainer.runtime.control_client import ControlChannel
 
 if TYPE_CHECKING:
@@ -330,10 +331,12 @@ def prestarted_main() -> None:
     tls_context()  # its control clients' (the CA bundle's load), made before it is needed
     ready = time.monotonic()
     line = sys.stdin.readline()
-    handed_over = time.monotonic()
     if not line.strip():
         os._exit(WorkerExit.STOPPED)
     env = json.loads(line)
+    # When it was handed over: a hand-over before the imports were done waited for them.
+    waited = time.time() - float(env.pop(HANDED_OVER_AT, time.time()))
+    handed_over = time.monotonic() - max(0.0, waited)
     os.environ.clear()
     os.environ.update(env)
     if env.get(LOG_FILE_ENV):  # from now on this process is that worker: its log
@@ -341,9 +344,14 @@ def prestarted_main() -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    since = ready - handed_over
     print(
         f"pre-started process {os.getpid()} runs {env.get(WORKER_ENV, '?')} "
-        f"(imports done {handed_over - ready:.1f}s before)",
+        + (
+            f"(imports done {-since:.1f}s before)"
+            if since <= 0
+            else f"(handed over before its imports were done: {since:.1f}s later)"
+        ),
         file=sys.stderr,
         flush=True,
     )
