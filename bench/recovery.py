@@ -177,13 +177,21 @@ def bulkhead_recoveries(workers: int, steps: int, kills: list[int], run_dir: Pat
 
 def kill_to_next_step(run_dir: Path) -> list[float]:
     """Per injected kill of a run: seconds from the kill to the first step completed in a
-    later generation (one clock: the run's events.jsonl and metrics.jsonl)."""
-    injected = [e["t"] for e in _read(run_dir / "events.jsonl") if e["reason"] == "FaultInjected"]
+    later generation (one clock: the run's events.jsonl and metrics.jsonl).
+
+    A step redone after a restart has no row of its own in metrics.jsonl (a step number is
+    recorded once), so its completion is the manager's ``Recovered`` event, which the first
+    report of the resumed training raises (the report's arrival: no earlier than the step).
+    """
+    events = _read(run_dir / "events.jsonl")
+    injected = [e["t"] for e in events if e["reason"] == "FaultInjected"]
+    resumed = [e["t"] for e in events if e["reason"] == "Recovered"]
     rows = _read(run_dir / "metrics.jsonl")
     out = []
     for kill_t in injected:
         generation = max((r["generation"] for r in rows if r["t"] <= kill_t), default=0)
         after = [r["t"] for r in rows if r["t"] > kill_t and r["generation"] > generation]
+        after += [t for t in resumed if t > kill_t]
         if after:
             out.append(min(after) - kill_t)
     return out
@@ -225,7 +233,7 @@ def first_recovery(run_dir: Path) -> dict[str, Any]:
         "lost_seen_s": first("WorkerLost"),
         "restart_decided_s": first("Restarting"),
         "published_s": round(published[-1], 3) if published else None,
-        "step_s": round(resumed["t"] - kill["t"], 3),
+        "step_s": round(kill_to_next_step(run_dir)[0], 3),
         "timelines": timelines,
     }
 
