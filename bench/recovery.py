@@ -504,9 +504,10 @@ def scaling(args: argparse.Namespace) -> None:
     steps, kill_step = (20, 10) if args.quick else (40, 20)
     # Killing every trainer, or a pod's process, comes later: the run's pre-started
     # processes (started once the job, or the pod, trains) must have finished their
-    # imports to stand in for the cold start. Four of them import (about 4 CPU s each)
+    # imports to stand in for the cold start. Four of them import (about 4-6 CPU s each)
     # beside four training workers on 2 cores: at step 80 (of 100) under load 7-12 none
-    # had (prestarted_ready_s negative), at step 180 all had, 7-9 s before.
+    # had (prestarted_ready_s negative); at step 180 they had in 4 runs of 6 at load 8-16
+    # (not at 15-16). prestarted_ready_s says which.
     all_steps, all_kill = (60, 50) if args.quick else (200, 180)
     cases = [c for c in scaling_cases(args.quick) if not args.row or c.name in args.row]
     unknown = set(args.row or ()) - {c.name for c in cases}
