@@ -948,11 +948,19 @@ _BACKOFF = "must be >= initialSeconds"
 
 
 class BackoffConfig(SpecModel):
-    """Wait between full restarts: initialSeconds, times multiplier per restart, capped."""
+    """Wait between full restarts that follow one another with no step trained in between
+    (a crash loop): the first restart after training progressed starts at once, the next
+    waits initialSeconds, each further one multiplier times longer, capped."""
 
     # Lower bounds a clock can honour: a 1e-300 s wait is a typo, not a setting.
     initial_seconds: float = Field(
-        1.0, ge=0.01, le=3600, description="Wait before the first restart."
+        1.0,
+        ge=0.01,
+        le=3600,
+        description=(
+            "Wait before a restart that follows another with no step trained in between "
+            "(the first restart after training progressed starts at once)."
+        ),
     )
     max_seconds: float = Field(60.0, ge=0.01, le=86_400, description="Longest wait.")
     multiplier: float = Field(2.0, ge=1, le=100, description="Growth of the wait per restart.")
@@ -993,7 +1001,8 @@ class FaultToleranceConfig(SpecModel):
         3, ge=0, le=10_000, description="Full restarts from checkpoint before Failed."
     )
     backoff: BackoffConfig = Field(
-        default_factory=BackoffConfig, description="Wait between full restarts."
+        default_factory=BackoffConfig,
+        description="Wait between full restarts with no step trained in between.",
     )
     hang_timeout_seconds: float = Field(
         120.0,

@@ -43,6 +43,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import Timeouts, TrainConfig, train_config
+from bulkhead.trainer.pod.prestart import HANDED_OVER_AT
 from bulkhead.trainer.runtime.control_client import ControlChannel
 
 if TYPE_CHECKING:
@@ -115,8 +116,10 @@ def _setup_logging(worker: str) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def run(env: Mapping[str, str]) -> int:
-    """Run one worker to its end; returns the process exit code."""
+def run(env: Mapping[str, str], started_at: float | None = None) -> int:
+    """Run one worker to its end; returns the process exit code. ``started_at``: when this
+    process was given its launch environment (``time.monotonic``), where its first
+    generation's timeline starts."""
     launch = _read_launch(env)
     if launch is None:
         return WorkerExit.USER_ERROR
@@ -161,7 +164,7 @@ def run(env: Mapping[str, str]) -> int:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     trainer: ElasticTrainer | None = None
     try:
-        trainer = _build_trainer(launch, env, spec, cfg, connect)
+        trainer = _build_trainer(launch, env, spec, cfg, connect, started_at)
         trainer.run()
         return WorkerExit.DONE
     except DataError as exc:
@@ -205,6 +208,7 @@ def _build_trainer(
     spec: TrainingJobSpec,
     cfg: TrainConfig,
     connect: Callable[[], ControlChannel],
+    started_at: float | None = None,
 ) -> ElasticTrainer:
     """The elastic trainer of this process: its datasets, identity, checkpointer, reporters."""
     from bulkhead.trainer.data import open_datasets
@@ -232,6 +236,7 @@ def _build_trainer(
         checkpointer=_checkpointer(env, spec, launch),
         node_agent=NodeAgentReporter.from_env(env),
         eval_dataset=datasets.eval,
+        started_at=started_at,
     )
 
 
@@ -306,7 +311,7 @@ def main() -> None:
     # SIGTERM (the manager stopping this worker, a pod deletion) ends the process at once;
     # the state that matters lives in the surviving replicas and the checkpoint sidecar.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
-    _finish(run(os.environ))
+    _finish(run(os.environ, started_at=time.monotonic()))
 
 
 def prestarted_main() -> None:
@@ -329,6 +334,9 @@ def prestarted_main() -> None:
     if not line.strip():
         os._exit(WorkerExit.STOPPED)
     env = json.loads(line)
+    # When it was handed over: a hand-over before the imports were done waited for them.
+    waited = time.time() - float(env.pop(HANDED_OVER_AT, time.time()))
+    handed_over = time.monotonic() - max(0.0, waited)
     os.environ.clear()
     os.environ.update(env)
     if env.get(LOG_FILE_ENV):  # from now on this process is that worker: its log
@@ -336,13 +344,18 @@ def prestarted_main() -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    since = ready - handed_over
     print(
         f"pre-started process {os.getpid()} runs {env.get(WORKER_ENV, '?')} "
-        f"(imports done {time.monotonic() - ready:.1f}s before)",
+        + (
+            f"(imports done {-since:.1f}s before)"
+            if since <= 0
+            else f"(handed over before its imports were done: {since:.1f}s later)"
+        ),
         file=sys.stderr,
         flush=True,
     )
-    _finish(run(os.environ))
+    _finish(run(os.environ, started_at=handed_over))
 
 
 def _finish(code: int) -> None:

@@ -81,19 +81,22 @@ class PolicyActions:
                     f"(last: {cause})"
                 )
                 return
+            delay = self.cfg.backoff(streak - 1)
+            if self.state.restarting:  # part of the outage a restart is under way for
+                delay = max(delay, self.cfg.backoff(self.state.restarts_since_progress - 1))
             nxt = Slot(
                 index=slot.index,
                 incarnation=slot.incarnation + 1,
                 status="pending",
-                start_at=self.now + self.cfg.backoff(streak - 1),
+                start_at=self.now + delay,
                 crash_streak=streak,
             )
             productive = self.state.productive - {slot.index}
             self.state = replace(self.state.with_slot(nxt), productive=productive)
         if were_members and not self.state.restarting:
             self.reconfigure_without(were_members, cause)
-        if self.state.terminal or self.state.restarting:
-            return  # a restart starts every slot itself, after its backoff
+        if self.state.terminal:
+            return
         lost_slots = {x.index for x in slots}
         for slot in self.state.slots:
             if slot.index in lost_slots and slot.status == "pending" and slot.start_at <= self.now:
@@ -150,7 +153,9 @@ class PolicyActions:
         self.begin_recovery(reason.split(":")[0])
         self.emit(RestartAll(reason, restart))
         self.event("Restarting", f"restart {restart} from checkpoint: {reason}", warning=True)
-        start_at = self.now + self.cfg.backoff(restart)
+        # The backoff spaces out restarts that follow one another without a step trained in
+        # between (a crash loop); the first one after progress is at once.
+        start_at = self.now + self.cfg.backoff(s.restarts_since_progress)
         in_place = not keep_live and self.cfg.restart_in_place
         dead = set(self.state.dead)
         slots = []
@@ -186,6 +191,7 @@ class PolicyActions:
             dead=frozenset(dead),
             membership=view,
             restarts=restart,
+            restarts_since_progress=s.restarts_since_progress + 1,
             restarting=True,
             losses_since_progress=0,
             stall_reformed=False,
@@ -195,6 +201,9 @@ class PolicyActions:
         )
         if switching:
             self.emit(PublishMembership(view))
+        for slot in self.state.slots:  # those due now start at once, not at the next tick
+            if slot.status == "pending" and slot.start_at <= self.now:
+                self.start(slot)
 
     def restart_view(self, switching: set[str]) -> MembershipView:
         """The instruction to restart in place, as the membership poll's answer: a new

@@ -18,7 +18,9 @@ driver. Rules, in short:
   takes a spare in, so no later join is needed, and the replacement becomes a spare.
 - Restart from checkpoint only when the state may be gone: fewer than ``minWorkers``
   members survive, or more than ``maxFailures`` members were lost before training made
-  progress again. Restarts are bounded by ``maxRestarts`` with exponential backoff.
+  progress again. Restarts are bounded by ``maxRestarts``; the first one after training
+  made progress starts at once, each further one before the next step backs off
+  exponentially (``faultTolerance.backoff``).
 - Hang timer: no progress for ``hangTimeoutSeconds`` -> members silent for half of it
   are replaced as above; if every member still answers, the groups are re-formed once
   (a new generation with the same members), and only then is the job restarted.
@@ -387,6 +389,7 @@ class _Rules:
             last_checkpoint_step=checkpoint,
             last_progress_at=self.now,
             losses_since_progress=0,
+            restarts_since_progress=0,
             stall_reformed=False,
             collective_errors=frozenset(),
             accusations=frozenset(),

@@ -305,6 +305,9 @@ class LifecycleState:
     restarts: int = 0
     reconfigurations: int = 0
     losses_since_progress: int = 0
+    # Restarts since training last made progress: the backoff before the next one (the
+    # first restart after progress is at once, as a slot's first crash is replaced at once).
+    restarts_since_progress: int = 0
     stall_reformed: bool = False  # re-formed once for a stall with no silent member
     # Members that reported a collective error in the current generation since its last
     # progress: with everyone else polling, the one member missing here is the hang suspect.

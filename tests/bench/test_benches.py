@@ -148,6 +148,14 @@ def test_recovery_scaling_bench_quick(tmp_path: Path):
     assert every["lost_steps"] <= 10, every
     assert every["kill_to_step_s"] > 0 and every["torchrun_kill_to_step_s"] > 0, every
     assert every["torchrun_lost_steps"] == 0, every  # torchrun's script saves every step
+    # Where the restart's time went: the manager's milestones in order, and the timeline of
+    # each restarted rank from its hand-over (set-up first, the first step last).
+    rec = every["recovery"]
+    assert 0 < rec["lost_seen_s"] <= rec["restart_decided_s"] <= rec["published_s"], rec
+    assert rec["published_s"] < rec["step_s"] == every["kill_to_step_s"], rec
+    assert len(rec["timelines"]) == 2, rec
+    for line in rec["timelines"].values():
+        assert line.startswith("set up ") and "register" in line and "first step" in line, line
 
 
 def test_recovery_scaling_rows_cover_every_size_and_kill() -> None:

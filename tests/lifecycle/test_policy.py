@@ -128,14 +128,13 @@ def test_more_losses_than_max_failures_restarts_from_checkpoint() -> None:
     assert restart.restart == 1
     assert sim.state.restarts == 1
     # The live workers stay (they restore in place, from their own memory, and their
-    # sidecars hold the replicas); w1's replacement, still starting, stays too.
+    # sidecars hold the replicas); w1's replacement, still starting, stays too; w2's is
+    # started at once (the first restart after progress has no backoff).
     assert _of(StopWorker, decisions) == []
-    assert _of(StartWorker, decisions) == []
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
     # A kept worker's last report before it notices the restart resumes nothing.
     sim.progress(31, worker="job-w0-0")
     assert sim.state.phase == "Recovering" and _of(RecoveryDone, sim.log) == []
-    starts = _of(StartWorker, sim.tick(2.0))
-    assert [d.worker.id for d in starts] == ["job-w2-1"]
     for worker in ("job-w1-1", "job-w2-1"):
         sim.feed(WorkerRegistered(worker, "n", "h:1"))
     view = sim.published()[-1].view
@@ -147,6 +146,33 @@ def test_more_losses_than_max_failures_restarts_from_checkpoint() -> None:
     assert done.lost_steps == 30 - 26 + 1
 
 
+def test_the_first_restart_after_progress_is_at_once_repeated_ones_back_off() -> None:
+    """The backoff spaces out restarts with no step trained between them (a crash loop),
+    as a slot's first crash is replaced at once and its next ones back off; a step trained
+    starts the count over. A worker lost while a restart gathers its workers starts with it."""
+    sim = Sim(make_spec(workers=2, maxFailures=0, maxRestarts=5, backoff={"initialSeconds": 2}))
+    sim.start_and_register_all()
+    sim.progress(7)
+    decisions = sim.exit("job-w0-0")
+    assert _of(RestartAll, decisions)
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w0-1"]  # at once
+    # Lost while that restart gathers its workers: started at once too.
+    assert [d.worker.id for d in _of(StartWorker, sim.exit("job-w1-0"))] == ["job-w1-1"]
+    for worker in ("job-w0-1", "job-w1-1"):
+        sim.feed(WorkerRegistered(worker, "n", f"h:{worker[-3]}"))
+    assert sim.published()[-1].view.state == "running"
+    # The restarted job loses a worker before its first step: the second restart waits.
+    decisions = sim.exit("job-w0-1")
+    assert _of(RestartAll, decisions) and _of(StartWorker, decisions) == []
+    assert _of(StartWorker, sim.tick(1.9)) == []
+    assert [d.worker.id for d in _of(StartWorker, sim.tick(0.2))] == ["job-w0-2"]
+    sim.feed(WorkerRegistered("job-w0-2", "n", "h:0"))
+    sim.progress(8)  # trained again: the next restart is the first since progress
+    decisions = sim.exit("job-w0-2")
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w0-3"]
+    assert sim.state.restarts == 3
+
+
 def test_restart_asks_for_a_restore_even_without_a_reported_checkpoint() -> None:
     # A snapshot may exist that no report mentioned (the workers died before reporting it):
     # the workers look in their tiers and start from scratch only if they find nothing.
@@ -155,7 +181,7 @@ def test_restart_asks_for_a_restore_even_without_a_reported_checkpoint() -> None
     sim.progress(7)
     decisions = sim.exit("job-w0-0")
     assert _of(RestartAll, decisions)
-    for d in _of(StartWorker, sim.tick(1.0)):
+    for d in _of(StartWorker, decisions):  # the first restart after progress: at once
         sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
     view = sim.published()[-1].view
     assert view.restore_from_checkpoint
@@ -179,9 +205,9 @@ def test_members_carry_their_checkpoint_sidecar_address() -> None:
 def test_restarts_are_bounded_by_max_restarts() -> None:
     sim = Sim(make_spec(workers=2, maxFailures=0, maxRestarts=1))
     sim.start_and_register_all()
-    sim.exit("job-w0-0")
+    decisions = sim.exit("job-w0-0")
     assert sim.state.restarts == 1
-    for d in _of(StartWorker, sim.tick(5.0)):
+    for d in _of(StartWorker, decisions):
         sim.feed(WorkerRegistered(d.worker.id, "n", "h:1"))
     sim.progress(1)
     decisions = sim.exit(sim.state.members()[1])

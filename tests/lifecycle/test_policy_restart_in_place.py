@@ -71,7 +71,7 @@ def test_a_pod_gone_during_the_restart_is_replaced_the_others_kept() -> None:
     sim.fault("job-w0-0", "nan_loss")
     decisions = sim.exit("job-w2-0")
     assert _of(PublishMembership, decisions) == []  # no reconfiguration while restarting
-    decisions += sim.tick(5.0)  # past the backoff: the lost slot is started again
+    decisions += sim.tick(5.0)  # the lost slot is started again (at once: no backoff)
     assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
     for i, worker in enumerate(["job-w0-0", "job-w1-0", "job-w3-0", "job-w2-1"]):
         _register(sim, worker, 9100 + i)

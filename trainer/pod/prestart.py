@@ -19,7 +19,14 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
+
+# Carried in the hand-over line beside the environment, never into it: when (wall clock,
+# the starter's and the process's, on one machine) the process was handed over. A process
+# handed over before its imports were done counts its start from then, not from its
+# imports' end.
+HANDED_OVER_AT = "BULKHEAD_HANDED_OVER_AT"
 
 
 def prestarted_command() -> list[str]:
@@ -29,8 +36,9 @@ def prestarted_command() -> list[str]:
 
 
 def handover_line(env: Mapping[str, str]) -> bytes:
-    """What a pre-started process reads to become the trainer ``env`` describes."""
-    return json.dumps(dict(env)).encode() + b"\n"
+    """What a pre-started process reads to become the trainer ``env`` describes (with the
+    moment it was handed over, ``HANDED_OVER_AT``)."""
+    return json.dumps({**env, HANDED_OVER_AT: repr(time.time())}).encode() + b"\n"
 
 
 def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> bool:

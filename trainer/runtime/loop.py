@@ -145,7 +145,10 @@ class ElasticTrainer:
         checkpointer: Checkpointer | None = None,
         node_agent: NodeAgentReporter | None = None,
         eval_dataset: TokenDataset | None = None,
+        started_at: float | None = None,
     ) -> None:
+        """``started_at`` (``time.monotonic``): when this process was given its launch
+        environment; its first generation's timeline (``started: ...``) counts from then."""
         self.cfg = cfg
         self.eval_dataset = eval_dataset  # spec.trainer.eval's samples (None: no evaluation)
         self._evaluated_step: int | None = None  # completed steps of the last evaluation
@@ -178,8 +181,14 @@ class ElasticTrainer:
         # This rank's latest straggler verdict, repeated in every report to the node agent
         # until the next one: the agent escalates only what persists over several ticks.
         self._own_straggler: WorkerReport | None = None
-        # Where the time between two generations goes, logged at the next first step.
+        # Where the time between two generations goes, logged at the next first step; for
+        # a process's first generation, the time since it was handed its environment (a
+        # replacement's or a restarted worker's share of a recovery).
         self.timeline = Timeline()
+        self._started = started_at is not None
+        if started_at is not None:
+            self.timeline.start(started_at)
+            self.timeline.mark("set up")
         # Local mode's chaos ``nan`` (SIGUSR1): poison this rank's weights before its next
         # step, so the job's NaN handling runs for real. Set from the main thread only.
         self._poison = threading.Event()
@@ -217,6 +226,7 @@ class ElasticTrainer:
             finally:
                 self.watcher.stop()
             raise Stopped(f"not admitted: {exc}") from exc
+        self.timeline.mark("register")
         log.info(
             "registered as %s (local rank %d), store at %s",
             self.me.worker,
@@ -227,6 +237,7 @@ class ElasticTrainer:
         self.reporter.start()
         try:
             view = self._next_view(after=0)
+            self.timeline.mark("wait for the generation")
             while self._run_generation(view) != "done":
                 view = self._next_view(after=view.generation)
                 self.timeline.mark("wait for the generation")
@@ -454,7 +465,9 @@ class ElasticTrainer:
                 self.timeline.mark("first step")
                 line = self.timeline.finish()
                 if line is not None:
-                    log.info("generation %d: recovered: %s", view.generation, line)
+                    how = "started" if self._started else "recovered"
+                    log.info("generation %d: %s: %s", view.generation, how, line)
+                self._started = False
             self._after_step(result, view, engine, report=first)
             self._check_stragglers(result, view, engine.world)
             if first:
