@@ -20,6 +20,9 @@ spread, never one best round):
 - CPU seconds of every rank per training FLOP of an engine step (``6 N + 12 L s d`` per
   token, N the non-embedding parameters). Llama over gpt mixes what the engine costs with
   what each family's operators cost on a CPU (RMSNorm, rotary, SwiGLU vs LayerNorm, GELU).
+  Llama over gpt twice: medians over every step of every round, and the median of each
+  round's ratio (the two families run back to back, so a drift of the machine's speed over
+  the rounds cancels).
 - The engine overhead ratio: the CPU seconds of an engine step (every rank) over those of
   the bare model's own forward + backward + AdamW of the same global batch in the same
   micro-batches, run in rank 0's process right after each engine step. The operators'
@@ -181,22 +184,31 @@ def steady_state(
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         m: {f: {"per_gflop": [], "overhead": []} for f in FAMILIES} for m in MODES
     }
+    # Per mode, llama's median over gpt's of each round, the two run back to back: the
+    # machine's drift over the rounds cancels in these (the order alternates per round).
+    paired: dict[str, list[float]] = {m: [] for m in MODES}
     for r in range(rounds):
         for mode, (ranks, parallelism) in MODES.items():
+            this_round: dict[str, float] = {}
             for family in ("gpt", "llama") if r % 2 == 0 else ("llama", "gpt"):
                 cfg = family_config(family, ranks, parallelism, quick)
                 name = f"{family}-{mode.replace(' ', '-')}-{r}"
                 got = run_ranks(Run(name, cfg, ranks, steps), work)
                 gflop = train_flops_per_step(cfg) / 1e9
                 s = samples[mode][family]
-                s["per_gflop"] += [cpu / gflop for cpu in got["engine"]]
+                per_gflop = [cpu / gflop for cpu in got["engine"]]
+                s["per_gflop"] += per_gflop
                 s["overhead"] += [e / b for e, b in zip(got["engine"], got["bare"], strict=True)]
+                this_round[family] = statistics.median(per_gflop)
+            paired[mode].append(this_round["llama"] / this_round["gpt"])
         if after_round is not None:
-            after_round({"rounds": r + 1, **_figures(samples)})
-    return _figures(samples)
+            after_round({"rounds": r + 1, **_figures(samples, paired)})
+    return _figures(samples, paired)
 
 
-def _figures(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
+def _figures(
+    samples: dict[str, dict[str, dict[str, list[float]]]], paired: dict[str, list[float]]
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, by_family in samples.items():
         fig = {f: {k: _spread(v) for k, v in s.items()} for f, s in by_family.items()}
@@ -205,6 +217,8 @@ def _figures(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str,
             **{f"{f}_cpu_s_per_gflop": fig[f]["per_gflop"] for f in fig},
             **{f"{f}_engine_overhead": fig[f]["overhead"] for f in fig},
             "llama_over_gpt": llama["per_gflop"]["median"] / gpt["per_gflop"]["median"],
+            "llama_over_gpt_by_round": paired[mode],
+            "llama_over_gpt_paired": statistics.median(paired[mode]),
             "overhead_llama_over_gpt": llama["overhead"]["median"] / gpt["overhead"]["median"],
         }
     return out
@@ -219,7 +233,10 @@ def report(figures: dict[str, Any]) -> None:
         print(
             f"steady state, {mode}: CPU s per GFLOP llama {lm['median']:.3f} "
             f"(+-{lm['rel_iqr_half']:.1%}) vs gpt {g['median']:.3f} (+-{g['rel_iqr_half']:.1%}) "
-            f"= {f['llama_over_gpt']:.3f}x; engine step / bare step llama {lo['median']:.3f} "
+            f"= {f['llama_over_gpt']:.3f}x (round by round, median "
+            f"{f['llama_over_gpt_paired']:.3f}x of "
+            f"{', '.join(f'{x:.3f}' for x in f['llama_over_gpt_by_round'])}); "
+            f"engine step / bare step llama {lo['median']:.3f} "
             f"(+-{lo['rel_iqr_half']:.1%}) vs gpt {go['median']:.3f} "
             f"(+-{go['rel_iqr_half']:.1%}) = {f['overhead_llama_over_gpt']:.3f}x "
             f"(target within 3 %; medians of {g['n']} steps per family)"
