@@ -197,31 +197,13 @@ class World:
             f"broadcast from rank {src}", lambda: [dist.broadcast(tensor, src, async_op=True)]
         )
 
-    def exchange(
-        self, sends: dict[int, torch.Tensor], receive: dict[int, int], dtype: torch.dtype
-    ) -> dict[int, torch.Tensor]:
-        """Send each peer its flat tensor, receive ``receive[peer]`` elements from each.
-
-        One uneven all-to-all (collective: every rank calls it, also with nothing to move):
-        gloo's point-to-point operations report completion only once waited for, so they
-        cannot be polled; a collective can.
-        """
-        device = self.device.device
-        peers = range(self.world_size)
-        send_sizes = [sends[p].numel() if p in sends else 0 for p in peers]
-        recv_sizes = [receive.get(p, 0) for p in peers]
-        parts = [sends[p].reshape(-1).to(device) for p in peers if p in sends]
-        flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-        out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        self.all_to_all(out, flat, recv_sizes, send_sizes)
-        pieces = out.split(recv_sizes)
-        return {p: pieces[p] for p in peers if recv_sizes[p]}
-
     def all_to_all(
         self, out: torch.Tensor, flat: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]
     ) -> None:
         """Uneven all-to-all of flat buffers: ``send_sizes[p]`` elements of ``flat`` to
-        rank p, ``recv_sizes[p]`` from it into ``out``, in rank order."""
+        rank p, ``recv_sizes[p]`` from it into ``out``, in rank order. A collective that
+        every rank calls, also with nothing to move: gloo's point-to-point operations report
+        completion only once waited for, so they cannot be polled; a collective can."""
         self._wait(
             "state exchange",
             lambda: [dist.all_to_all_single(out, flat, recv_sizes, send_sizes, async_op=True)],
