@@ -503,6 +503,10 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
     runner.start()
     try:
         h.wait_for(lambda: h.session.status.membership.generation == 1, timeout=60)
+        # The manager may publish the generation before the pod's registration answer (its
+        # member credential) is back in the relay; the pod's processes see the generation
+        # through the relay's poll, which names the pod only once registered.
+        h.wait_for(launcher.relay.registered.is_set, timeout=60)
         assert launcher.waiting == {}  # none before the pod trains: a start needs the CPU
         rank0 = HttpControlClient(f"{launcher._relay_url}/local/0", h.token, JOB, worker, retries=1)
         rank0.progress(ProgressReport(worker=worker, generation=1, step=0, loss=1.0))
