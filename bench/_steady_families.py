@@ -190,7 +190,7 @@ def steady_state(
     for r in range(rounds):
         for mode, (ranks, parallelism) in MODES.items():
             this_round: dict[str, float] = {}
-            for family in ("gpt", "llama") if r % 2 == 0 else ("llama", "gpt"):
+            for family in FAMILIES if r % 2 == 0 else FAMILIES[::-1]:
                 cfg = family_config(family, ranks, parallelism, quick)
                 name = f"{family}-{mode.replace(' ', '-')}-{r}"
                 got = run_ranks(Run(name, cfg, ranks, steps), work)

@@ -189,12 +189,19 @@ def kill_to_next_step(run_dir: Path) -> list[float]:
     rows = _read(run_dir / "metrics.jsonl")
     out = []
     for kill_t in injected:
-        generation = max((r["generation"] for r in rows if r["t"] <= kill_t), default=0)
-        after = [r["t"] for r in rows if r["t"] > kill_t and r["generation"] > generation]
-        after += [t for t in resumed if t > kill_t]
+        row = _resumed_row(rows, kill_t)
+        after = [t for t in resumed if t > kill_t] + ([row["t"]] if row is not None else [])
         if after:
             out.append(min(after) - kill_t)
     return out
+
+
+def _resumed_row(rows: list[dict[str, Any]], kill_t: float) -> dict[str, Any] | None:
+    """The first metrics row after ``kill_t`` of a later generation than the one training
+    then (None: there is none)."""
+    generation = max((r["generation"] for r in rows if r["t"] <= kill_t), default=0)
+    later = (r for r in rows if r["t"] > kill_t and r["generation"] > generation)
+    return min(later, key=lambda r: r["t"], default=None)
 
 
 def first_recovery(run_dir: Path) -> dict[str, Any]:
@@ -209,9 +216,7 @@ def first_recovery(run_dir: Path) -> dict[str, Any]:
     kill = next((e for e in events if e["reason"] == "FaultInjected"), None)
     if kill is None:
         return {}
-    generation = max((r["generation"] for r in rows if r["t"] <= kill["t"]), default=0)
-    resumed = min((r for r in rows if r["t"] > kill["t"] and r["generation"] > generation),
-                  key=lambda r: r["t"], default=None)  # fmt: skip
+    resumed = _resumed_row(rows, kill["t"])
     if resumed is None:
         return {}
     after = [e for e in events if kill["t"] <= e["t"] <= resumed["t"]]
