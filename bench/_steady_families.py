@@ -13,16 +13,18 @@ per FLOP is 1.02-1.07 at width 256 and about 1.01 at 512 (one process, steps alt
 At 512 the matrix products are most of the step, as on any real model, so the figure
 measures what the protocol and the engine cost rather than a CPU's element-wise kernels.
 
-Two figures per family and mode, from many rounds in which the families alternate (the
-machine is shared: its speed drifts by up to 20 % within minutes, so medians and their
-spread, never one best round):
+Each mode's ranks build both families' engines on one world and step them in turns (the
+order swapping every step), for a few rounds of fresh processes. Two figures per family
+and mode (the machine is shared: its speed drifts by up to 20 % within minutes, so medians
+and their spread, never one best step):
 
 - CPU seconds of every rank per training FLOP of an engine step (``6 N + 12 L s d`` per
   token, N the non-embedding parameters). Llama over gpt mixes what the engine costs with
   what each family's operators cost on a CPU (RMSNorm, rotary, SwiGLU vs LayerNorm, GELU).
-  Llama over gpt twice: medians over every step of every round, and the median of each
-  round's ratio (the two families run back to back, so a drift of the machine's speed over
-  the rounds cancels).
+  Llama over gpt twice: the ratio of the medians over every step, and the median of the
+  step-by-step ratios (each llama step over the gpt step beside it in the same processes:
+  neither the machine's drift nor a process's own speed enters it; processes built
+  separately for each family differed by up to 8 % from run to run).
 - The engine overhead ratio: the CPU seconds of an engine step (every rank) over those of
   the bare model's own forward + backward + AdamW of the same global batch in the same
   micro-batches, run in rank 0's process right after each engine step. The operators'
@@ -122,50 +124,69 @@ class BareLoop:
 @dataclass(frozen=True)
 class Run:
     name: str
-    cfg: TrainConfig
+    cfgs: dict[str, TrainConfig]  # family -> its config, same mode
     ranks: int
-    steps: int  # measured steps, after one that builds caches
+    steps: int  # measured steps per family, after one that builds caches
 
 
 def _rank(slot: int, run: Run, port: int, out_dir: str) -> None:
-    from _engine_runs import _open
+    """Both families' engines on one world in this process, stepped in turns (the order
+    swaps every step), so a process's own speed (its allocator, its cache, the core it
+    runs on) is the same for both; rank 0 runs each family's bare step after its
+    engine step."""
+    from bulkhead.trainer.engine.parallelize import build_engine
+    from bulkhead.trainer.engine.world import open_world
+    from bulkhead.trainer.parallel.plan import make_plan
 
     torch.set_num_threads(1)
     store = dist.TCPStore(
         "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
     )
-    dataset = open_dataset(run.cfg)
-    world, engine = _open(1, slot, list(range(run.ranks)), store, pick_device(), run.cfg)
-    engine.adopt(None)
-    bare = BareLoop(run.cfg) if slot == 0 else None
-    engine_cpu, bare_cpu = [], []
+    workers = [f"w{s}" for s in range(run.ranks)]
+    world = open_world(1, slot, workers, workers, store, pick_device(), 60)
+    datasets = {f: open_dataset(cfg) for f, cfg in run.cfgs.items()}
+    engines = {f: build_engine(make_plan(1, workers, workers, cfg), world, cfg)
+               for f, cfg in run.cfgs.items()}  # fmt: skip
+    for engine in engines.values():
+        engine.adopt(None)
+    bare = {f: BareLoop(cfg) for f, cfg in run.cfgs.items()} if slot == 0 else {}
+    engine_cpu: dict[str, list[float]] = {f: [] for f in run.cfgs}
+    bare_cpu: dict[str, list[float]] = {f: [] for f in run.cfgs}
     for step in range(run.steps + 1):
-        cpu = time.process_time()
-        engine.step(dataset)
-        engine_cpu.append(time.process_time() - cpu)
-        if bare is not None:  # the others wait in the next step's first collective
+        for family in FAMILIES if step % 2 == 0 else FAMILIES[::-1]:
             cpu = time.process_time()
-            bare.step(dataset, step)
-            bare_cpu.append(time.process_time() - cpu)
+            engines[family].step(datasets[family])
+            engine_cpu[family].append(time.process_time() - cpu)
+            if bare:  # the others wait in the next step's first collective
+                cpu = time.process_time()
+                bare[family].step(datasets[family], step)
+                bare_cpu[family].append(time.process_time() - cpu)
     world.close()
-    record = {"engine_cpu_s": engine_cpu[1:], "bare_cpu_s": bare_cpu[1:]}
+    record = {f: {"engine_cpu_s": engine_cpu[f][1:], "bare_cpu_s": bare_cpu[f][1:]}
+              for f in run.cfgs}  # fmt: skip
     Path(out_dir, f"rank{slot}.json").write_text(json.dumps(record))
 
 
-def run_ranks(run: Run, work: Path) -> dict[str, list[float]]:
-    """Per measured step: every rank's engine CPU seconds summed, and the bare step's."""
+def run_ranks(run: Run, work: Path) -> dict[str, dict[str, list[float]]]:
+    """Per family and measured step: every rank's engine CPU seconds summed, and the
+    bare step's."""
     from _engine_runs import run_processes
 
     out_dir = work / run.name
     out_dir.mkdir(parents=True)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120))
     args = [(s, run, store.port, str(out_dir)) for s in range(run.ranks)]
-    codes = run_processes(run.name, _rank, args, timeout_s=600)
+    codes = run_processes(run.name, _rank, args, timeout_s=900)
     if any(codes):
         raise RuntimeError(f"{run.name}: exit codes {codes}")
     records = [json.loads((out_dir / f"rank{s}.json").read_text()) for s in range(run.ranks)]
-    engine = [sum(r["engine_cpu_s"][i] for r in records) for i in range(run.steps)]
-    return {"engine": engine, "bare": records[0]["bare_cpu_s"]}
+    return {
+        f: {
+            "engine": [sum(r[f]["engine_cpu_s"][i] for r in records) for i in range(run.steps)],
+            "bare": records[0][f]["bare_cpu_s"],
+        }
+        for f in run.cfgs
+    }
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -180,34 +201,37 @@ def steady_state(
     """Per mode and family: engine CPU per GFLOP and the engine overhead ratio, and llama's
     over gpt's for both (medians over every measured step of every round so far, also
     handed to ``after_round`` after each round: a long run interrupted keeps its figures)."""
-    steps, rounds = (2, 2) if quick else (4, 6)
+    steps, rounds = (3, 1) if quick else (12, 3)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         m: {f: {"per_gflop": [], "overhead": []} for f in FAMILIES} for m in MODES
     }
-    # Per mode, llama's median over gpt's of each round, the two run back to back: the
-    # machine's drift over the rounds cancels in these (the order alternates per round).
-    paired: dict[str, list[float]] = {m: [] for m in MODES}
+    # Per mode, llama's CPU per GFLOP over gpt's of each pair of steps: the two ran one
+    # after the other in the same processes, so neither the machine's drift nor a
+    # process's own speed enters the ratio.
+    paired: dict[str, list[list[float]]] = {m: [] for m in MODES}
     for r in range(rounds):
         for mode, (ranks, parallelism) in MODES.items():
-            this_round: dict[str, float] = {}
-            for family in FAMILIES if r % 2 == 0 else FAMILIES[::-1]:
-                cfg = family_config(family, ranks, parallelism, quick)
-                name = f"{family}-{mode.replace(' ', '-')}-{r}"
-                got = run_ranks(Run(name, cfg, ranks, steps), work)
+            cfgs = {f: family_config(f, ranks, parallelism, quick) for f in FAMILIES}
+            got = run_ranks(Run(f"{mode.replace(' ', '-')}-{r}", cfgs, ranks, steps), work)
+            per_gflop: dict[str, list[float]] = {}
+            for family, cfg in cfgs.items():
                 gflop = train_flops_per_step(cfg) / 1e9
-                s = samples[mode][family]
-                per_gflop = [cpu / gflop for cpu in got["engine"]]
-                s["per_gflop"] += per_gflop
-                s["overhead"] += [e / b for e, b in zip(got["engine"], got["bare"], strict=True)]
-                this_round[family] = statistics.median(per_gflop)
-            paired[mode].append(this_round["llama"] / this_round["gpt"])
+                engine, bare = got[family]["engine"], got[family]["bare"]
+                per_gflop[family] = [cpu / gflop for cpu in engine]
+                samples[mode][family]["per_gflop"] += per_gflop[family]
+                samples[mode][family]["overhead"] += [
+                    e / b for e, b in zip(engine, bare, strict=True)
+                ]
+            paired[mode].append(
+                [lm / g for lm, g in zip(per_gflop["llama"], per_gflop["gpt"], strict=True)]
+            )
         if after_round is not None:
             after_round({"rounds": r + 1, **_figures(samples, paired)})
     return _figures(samples, paired)
 
 
 def _figures(
-    samples: dict[str, dict[str, dict[str, list[float]]]], paired: dict[str, list[float]]
+    samples: dict[str, dict[str, dict[str, list[float]]]], paired: dict[str, list[list[float]]]
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, by_family in samples.items():
@@ -217,8 +241,8 @@ def _figures(
             **{f"{f}_cpu_s_per_gflop": fig[f]["per_gflop"] for f in fig},
             **{f"{f}_engine_overhead": fig[f]["overhead"] for f in fig},
             "llama_over_gpt": llama["per_gflop"]["median"] / gpt["per_gflop"]["median"],
-            "llama_over_gpt_by_round": paired[mode],
-            "llama_over_gpt_paired": statistics.median(paired[mode]),
+            "llama_over_gpt_paired": _spread([x for rnd in paired[mode] for x in rnd]),
+            "llama_over_gpt_by_round": [statistics.median(rnd) for rnd in paired[mode]],
             "overhead_llama_over_gpt": llama["overhead"]["median"] / gpt["overhead"]["median"],
         }
     return out
@@ -230,11 +254,12 @@ def report(figures: dict[str, Any]) -> None:
             continue
         g, lm = f["gpt_cpu_s_per_gflop"], f["llama_cpu_s_per_gflop"]
         go, lo = f["gpt_engine_overhead"], f["llama_engine_overhead"]
+        p = f["llama_over_gpt_paired"]
         print(
             f"steady state, {mode}: CPU s per GFLOP llama {lm['median']:.3f} "
             f"(+-{lm['rel_iqr_half']:.1%}) vs gpt {g['median']:.3f} (+-{g['rel_iqr_half']:.1%}) "
-            f"= {f['llama_over_gpt']:.3f}x (round by round, median "
-            f"{f['llama_over_gpt_paired']:.3f}x of "
+            f"= {f['llama_over_gpt']:.3f}x (step by step {p['median']:.3f}x "
+            f"+-{p['rel_iqr_half']:.1%} over {p['n']} pairs; rounds' medians "
             f"{', '.join(f'{x:.3f}' for x in f['llama_over_gpt_by_round'])}); "
             f"engine step / bare step llama {lo['median']:.3f} "
             f"(+-{lo['rel_iqr_half']:.1%}) vs gpt {go['median']:.3f} "
