@@ -520,7 +520,8 @@ def scaling(args: argparse.Namespace) -> None:
         raise SystemExit(f"--row: no such row {sorted(unknown)} "
                          f"(rows: {[c.name for c in scaling_cases(args.quick)]})")  # fmt: skip
     rows: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as scratch:
+        tmp = args.keep or scratch  # --keep: the run directories (logs, events) stay there
         for case in cases:
             n, k = (all_steps, all_kill) if case.late else (steps, kill_step)
             rows[case.name] = row = scaling_row(case, n, k, Path(tmp, case.name))
@@ -567,6 +568,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--row", action="append",
                         help="With --scaling: only this row (repeatable), e.g. dp-2.")  # fmt: skip
+    parser.add_argument("--keep", type=Path,
+                        help="With --scaling: keep each row's run directory (logs, events) "
+                        "under this directory instead of a temporary one.")  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
         scaling(args)
