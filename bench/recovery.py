@@ -39,7 +39,8 @@ also says whether the pod's own pre-started processes took over (``restarted_in_
 or a new pod replaced it; the
 data-parallel and kill-all rows also run the same job under
 ``torchrun --max-restarts=1`` (a checkpoint every step, every rank restarted) in the same
-invocation. ``--quick``: 2 and 4 workers; ``--row NAME`` (repeatable) runs only those rows.
+invocation. ``--quick``: 2 and 4 workers; ``--row NAME`` (repeatable) runs only those rows;
+``--no-torchrun`` leaves torchrun out; ``--keep DIR`` keeps each row's run directory there.
 ``--out`` writes ``{scaling: {row: {kill_to_step_s, lost_steps, restarts,
 restarted_in_place?, torchrun_kill_to_step_s?, torchrun_lost_steps?, recovery}}}``, where
 ``recovery`` says where the first kill's time went: the manager's milestones after the
@@ -459,9 +460,12 @@ def _scaling_spec(case: ScalingCase, steps: int) -> dict[str, Any]:
     }
 
 
-def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) -> dict[str, Any]:
+def scaling_row(
+    case: ScalingCase, steps: int, kill_step: int, run_dir: Path, torchrun: bool = True
+) -> dict[str, Any]:
     """One run of ``case``: the seconds from the (first) kill to the next completed step,
-    the steps redone and the restarts; the same under torchrun where it applies."""
+    the steps redone and the restarts; the same under torchrun where it applies (and
+    ``torchrun``)."""
     import logging
 
     from bulkhead.operator.local.runner import RunOptions, run_local
@@ -493,7 +497,7 @@ def scaling_row(case: ScalingCase, steps: int, kill_step: int, run_dir: Path) ->
         events = _read(run_dir / "events.jsonl")
         took_over = "RestartingInPlace" if case.nan else "WorkerRestarted"
         row["restarted_in_place"] = any(e["reason"] == took_over for e in events)
-    if case.torchrun:
+    if case.torchrun and torchrun:
         victims = list(range(case.workers)) if case.kill_all else [1]
         runs = torchrun_runs(case.workers, steps, [kill_step], run_dir / "torchrun", victims,
                              spec=_scaling_spec(case, steps))  # fmt: skip
@@ -520,10 +524,13 @@ def scaling(args: argparse.Namespace) -> None:
         raise SystemExit(f"--row: no such row {sorted(unknown)} "
                          f"(rows: {[c.name for c in scaling_cases(args.quick)]})")  # fmt: skip
     rows: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as scratch:
+        tmp = args.keep or scratch  # --keep: the run directories (logs, events) stay there
         for case in cases:
             n, k = (all_steps, all_kill) if case.late else (steps, kill_step)
-            rows[case.name] = row = scaling_row(case, n, k, Path(tmp, case.name))
+            rows[case.name] = row = scaling_row(
+                case, n, k, Path(tmp, case.name), not args.no_torchrun
+            )
             theirs = ""
             if "torchrun_kill_to_step_s" in row:
                 theirs = (f"  torchrun {row['torchrun_kill_to_step_s']:6.2f} s "
@@ -567,6 +574,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--row", action="append",
                         help="With --scaling: only this row (repeatable), e.g. dp-2.")  # fmt: skip
+    parser.add_argument("--no-torchrun", action="store_true",
+                        help="With --scaling: no torchrun run beside bulkhead.")  # fmt: skip
+    parser.add_argument("--keep", type=Path,
+                        help="With --scaling: keep each row's run directory (logs, events) "
+                        "under this directory instead of a temporary one.")  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
         scaling(args)

@@ -4,6 +4,7 @@ picking the device. In-process, with real sockets and a real one-rank gloo group
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import socket
 import subprocess
@@ -28,10 +29,11 @@ from bulkhead.trainer.engine.device import (
 )
 from bulkhead.trainer.engine.failfast import (
     Connections,
+    TcpSocket,
+    describe_tcp,
     generation_connections,
     new_listen_ports,
     own_socket_fds,
-    parse_proc_net_tcp,
 )
 from bulkhead.trainer.engine.rendezvous import (
     FIRST_POLL_S,
@@ -49,19 +51,26 @@ from bulkhead.trainer.engine.world import (
     park_default_world,
 )
 
-PROC_NET_TCP = """\
-  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1
-   1: 0100007F:C350 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4343 1
-   2: 0100007F:C351 0100007F:1F91 06 00000000:00000000 00:00000000 00000000     0        0 0 1
-"""
 
-
-def test_proc_net_tcp_is_parsed_by_inode() -> None:
-    table = parse_proc_net_tcp(PROC_NET_TCP)
-    assert set(table) == {4242, 4343}  # inode 0 (time-wait) has no owner
-    assert (table[4242].local_port, table[4242].state) == (8080, "0A")
-    assert (table[4343].local_port, table[4343].remote_port) == (50000, 8080)
+def test_only_tcp_sockets_are_described() -> None:
+    pair = socket.socketpair()  # AF_UNIX: never a generation's connection
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    try:
+        assert describe_tcp(pair[0].fileno(), 1) is None
+        assert describe_tcp(udp.fileno(), 2) is None
+        port = listener.getsockname()[1]
+        assert describe_tcp(listener.fileno(), 3) == TcpSocket(3, listener.fileno(), port, 0, True)
+        described = describe_tcp(client.fileno(), 4)
+        assert described is not None and not described.listening
+        assert (described.local_port, described.remote_port) == (client.getsockname()[1], port)
+        closed = os.dup(client.fileno())
+        os.close(closed)
+        assert describe_tcp(closed, 5) is None  # closed meanwhile
+    finally:
+        for s in (*pair, udp, listener, client):
+            s.close()
 
 
 def test_only_the_generations_connections_are_cut() -> None:
