@@ -590,9 +590,10 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     layout = plan_of(cfg, rr.row.processes).pipelines
     if layout is not None:
         out["planner_predicted_iteration_s"] = layout.predicted_iteration_s
-        out["modelled_iteration_s"] = statistics.median(
-            modelled_iteration_s(layout, x["cpu_s_per_step_by_rank"]) for x in b
-        )
+        for side, runs in (("bulkhead", b), ("baseline", p)):
+            out[f"{side}_modelled_iteration_s"] = statistics.median(
+                modelled_iteration_s(layout, x["cpu_s_per_step_by_rank"]) for x in runs
+            )
     if "cuda" in out["device"]:
         flops = 6 * active_params(cfg) * cfg.global_batch_size * cfg.model.seq_len
         for side, rate in (
@@ -627,22 +628,28 @@ def pipeline_prediction(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     the stages' work over the cores, not the slowest pipeline's critical path (both
     layouts do the same work: 3+2's 5 processes on 2 cores cannot be faster than 2+2's
     4). ``modelled_*``: the planner's own 1F1B model on the stage costs measured in the
-    runs (``modelled_iteration_s``), which tests its unit costs and batch split on any
-    machine; the remaining difference is the 1F1B model itself and the per-step costs it
-    leaves out (gradient sums, optimizer), spread over the micro-batches here."""
+    runs (``modelled_iteration_s``), on any machine: on the baseline's costs (the same
+    stages run by ``Schedule1F1B``) it tests the planner's unit costs and batch split, on
+    bulkhead's it adds what bulkhead's execution of the stages costs beyond that; the
+    model leaves out the per-step costs (gradient sums, optimizer), spread over the
+    micro-batches here."""
     by = {r["mode"]: r for r in rows}
     if "pipelines" not in by or "pipelines-3+2" not in by:
         return None
     homo, hetero = by["pipelines"], by["pipelines-3+2"]
     predicted = hetero["planner_predicted_iteration_s"] / homo["planner_predicted_iteration_s"]
     measured = homo["bulkhead_steps_per_s"] / hetero["bulkhead_steps_per_s"]
-    modelled = hetero["modelled_iteration_s"] / homo["modelled_iteration_s"]
-    return {
+    out: dict[str, Any] = {
         "predicted_ratio_3+2_over_2+2": predicted,
         "measured_ratio_3+2_over_2+2": measured,
         "measured_over_predicted": measured / predicted,
-        "modelled_ratio_3+2_over_2+2": modelled,
-        "modelled_over_predicted": modelled / predicted,
+    }
+    for side in ("bulkhead", "baseline"):
+        key = f"{side}_modelled_iteration_s"
+        modelled = hetero[key] / homo[key]
+        out[f"{side}_modelled_ratio_3+2_over_2+2"] = modelled
+        out[f"{side}_modelled_over_predicted"] = modelled / predicted
+    return out | {
         "cores": len(os.sched_getaffinity(0)),
         "processes": [homo["processes"], hetero["processes"]],
     }
