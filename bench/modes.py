@@ -97,12 +97,14 @@ from bulkhead.trainer.config import TrainConfig, train_config
 from bulkhead.trainer.data import open_dataset
 from bulkhead.trainer.engine.device import DeviceChoice, activate, pick_device
 from bulkhead.trainer.models.protocol import build_meta
+from bulkhead.trainer.parallel.pipeline_plan import PipelineLayout
 from bulkhead.trainer.parallel.plan import (
     ParallelPlan,
     ZeroPlan,
     make_plan,
     state_bytes_per_rank,
 )
+from bulkhead.trainer.planning.templates import pipeline_time
 
 HOT_BIAS = 2.0  # added to the hot experts' router logits: most tokens pick them
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW's two slots
@@ -588,6 +590,10 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     layout = plan_of(cfg, rr.row.processes).pipelines
     if layout is not None:
         out["planner_predicted_iteration_s"] = layout.predicted_iteration_s
+        for side, runs in (("bulkhead", b), ("baseline", p)):
+            out[f"{side}_modelled_iteration_s"] = statistics.median(
+                modelled_iteration_s(layout, x["cpu_s_per_step_by_rank"]) for x in runs
+            )
     if "cuda" in out["device"]:
         flops = 6 * active_params(cfg) * cfg.global_batch_size * cfg.model.seq_len
         for side, rate in (
@@ -601,19 +607,51 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
     return out
 
 
+def modelled_iteration_s(layout: PipelineLayout, cpu_by_rank: list[float]) -> float:
+    """The planner's 1F1B model (``templates.pipeline_time``) on the stage costs measured
+    here: each stage's CPU seconds per step (its first process's: passes, hand-offs,
+    gradient sum, optimizer) spread over its pipeline's micro-batches, every stage on a
+    device of its own as the planner assumes; the slowest pipeline's time."""
+    ns = 1e9
+    return max(
+        pipeline_time([round(cpu_by_rank[s.rank] / count * ns) for s in stages], count) / ns
+        for stages, (_, count) in zip(layout.stages, layout.microbatches, strict=True)
+    )
+
+
 def pipeline_prediction(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Measured vs predicted iteration time of the 3+2 layout, relative to the 2+2 one
-    (the planner's costs are relative: its ratio between two layouts is what it predicts)."""
+    (the planner's costs are relative: its ratio between two layouts is what it predicts).
+
+    ``measured_*``: the wall rates, which test the prediction only when every process has
+    a device (a core) of its own; with fewer cores than processes a step costs the sum of
+    the stages' work over the cores, not the slowest pipeline's critical path (both
+    layouts do the same work: 3+2's 5 processes on 2 cores cannot be faster than 2+2's
+    4). ``modelled_*``: the planner's own 1F1B model on the stage costs measured in the
+    runs (``modelled_iteration_s``), on any machine: on the baseline's costs (the same
+    stages run by ``Schedule1F1B``) it tests the planner's unit costs and batch split, on
+    bulkhead's it adds what bulkhead's execution of the stages costs beyond that; the
+    model leaves out the per-step costs (gradient sums, optimizer), spread over the
+    micro-batches here."""
     by = {r["mode"]: r for r in rows}
     if "pipelines" not in by or "pipelines-3+2" not in by:
         return None
     homo, hetero = by["pipelines"], by["pipelines-3+2"]
     predicted = hetero["planner_predicted_iteration_s"] / homo["planner_predicted_iteration_s"]
     measured = homo["bulkhead_steps_per_s"] / hetero["bulkhead_steps_per_s"]
-    return {
+    out: dict[str, Any] = {
         "predicted_ratio_3+2_over_2+2": predicted,
         "measured_ratio_3+2_over_2+2": measured,
         "measured_over_predicted": measured / predicted,
+    }
+    for side in ("bulkhead", "baseline"):
+        key = f"{side}_modelled_iteration_s"
+        modelled = hetero[key] / homo[key]
+        out[f"{side}_modelled_ratio_3+2_over_2+2"] = modelled
+        out[f"{side}_modelled_over_predicted"] = modelled / predicted
+    return out | {
+        "cores": len(os.sched_getaffinity(0)),
+        "processes": [homo["processes"], hetero["processes"]],
     }
 
 

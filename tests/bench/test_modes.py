@@ -2,7 +2,8 @@
 
 Not timed: the checks are the JSON's shape, that bulkhead and the plain PyTorch baseline
 start from the same loss (same model, data and batch) and stay finite, and the plan's
-expected memory ratios, which are exact.
+expected memory ratios, which are exact; and that the planner's 1F1B model evaluated on
+measured stage costs gives back the planner's prediction when fed its own unit costs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = ("data-parallel", "experts-skewed", "experts-skewed-pinned")  # short: each runs both sides
@@ -33,6 +32,7 @@ KEYS = (
 
 # Four runs of four processes: minutes on this 2-core VM at a load average of 25-40 (5.5
 # min measured), which the suite's 300 s default does not allow.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_modes_quick(tmp_path: Path) -> None:
     out = tmp_path / "modes.json"
@@ -67,3 +67,22 @@ def test_modes_quick(tmp_path: Path) -> None:
     for line in blocks:
         hosted = [part.split(": ")[1].split(",") for part in line.split("; ")[1:]]
         assert len(hosted) == 2 and all({"0", "1"} <= set(h) for h in hosted), line
+
+
+def test_the_model_on_measured_costs_is_the_planners_on_its_own_costs() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import modes
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    for name in ("pipelines", "pipelines-3+2"):
+        row = next(r for r in modes.ROWS if r.name == name)
+        layout = modes.plan_of(modes.config(row, modes.FULL), row.processes).pipelines
+        assert layout is not None
+        # Each stage's cost per step: the planner's unit costs times its micro-batches.
+        planned = [layout.work(r) for r in range(row.processes)]
+        modelled = modes.modelled_iteration_s(layout, planned)
+        assert modelled == pytest.approx(layout.predicted_iteration_s, rel=1e-3), name
+        # A stage twice as costly as planned moves the model: it reads the costs given.
+        slower = [2 * c if r == 0 else c for r, c in enumerate(planned)]
+        assert modes.modelled_iteration_s(layout, slower) > 1.1 * modelled, name

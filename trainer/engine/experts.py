@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.grad_sync import sum_over_holders
 from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.recompute import recomputing
@@ -243,21 +244,17 @@ class ExpertKeys:
         for g in dense:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        norm_sq = float(flat.double().pow(2).sum()) if world.rank == 0 else 0.0
-        # Each hosted expert's gradient as one flat tensor, in (block, expert) order.
-        mine: dict[tuple[int, int], list[torch.Tensor]] = {}
+        norm_sq = squared_norm([flat]) if world.rank == 0 else 0.0
+        # Each hosted expert's gradients, keyed (block, expert, name): summed in place over
+        # the expert's hosts, one copy into the exchange's buffer (a flat tensor per expert,
+        # copied back after the sum, was two more copies of every expert gradient).
+        hosts = {(p.layer, e): p.hosts(e) for p in plan.layers for e in range(plan.num_experts)}
+        mine: dict[tuple[int, int, str], torch.Tensor] = {}
         for name, g in grads.items():
             where = keys.expert_of(name)
             if where is not None:
-                mine.setdefault(where, []).append(g)
-        hosts = {(p.layer, e): p.hosts(e) for p in plan.layers for e in range(plan.num_experts)}
-        flats = {k: torch.cat([g.reshape(-1) for g in v]) for k, v in mine.items()}
-        norm_sq += sum_over_holders(world, flats, {k: hosts[k] for k in flats})
-        for key, total in flats.items():
-            offset = 0
-            for g in mine[key]:
-                g.copy_(total[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+                mine[(*where, name)] = g
+        norm_sq += sum_over_holders(world, mine, {k: hosts[k[:2]] for k in mine})
         return norm_sq
 
 
