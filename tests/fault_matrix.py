@@ -71,14 +71,14 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "one trainer process of a multi-GPU pod dies or stops answering",
-        "the launcher kills the pod's other processes and hands its pre-started ones over; "
-        "the other pods continue in process; the pod joins again, not replaced (none "
-        "pre-started yet: the pod fails and a new pod replaces it)",
+        "the launcher kills the pod's other processes and its template forks new ones; "
+        "the other pods continue in process; the pod joins again, not replaced (no "
+        "template yet: the pod fails and a new pod replaces it)",
         (
             "tests/local/test_pods.py::"
             "test_a_killed_pod_and_a_stopped_or_killed_process_are_recovered_in_process",
             "tests/control/test_pod_relay.py::"
-            "test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_the_kill",
+            "test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_template",
             "tests/control/test_pod_relay.py::"
             "test_one_process_failing_fails_the_pod_and_kills_the_others",
             "tests/control/test_pod_relay.py::test_a_stopping_relay_answers_the_polls_still_open",
