@@ -63,6 +63,11 @@ RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
 # or the only process of a one-process pod.
 LOCAL_RANK_ENV = "BULKHEAD_LOCAL_RANK"
 SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
+# Set ("1") on a Kubernetes worker pod's trainer container: its first process is the pod's
+# launcher even with one trainer process, so that a crashed process is replaced in place
+# by one forked from the launcher's template and the pod is kept. Local mode leaves it
+# unset: its driver keeps the template, and a worker with one process runs it directly.
+POD_LAUNCHER_ENV = "BULKHEAD_POD_LAUNCHER"
 # A worker forked from a template (``bulkhead.trainer.pod.prestart``) is given its launch
 # environment in the fork request; this one names the log file it then writes to.
 LOG_FILE_ENV = "BULKHEAD_LOG_FILE"

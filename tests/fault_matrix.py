@@ -94,7 +94,7 @@ FAULTS: tuple[Fault, ...] = (
         "single-process pods are stopped and started afresh",
         (
             "tests/local/test_restart_in_place.py::"
-            "test_a_nan_restart_switches_live_pods_to_their_pre_started_processes",
+            "test_a_nan_restart_switches_live_pods_to_processes_forked_from_their_templates",
             "tests/lifecycle/test_policy_restart_in_place.py::"
             "test_a_nan_tells_every_live_pod_to_restart_in_place",
             "tests/lifecycle/test_policy_restart_in_place.py::"

@@ -6,8 +6,9 @@ BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR, BULKHEAD_
 BULKHEAD_AGENT_URL and BULKHEAD_AGENT_TOKEN), runs the
 ``ElasticTrainer`` and maps the outcome to the exit codes the lifecycle manager reads:
 0 finished, 2 user error (never retried), 3 told to stop, anything else = replace me.
-When the job runs several trainer processes per pod, the first ``bulkhead-worker`` of the
-pod is their launcher (``trainer.pod``) and each process it starts has BULKHEAD_LOCAL_RANK.
+When the job runs several trainer processes per pod, or in a Kubernetes pod
+(BULKHEAD_POD_LAUNCHER), the first ``bulkhead-worker`` of the pod is their launcher
+(``trainer.pod``) and each process it starts has BULKHEAD_LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bulkhead.api.protocol import (
     JOB_SPEC_ENV,
     LOCAL_RANK_ENV,
     NODE_ENV,
+    POD_LAUNCHER_ENV,
     RUN_DIR_ENV,
     SHM_DIR_ENV,
     TOKEN_ENV,
@@ -148,7 +150,7 @@ def run(env: Mapping[str, str], started_at: float | None = None) -> int:
     except (ManifestError, ValueError) as exc:
         return user_error(exc)
     processes = spec.trainer_processes
-    if processes > 1 and launch.local_rank is None:
+    if is_pod_launcher(launch, processes, env):
         return _run_pod_launcher(launch, env, processes, cfg.timeouts)
     if launch.local_rank is not None and not 0 <= launch.local_rank < processes:
         return user_error(
@@ -185,6 +187,12 @@ def run(env: Mapping[str, str], started_at: float | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + signal.SIGINT
+
+
+def is_pod_launcher(launch: LaunchEnv, processes: int, env: Mapping[str, str]) -> bool:
+    """Whether this process is its pod's launcher: the first process of a pod of several
+    trainer processes, or of a Kubernetes pod (``POD_LAUNCHER_ENV``) of one."""
+    return launch.local_rank is None and (processes > 1 or env.get(POD_LAUNCHER_ENV) == "1")
 
 
 def _read_launch(env: Mapping[str, str]) -> LaunchEnv | None:

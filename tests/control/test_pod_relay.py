@@ -301,11 +301,16 @@ def test_a_stopping_relay_answers_the_polls_still_open(harness: Harness, pods) -
 
 def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() -> None:
     env = {SHM_DIR_ENV: "/dev/shm/pod", CHECKPOINT_SOCKET_ENV: "/dev/shm/pod/checkpointd.sock"}
-    got = child_env(env, 1, "http://127.0.0.1:5000")
+    got = child_env(env, 1, "http://127.0.0.1:5000", processes=2)
     assert got[LOCAL_RANK_ENV] == "1"
     assert got[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/1"
     assert got[SHM_DIR_ENV] == "/dev/shm/pod/rank-1"
     assert got[CHECKPOINT_SOCKET_ENV] == "/dev/shm/pod/rank-1/checkpointd.sock"
+    # The one process of a pod uses the pod's sidecar as a process run without a launcher.
+    only = child_env(env, 0, "http://127.0.0.1:5000", processes=1)
+    assert only[LOCAL_RANK_ENV] == "0" and only[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/0"
+    assert only[SHM_DIR_ENV] == env[SHM_DIR_ENV]
+    assert only[CHECKPOINT_SOCKET_ENV] == env[CHECKPOINT_SOCKET_ENV]
 
 
 def test_a_pod_trains_once_it_stayed_in_a_running_generation_and_not_in_a_replaced_one() -> None:
@@ -486,17 +491,19 @@ def _local_rank_1(pids: list[str]) -> int:
     raise AssertionError(f"no local rank 1 among {pids}")
 
 
+@pytest.mark.parametrize("processes", [2, 1])
 def test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_template(
-    harness: Harness,
+    harness: Harness, processes: int
 ) -> None:
-    """Real processes: a launcher of 2 local ranks starts its template once its pod trains;
-    one trainer process is SIGKILLed; processes forked from the template (started before
-    the kill) take over as the launcher's own children, the pod leaves generation 2 and
-    joins generation 3 under the same worker id, and no pod is stopped or started."""
+    """Real processes: a launcher of 2 local ranks (or 1: a Kubernetes pod of one process)
+    starts its template once its pod trains; one trainer process is SIGKILLed; processes
+    forked from the template (started before the kill) take over as the launcher's own
+    children, the pod leaves generation 2 and joins generation 3 under the same worker id,
+    and no pod is stopped or started."""
     h = harness
     other = _other_pod(h)
     worker = f"{JOB}-w0-0"
-    launcher = _launcher(h, worker, ["poll", "poll"])
+    launcher = _launcher(h, worker, ["poll"] * processes)
     launcher.template_command = [*POD_CHILD, "--template"]
     codes: list[int] = []
     runner = threading.Thread(target=lambda: codes.append(launcher.run()), daemon=True)
@@ -517,7 +524,7 @@ def test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_temp
         template_nice = psutil.Process(template.pid).nice()
         template_started = psutil.Process(template.pid).create_time()
         first = [child.pid for child in launcher.children]
-        victim = launcher.children[1]
+        victim = launcher.children[-1]
         killed_at = time.time()
         victim.kill()
         # The survivor (pod w1) recovers in generation 2 without the pod and trains a step.
@@ -540,14 +547,14 @@ def test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_temp
         launcher.terminate()
         runner.join(60)
     assert sorted(rejoined) == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
-    assert len(now) == 2 and not set(now) & set(first)
-    assert parents == [os.getpid(), os.getpid()]  # the launcher's children, not the template's
+    assert len(now) == processes and not set(now) & set(first)
+    assert parents == [os.getpid()] * processes  # the launcher's children, not the template's
     assert template_started < killed_at, "the template started after the kill"
     # The template imports at a lower priority (its CPU is a start's or a recovery's); its
     # processes at work have the launcher's.
     own = os.getpriority(os.PRIO_PROCESS, 0)
     lowered = min(19, own + PRESTART_NICE) if can_renice_back() else own
-    assert template_nice == lowered and working_nice == [own, own]
+    assert template_nice == lowered and working_nice == [own] * processes
     assert launcher.restarts == 1 and h.driver.started == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
     assert h.driver.stopped == []
     assert any("pre-started processes take over" in m for m in _events(h, "WorkerRestarted"))

@@ -1,7 +1,8 @@
 """The launcher of a multi-process worker pod: G trainer processes, one per GPU, one member.
 
 ``bulkhead-worker`` becomes this launcher when the job runs more than one trainer process
-per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It:
+per worker pod (``spec.processesPerWorker``, by default the pod's GPU count), and in every
+Kubernetes worker pod (``POD_LAUNCHER_ENV``: one process too is replaced in place). It:
 
 - serves the pod relay (``relay.PodRelay``) on 127.0.0.1 and starts the G processes, each
   with ``BULKHEAD_LOCAL_RANK=i`` (so it takes ``cuda:i`` and rank G x position + i), the
@@ -82,11 +83,14 @@ def child_command() -> list[str]:
     return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import main; main()"]
 
 
-def child_env(env: Mapping[str, str], local_rank: int, relay_url: str) -> dict[str, str]:
+def child_env(
+    env: Mapping[str, str], local_rank: int, relay_url: str, processes: int
+) -> dict[str, str]:
     """Process ``local_rank``'s environment: the pod's, with its rank, the relay as its
-    control endpoint and its own shared-memory directory and sidecar socket."""
+    control endpoint and, of a pod of several ``processes``, its own shared-memory
+    directory and sidecar socket (the sidecar of a one-process pod serves the pod's)."""
     out = {**env, LOCAL_RANK_ENV: str(local_rank), ENDPOINT_ENV: f"{relay_url}/local/{local_rank}"}
-    if env.get(SHM_DIR_ENV):
+    if env.get(SHM_DIR_ENV) and processes > 1:
         shm = local_rank_shm_dir(Path(env[SHM_DIR_ENV]), local_rank)
         out[SHM_DIR_ENV] = str(shm)
         out[CHECKPOINT_SOCKET_ENV] = str(shm / "checkpointd.sock")
@@ -158,12 +162,15 @@ class PodLauncher:
         for rank in range(self.relay.processes):
             child = subprocess.Popen(
                 self.command,
-                env=child_env(self.env, rank, self._relay_url),
+                env=self._child_env(rank),
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
             log.info("started local rank %d (pid %d)", rank, child.pid)
             self.children.append(child)
+
+    def _child_env(self, rank: int) -> dict[str, str]:
+        return child_env(self.env, rank, self._relay_url, self.relay.processes)
 
     def _prestart(self) -> None:
         """Start the template once the pod trains (its imports take seconds of CPU a start
@@ -204,7 +211,7 @@ class PodLauncher:
             )
         for rank in range(self.relay.processes):
             try:
-                child = template.fork(child_env(self.env, rank, self._relay_url))
+                child = template.fork(self._child_env(rank))
             except TemplateGone as exc:
                 log.error("no process for local rank %d: %s", rank, exc)
                 return False
