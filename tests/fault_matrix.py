@@ -73,7 +73,8 @@ FAULTS: tuple[Fault, ...] = (
         "one trainer process of a multi-GPU pod dies or stops answering",
         "the launcher kills the pod's other processes and its template forks new ones; "
         "the other pods continue in process; the pod joins again, not replaced (no "
-        "template yet: the pod fails and a new pod replaces it)",
+        "template yet: the pod fails and a new pod replaces it); a Kubernetes pod of one "
+        "process has a launcher too",
         (
             "tests/local/test_pods.py::"
             "test_a_killed_pod_and_a_stopped_or_killed_process_are_recovered_in_process",
