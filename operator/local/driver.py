@@ -238,11 +238,13 @@ class LocalDriver:
         return process
 
     async def _take_prestarted(self, env: dict[str, str]) -> ForkedWorker | None:
-        """A worker forked from the template with ``env`` (None without a template)."""
+        """A worker forked from the template with ``env``; None without a template, or
+        while it still imports: the session starts its workers one at a time, and a fork
+        would hold every later one (and the exits it has not seen yet) for the rest of the
+        imports (23 s at load 17), where a cold start is requested at once."""
         template = self.template
-        if template is None or not template.alive():
+        if template is None or not template.alive() or not template.ready():
             return None
-        template.signal(signal.SIGCONT)  # needed now, whatever the pool's state
         try:
             forked = await asyncio.to_thread(template.fork, env)
         except TemplateGone as exc:
@@ -261,7 +263,9 @@ class LocalDriver:
         if self.template is not None:
             log.warning("template %d exited: starting another", self.template.pid)
             self.template.close()
-        env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
+        # The job's name too: /proc shows a forked worker the template's environment,
+        # where a look for the job's processes finds it (and the template) by this.
+        env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1", JOB_ENV: self.job_name,
                "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
         with (self.run_dir / "logs" / "prestarted.log").open("ab") as log_file:
             self.template = ForkServer(
