@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import psutil
-from waiting import wait_until
+from waiting import until, wait_until
 
 from bulkhead.api.protocol import LOG_FILE_ENV, WORKER_ENV, WorkerExit
 from bulkhead.api.spec import TrainingJobSpec
@@ -42,6 +42,12 @@ def become(env, handed_over):
     behave = env.get("BEHAVE", "exit:0")
     if behave == "pause":
         signal.pause()
+    if behave == "orphan":  # a child of its own (a pod's trainer process) left behind
+        child = os.fork()
+        if child == 0:
+            signal.pause()
+        print(f"child {child}", flush=True)
+        os._exit(0)
     os._exit(int(behave.removeprefix("exit:")))
 
 serve_forks(imports, become)
@@ -141,6 +147,31 @@ def test_the_template_waits_stopped_during_a_recovery_and_no_start_waits_for_it(
     assert stopped and running
     assert not isinstance(during, ForkedWorker)  # cold: the imports were not done
     assert isinstance(after, ForkedWorker)
+
+
+def test_what_a_forked_worker_leaves_behind_is_killed_and_reaped_by_the_driver(
+    tmp_path: Path,
+) -> None:
+    """A forked worker that exits leaving a child of its own (as a pod's launcher leaves its
+    trainer processes): the child, adopted by the driver (a subreaper), is killed with the
+    worker's group and reaped, not left a zombie."""
+
+    async def scenario() -> int:
+        driver = _driver(tmp_path, lambda _: None, extra_env={"BEHAVE": "orphan"})
+        driver.fill_prestarted()
+        assert driver.template is not None
+        wait_until(driver.template.ready, "template ready", 60)
+        await driver.start_worker(WorkerRef("job", 0, 0))
+        wp = driver._procs["job-w0-0"]
+        await asyncio.wait_for(wp.watcher, 30)  # type: ignore[arg-type]
+        log = (tmp_path / "logs" / "job-w0-0.log").read_text()
+        child = int(log.split("child ")[1].split()[0])
+        await until(lambda: not psutil.pid_exists(child), "the left child reaped", 30)
+        await driver.shutdown(grace_s=1)
+        return child
+
+    child = asyncio.run(scenario())
+    assert not psutil.pid_exists(child)  # neither running nor a zombie of this process
 
 
 def test_a_killed_template_takes_no_worker_along_and_a_killed_requester_takes_all(
