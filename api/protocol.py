@@ -63,8 +63,13 @@ RUN_DIR_ENV = "BULKHEAD_RUN_DIR"
 # or the only process of a one-process pod.
 LOCAL_RANK_ENV = "BULKHEAD_LOCAL_RANK"
 SHM_DIR_ENV = "BULKHEAD_SHM_DIR"
-# A pre-started worker (``bulkhead.trainer.worker.prestarted_main``) reads its launch
-# environment as one JSON line on stdin; this one names the log file it then writes to.
+# Set ("1") on a Kubernetes worker pod's trainer container: its first process is the pod's
+# launcher even with one trainer process, so that a crashed process is replaced in place
+# by one forked from the launcher's template and the pod is kept. Local mode leaves it
+# unset: its driver keeps the template, and a worker with one process runs it directly.
+POD_LAUNCHER_ENV = "BULKHEAD_POD_LAUNCHER"
+# A worker forked from a template (``bulkhead.trainer.pod.prestart``) is given its launch
+# environment in the fork request; this one names the log file it then writes to.
 LOG_FILE_ENV = "BULKHEAD_LOG_FILE"
 CHECKPOINT_SOCKET_ENV = "BULKHEAD_CHECKPOINT_SOCKET"
 # The checkpoint sidecar's TCP port for peer replicas (in the pod; local mode picks any).

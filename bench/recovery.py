@@ -34,7 +34,7 @@ single-process workers are stopped and started afresh (``nan-dp-4``). Each
 row: seconds from the kill to the next completed step (events.jsonl and metrics.jsonl),
 steps redone, restarts, and for each worker started from a pre-started process how long
 before its hand-over its imports had finished (negative: it was handed over while still
-importing; local mode keeps up to 4 started ahead, from the job's Running on); the pod row
+importing; local mode forks them from one template started at the job's Running); the pod row
 also says whether the pod's own pre-started processes took over (``restarted_in_place``)
 or a new pod replaced it; the
 data-parallel and kill-all rows also run the same job under
@@ -518,6 +518,8 @@ def scaling(args: argparse.Namespace) -> None:
     # had (prestarted_ready_s negative); at step 180 they had in 4 runs of 6 at load 8-16
     # (not at 15-16). prestarted_ready_s says which.
     all_steps, all_kill = (60, 50) if args.quick else (200, 180)
+    if args.late_kill_step:
+        all_steps, all_kill = args.late_kill_step + 20, args.late_kill_step
     cases = [c for c in scaling_cases(args.quick) if not args.row or c.name in args.row]
     unknown = set(args.row or ()) - {c.name for c in cases}
     if unknown:
@@ -579,6 +581,9 @@ def main() -> None:
     parser.add_argument("--keep", type=Path,
                         help="With --scaling: keep each row's run directory (logs, events) "
                         "under this directory instead of a temporary one.")  # fmt: skip
+    parser.add_argument("--late-kill-step", type=int,
+                        help="With --scaling: the step the late rows (all killed, a pod's "
+                        "process, NaN) fault at, 20 steps before the end.")  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
         scaling(args)

@@ -50,7 +50,7 @@ _.retired_pages_total
 _.remapped_rows_pending
 
 # Named in strings: entry points and user-family references.
-_.prestarted_main  # bulkhead.trainer.worker:prestarted_main (operator/local/driver.py)
+_.template_main  # bulkhead.trainer.worker:template_main (trainer/pod/prestart.py's command)
 _.NO_HF  # spec.trainer.model.family: hf_models:NO_HF (tests/models)
 _.low_fd_limit  # a pytest fixture requested by parameter (tests/checkpoint)
 _.bulkhead  # tests/packaging/test_dashboard.py imports modules for their metrics

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # Many processes share 2 cores in the multi-process tests; one thread each avoids thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -12,6 +14,18 @@ from k8s_fixtures import (  # noqa: F401  (registers the fixtures and the k8s ma
     k8s_namespace,
     pytest_collection_modifyitems,
 )
+
+from bulkhead.trainer.pod.prestart import become_subreaper
+
+
+@pytest.fixture(autouse=True)
+def _orphans_back_to_init():
+    """A local driver or a pod launcher run in this process makes it a subreaper (its
+    template's forks become its children): after each test, processes orphaned by later
+    tests go to init again, not to zombies nobody here reaps (which a test waiting for a
+    killed process's end would see alive)."""
+    yield
+    become_subreaper(False)
 
 
 def pytest_unconfigure() -> None:

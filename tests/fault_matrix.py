@@ -71,14 +71,15 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "one trainer process of a multi-GPU pod dies or stops answering",
-        "the launcher kills the pod's other processes and hands its pre-started ones over; "
-        "the other pods continue in process; the pod joins again, not replaced (none "
-        "pre-started yet: the pod fails and a new pod replaces it)",
+        "the launcher kills the pod's other processes and its template forks new ones; "
+        "the other pods continue in process; the pod joins again, not replaced (no "
+        "template yet: the pod fails and a new pod replaces it); a Kubernetes pod of one "
+        "process has a launcher too",
         (
             "tests/local/test_pods.py::"
             "test_a_killed_pod_and_a_stopped_or_killed_process_are_recovered_in_process",
             "tests/control/test_pod_relay.py::"
-            "test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_the_kill",
+            "test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_template",
             "tests/control/test_pod_relay.py::"
             "test_one_process_failing_fails_the_pod_and_kills_the_others",
             "tests/control/test_pod_relay.py::test_a_stopping_relay_answers_the_polls_still_open",
@@ -94,7 +95,7 @@ FAULTS: tuple[Fault, ...] = (
         "single-process pods are stopped and started afresh",
         (
             "tests/local/test_restart_in_place.py::"
-            "test_a_nan_restart_switches_live_pods_to_their_pre_started_processes",
+            "test_a_nan_restart_switches_live_pods_to_processes_forked_from_their_templates",
             "tests/lifecycle/test_policy_restart_in_place.py::"
             "test_a_nan_tells_every_live_pod_to_restart_in_place",
             "tests/lifecycle/test_policy_restart_in_place.py::"

@@ -24,7 +24,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("api", "operator", "agent", "trainer", "cli")
 LOCAL_MODE_TRAINER = {
-    "bulkhead.trainer.pod.launcher",
     "bulkhead.trainer.pod.prestart",
     "bulkhead.trainer.checkpoint.paths",
 }

@@ -6,8 +6,9 @@ BULKHEAD_ADVERTISE_HOST, BULKHEAD_JOB_SPEC, optional BULKHEAD_RUN_DIR, BULKHEAD_
 BULKHEAD_AGENT_URL and BULKHEAD_AGENT_TOKEN), runs the
 ``ElasticTrainer`` and maps the outcome to the exit codes the lifecycle manager reads:
 0 finished, 2 user error (never retried), 3 told to stop, anything else = replace me.
-When the job runs several trainer processes per pod, the first ``bulkhead-worker`` of the
-pod is their launcher (``trainer.pod``) and each process it starts has BULKHEAD_LOCAL_RANK.
+When the job runs several trainer processes per pod, or in a Kubernetes pod
+(BULKHEAD_POD_LAUNCHER), the first ``bulkhead-worker`` of the pod is their launcher
+(``trainer.pod``) and each process it starts has BULKHEAD_LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from bulkhead.api.manifest import ManifestError, parse_spec
 from bulkhead.api.protocol import (
@@ -32,8 +33,8 @@ from bulkhead.api.protocol import (
     JOB_ENV,
     JOB_SPEC_ENV,
     LOCAL_RANK_ENV,
-    LOG_FILE_ENV,
     NODE_ENV,
+    POD_LAUNCHER_ENV,
     RUN_DIR_ENV,
     SHM_DIR_ENV,
     TOKEN_ENV,
@@ -43,7 +44,7 @@ from bulkhead.api.protocol import (
 )
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import Timeouts, TrainConfig, train_config
-from bulkhead.trainer.pod.prestart import HANDED_OVER_AT
+from bulkhead.trainer.pod.prestart import serve_forks
 from bulkhead.trainer.runtime.control_client import ControlChannel
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def run(env: Mapping[str, str], started_at: float | None = None) -> int:
     except (ManifestError, ValueError) as exc:
         return user_error(exc)
     processes = spec.trainer_processes
-    if processes > 1 and launch.local_rank is None:
+    if is_pod_launcher(launch, processes, env):
         return _run_pod_launcher(launch, env, processes, cfg.timeouts)
     if launch.local_rank is not None and not 0 <= launch.local_rank < processes:
         return user_error(
@@ -186,6 +187,12 @@ def run(env: Mapping[str, str], started_at: float | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 128 + signal.SIGINT
+
+
+def is_pod_launcher(launch: LaunchEnv, processes: int, env: Mapping[str, str]) -> bool:
+    """Whether this process is its pod's launcher: the first process of a pod of several
+    trainer processes, or of a Kubernetes pod (``POD_LAUNCHER_ENV``) of one."""
+    return launch.local_rank is None and (processes > 1 or env.get(POD_LAUNCHER_ENV) == "1")
 
 
 def _read_launch(env: Mapping[str, str]) -> LaunchEnv | None:
@@ -314,12 +321,18 @@ def main() -> None:
     _finish(run(os.environ, started_at=time.monotonic()))
 
 
-def prestarted_main() -> None:
-    """A worker started before it is needed: torch and the trainer imported (the seconds of
-    a cold start), then blocked until its launch environment arrives as one JSON line on
-    stdin; it then runs as ``main`` would have. End of input without one: exit 3 (the
+def template_main() -> None:
+    """The template of pre-started workers (``trainer.pod.prestart``): torch and the trainer
+    imported once (the seconds of a cold start), then a process forked per request runs as
+    ``main`` would have, with the request's launch environment. End of input: exit 3 (the
     supervisor no longer needs it)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(WorkerExit.STOPPED))
+    # numpy's BLAS would start its thread pool at import: a fork copies no thread.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    serve_forks(_import_trainer, _become)
+
+
+def _import_trainer() -> None:
     import torch  # noqa: F401
 
     from bulkhead.trainer.engine.engine import import_lazy_dependencies
@@ -329,36 +342,16 @@ def prestarted_main() -> None:
     from bulkhead.api.client import tls_context
 
     tls_context()  # its control clients' (the CA bundle's load), made before it is needed
-    ready = time.monotonic()
-    line = sys.stdin.readline()
-    if not line.strip():
-        os._exit(WorkerExit.STOPPED)
-    env = json.loads(line)
-    # When it was handed over: a hand-over before the imports were done waited for them.
-    waited = time.time() - float(env.pop(HANDED_OVER_AT, time.time()))
-    handed_over = time.monotonic() - max(0.0, waited)
+
+
+def _become(env: dict[str, str], handed_over: float) -> NoReturn:
+    """A process forked from the template: the worker ``env`` describes."""
     os.environ.clear()
     os.environ.update(env)
-    if env.get(LOG_FILE_ENV):  # from now on this process is that worker: its log
-        fd = os.open(env[LOG_FILE_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    since = ready - handed_over
-    print(
-        f"pre-started process {os.getpid()} runs {env.get(WORKER_ENV, '?')} "
-        + (
-            f"(imports done {-since:.1f}s before)"
-            if since <= 0
-            else f"(handed over before its imports were done: {since:.1f}s later)"
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
     _finish(run(os.environ, started_at=handed_over))
 
 
-def _finish(code: int) -> None:
+def _finish(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

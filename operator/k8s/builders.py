@@ -168,6 +168,7 @@ def _contract_env(ctx: JobContext, worker_id: str, incarnation: int) -> list[dic
         _field_env(protocol.ADVERTISE_HOST_ENV, "status.podIP"),
         _env_var(protocol.JOB_SPEC_ENV, json.dumps(ctx.spec.worker_wire(), separators=(",", ":"))),
         _env_var(protocol.SHM_DIR_ENV, names.SHM_MOUNT),
+        _env_var(protocol.POD_LAUNCHER_ENV, "1"),
         # One trainer process: the sidecar's socket. Several: each has its own, in its
         # rank's directory of the shared memory (the launcher and the sidecar agree on it).
         *(

@@ -115,8 +115,22 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def group_members(pgid: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process of group ``pgid``, zombies too."""
+    out = {}
+    for pid, (ppid, pgrp, state) in _stat_table().items():
+        if pgrp == pgid:
+            out[pid] = (ppid, state)
+    return out
+
+
 def _process_table() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, process group) of every live process but zombies."""
+    return {pid: (ppid, pgrp) for pid, (ppid, pgrp, state) in _stat_table().items() if state != "Z"}
+
+
+def _stat_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, process group, state) of every process."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -127,8 +141,7 @@ def _process_table() -> dict[int, tuple[int, int]]:
             continue
         # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
         fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
+        out[int(entry.name)] = (int(fields[1]), int(fields[2]), fields[0])
     return out
 
 

@@ -7,18 +7,19 @@ supervisor. Its output goes to ``<run dir>/logs/<worker>.log``. Exits are report
 session with the exit code or the signal. Chaos faults (SIGKILL, SIGSTOP) are injected here.
 An optional sidecar launcher starts a checkpoint sidecar next to each worker.
 
-With ``prestarted`` > 0 the driver keeps that many worker processes started ahead (torch
-and the trainer imported, waiting for their launch environment on stdin): a replacement or
-a restarted worker takes one and skips the seconds of a cold start; the pool is refilled
-once the job is Running again, and a pool process still importing when a recovery starts
-is paused (SIGSTOP) until it ends: on one machine its imports would take CPU the
-survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores). For the same reason a
-worker started while survivors recover in process (a replacement: its start, registration
-and engine take seconds of CPU) runs at a lower priority (``YIELD_NICE`` more) until the
-recovery ends; it is not stopped, since a recovery may come to need it (a job below
-``minWorkers``). A restart needs its new workers: once one begins, every worker runs at
-the normal priority. Where this process could not raise the priority back (not root, no
-RLIMIT_NICE headroom) nothing is lowered.
+With ``prestarted`` the driver keeps a template (``trainer.pod.prestart.ForkServer``: torch
+and the trainer imported once): a replacement or a restarted worker is a process forked
+from it in milliseconds and skips the seconds of a cold start. The template is started
+once the job is Running (again, if it died), and while it is still importing when a
+recovery starts it is paused (SIGSTOP) until the recovery ends: on one machine its imports
+would take CPU the survivors' recovery needs (one worker of 8 under ZeRO-3 on 2 cores).
+For the same reason a worker started while survivors recover in process (a replacement:
+its start, registration and engine take seconds of CPU) runs at a lower priority
+(``YIELD_NICE`` more) until the recovery ends; it is not stopped, since a recovery may
+come to need it (a job below ``minWorkers``). A restart needs its new workers: once one
+begins, every worker runs at the normal priority. Where this process could not raise the
+priority back (not root, no RLIMIT_NICE headroom) nothing is lowered. A forked worker is
+this process's child (the driver is a subreaper), watched through a pidfd.
 """
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ from bulkhead.operator.lifecycle.types import WorkerExited, WorkerRunning
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.operator.local.rundir import RunRecorder
-from bulkhead.trainer.pod.launcher import die_with_parent
-from bulkhead.trainer.pod.prestart import can_renice_back, handover_line
-from bulkhead.trainer.pod.prestart import prestarted_command as default_prestarted_command
+from bulkhead.trainer.pod.prestart import (
+    Forked,
+    ForkServer,
+    TemplateGone,
+    can_renice_back,
+    die_with_parent,
+    process_name,
+)
+from bulkhead.trainer.pod.prestart import template_command as default_template_command
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +91,39 @@ class SidecarLauncher(Protocol):
     async def stop_all(self) -> None: ...
 
 
+class ForkedWorker:
+    """A worker forked from the template, as the driver watches an asyncio subprocess:
+    ``pid``, ``returncode``, ``wait()`` (a pidfd in the event loop: its exit is seen at once)."""
+
+    def __init__(self, forked: Forked) -> None:
+        self.forked = forked
+        self.pid = forked.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.forked.poll()
+
+    async def wait(self) -> int:
+        while (code := self.forked.poll()) is None:
+            fd = self.forked.exited_fd()
+            if fd is None:
+                continue  # gone: poll reaps it
+            exited = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(
+                fd, lambda f=exited: f.done() or f.set_result(None)
+            )
+            try:
+                await exited
+            finally:
+                asyncio.get_running_loop().remove_reader(fd)
+                os.close(fd)
+        return code
+
+
 @dataclass
 class WorkerProcess:
     ref: WorkerRef
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedWorker
     log_file: IO[bytes]
     started_at: float
     stopping: bool = False
@@ -116,8 +152,8 @@ class LocalDriver:
         extra_env: dict[str, str] | None = None,
         stop_grace_s: float = 5.0,
         sidecars: SidecarLauncher | None = None,
-        prestarted: int = 0,
-        prestarted_command: list[str] | None = None,
+        prestarted: bool = False,
+        template_command: list[str] | None = None,
     ) -> None:
         self.job_name = job_name
         self.spec = spec
@@ -135,10 +171,9 @@ class LocalDriver:
         self._procs: dict[str, WorkerProcess] = {}
         self._closing = False
         self.prestarted = prestarted
-        self.prestarted_command = prestarted_command or default_prestarted_command()
-        self._ready: list[asyncio.subprocess.Process] = []  # pre-started, not yet assigned
-        self._filling = False
-        self._pool_paused = False  # a recovery is under way: the pool waits (SIGSTOP)
+        self.template_command = template_command or default_template_command()
+        self.template: ForkServer | None = None
+        self._pool_paused = False  # a recovery is under way: the template's imports wait
         # Process groups of workers started during the recovery under way: at a lower
         # priority until it ends (None: this process could not raise it back).
         self._yielding: set[int] | None = set() if can_renice_back() else None
@@ -202,45 +237,41 @@ class LocalDriver:
         children.track(process.pid)  # its session's group ends with this process
         return process
 
-    async def _take_prestarted(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
-        """A pre-started worker given ``env`` (None when none is ready)."""
-        while self._ready:
-            process = self._ready.pop(0)
-            if process.returncode is not None or process.stdin is None:
-                continue
-            _killpg(process.pid, signal.SIGCONT)  # needed now, whatever the pool's state
-            try:
-                process.stdin.write(handover_line(env))
-                await process.stdin.drain()
-                process.stdin.close()
-            except (BrokenPipeError, ConnectionResetError):
-                continue
-            log.info("%s takes pre-started process %d", env[WORKER_ENV], process.pid)
-            return process
-        return None
-
-    async def fill_prestarted(self) -> None:
-        """Start pre-started workers up to ``prestarted`` (their imports take seconds)."""
-        if self._filling or self._closing or self._pool_paused:
-            return
-        self._filling = True
+    async def _take_prestarted(self, env: dict[str, str]) -> ForkedWorker | None:
+        """A worker forked from the template with ``env``; None without a template, or
+        while it still imports: the session starts its workers one at a time, and a fork
+        would hold every later one (and the exits it has not seen yet) for the rest of the
+        imports (23 s at load 17), where a cold start is requested at once."""
+        template = self.template
+        if template is None or not template.alive() or not template.ready():
+            return None
         try:
-            self._ready = [p for p in self._ready if p.returncode is None]
-            logs = self.run_dir / "logs"
-            while len(self._ready) < self.prestarted and not self._closing:
-                env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
-                       "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
-                with (logs / "prestarted.log").open("ab") as log_file:
-                    process = await self._spawn(
-                        env, log_file, self.prestarted_command, asyncio.subprocess.PIPE
-                    )
-                self._ready.append(process)
-                if self._closing:  # shutdown began meanwhile: it kills what it finds
-                    _killpg(process.pid, signal.SIGKILL)
-                elif self._pool_paused:  # a recovery began meanwhile
-                    _killpg(process.pid, signal.SIGSTOP)
-        finally:
-            self._filling = False
+            forked = await asyncio.to_thread(template.fork, env)
+        except TemplateGone as exc:
+            log.warning("no pre-started process for %s: %s", env[WORKER_ENV], exc)
+            return None
+        children.track(forked.pid)  # its session's group ends with this process
+        log.info("%s takes pre-started process %d", env[WORKER_ENV], forked.pid)
+        return ForkedWorker(forked)
+
+    def fill_prestarted(self) -> None:
+        """Start the template (its imports take seconds), unless it runs."""
+        if not self.prestarted or self._closing or self._pool_paused:
+            return
+        if self.template is not None and self.template.alive():
+            return
+        if self.template is not None:
+            log.warning("template %d exited: starting another", self.template.pid)
+            self.template.close()
+        # The job's name too: /proc shows a forked worker the template's environment,
+        # where a look for the job's processes finds it (and the template) by this.
+        env = {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1", JOB_ENV: self.job_name,
+               "OMP_NUM_THREADS": self.extra_env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+        with (self.run_dir / "logs" / "prestarted.log").open("ab") as log_file:
+            self.template = ForkServer(
+                env, command=self.template_command, new_sessions=True, stderr=log_file
+            )
+        log.info("started the template of pre-started workers (pid %d)", self.template.pid)
 
     async def stop_worker(self, worker: WorkerRef, reason: str) -> None:
         wp = self._procs.get(worker.id)
@@ -269,9 +300,9 @@ class LocalDriver:
         if paused == self._pool_paused:
             return
         self._pool_paused = paused
-        for process in self._ready:
-            if process.returncode is None:
-                _killpg(process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        # Paused only while importing: once ready it takes no CPU, and forks at once.
+        if self.template is not None and (not paused or not self.template.ready()):
+            self.template.signal(signal.SIGSTOP if paused else signal.SIGCONT)
         if not paused:
             self._normal_priority()
 
@@ -299,8 +330,8 @@ class LocalDriver:
 
     async def publish_status(self, status: TrainingJobStatus) -> None:
         self.status = status
-        if status.phase == "Running" and len(self._ready) < self.prestarted:
-            asyncio.create_task(self.fill_prestarted(), name="prestart")  # noqa: RUF006
+        if status.phase == "Running":
+            self.fill_prestarted()
         for listener in self.status_listeners:
             listener(status)
 
@@ -349,12 +380,8 @@ class LocalDriver:
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after the grace) and wait for all."""
         self._closing = True
-        for process in self._ready:  # nothing to stop gracefully: they never started
-            _killpg(process.pid, signal.SIGKILL)
-        for process in self._ready:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), 10)
-        self._ready.clear()
+        if self.template is not None:  # nothing to stop gracefully: it runs no worker
+            await asyncio.to_thread(self.template.close)
         grace = self.stop_grace_s if grace_s is None else grace_s
         live = [wp for wp in self._procs.values() if wp.running]
         for wp in live:
@@ -397,6 +424,8 @@ class LocalDriver:
     async def _watch(self, wp: WorkerProcess) -> None:
         code = await wp.process.wait()
         _killpg(wp.process.pid, signal.SIGKILL)  # leftovers of a crashed worker
+        if self.template is not None:  # they are this subreaper's to reap
+            asyncio.create_task(_reap_adopted(wp.process.pid), name=f"reap-{wp.ref.id}")  # noqa: RUF006
         children.untrack(wp.process.pid)
         wp.log_file.close()
         if self.sidecars is not None:
@@ -416,24 +445,42 @@ _RECOVERY_STARTS = frozenset({"WorkerLost", "WorkerRestarted", "Restarting"})
 
 
 def _trainer_process(launcher_pid: int, local_rank: int) -> int | None:
-    """The pid of a pod launcher's trainer process ``local_rank`` (from its environment).
-
-    The launcher's pre-started process for that rank has the same environment but was
-    always started after the one at work (the pool is refilled after a handover): the
-    oldest is the one at work."""
+    """The pid of a pod launcher's trainer process ``local_rank``: from its environment,
+    or the name of one forked from the launcher's template (``process_name``); the oldest
+    if there are several (one exiting beside its successor)."""
     try:
         kids = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
     except OSError:
         return None
     wanted = f"{LOCAL_RANK_ENV}={local_rank}".encode()
+    name = process_name(local_rank)
     found: list[tuple[int, int]] = []  # (start time in clock ticks, pid)
     for pid in kids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            comm = Path(f"/proc/{pid}/comm").read_bytes().strip()
+            if comm == name or wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 # "pid (comm) state ppid ...": starttime is field 22, the 20th after comm.
                 found.append((int(stat[stat.rindex(")") + 2 :].split()[19]), int(pid)))
     return min(found)[1] if found else None
+
+
+async def _reap_adopted(pgid: int, tick_s: float = 0.1, ticks: int = 100) -> None:
+    """Reap the processes of worker group ``pgid`` that this process adopted (a pod's
+    trainer processes and template, whose launcher died first): they were killed with the
+    group; until reaped they stay zombies. Only that group's: asyncio reaps its own."""
+    me = os.getpid()
+    for _ in range(ticks):
+        left = False
+        for pid, (ppid, state) in children.group_members(pgid).items():
+            if ppid == me and state == "Z" and pid != pgid:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            elif pid != pgid:
+                left = True  # still dying
+        if not left:
+            return
+        await asyncio.sleep(tick_s)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -53,9 +53,9 @@ class RunOptions:
     finish_grace_s: float = 30.0
     checkpoint_sidecars: bool = True
     shm_root: Path | None = None
-    # Worker processes started ahead (imports done) for the next replacements or restart:
-    # None = one per worker slot, up to 4 (0 with a custom worker command).
-    prestarted: int | None = None
+    # Worker processes forked from a template (imports done once) for the replacements and
+    # restarts: None = yes, unless a custom worker command is given (it has no template).
+    prestarted: bool | None = None
 
 
 @dataclass
@@ -195,12 +195,10 @@ class LocalRun:
         code = {"Succeeded": EXIT_OK, "Interrupted": EXIT_INTERRUPTED}.get(phase, EXIT_FAILED)
         return RunResult(phase, code, summary, self.run_dir)
 
-    def _prestarted(self) -> int:
+    def _prestarted(self) -> bool:
         if self.options.prestarted is not None:
             return self.options.prestarted
-        if self.options.worker_command is not None:
-            return 0  # a custom command has no pre-started form
-        return min(self.spec.worker_slots, 4)
+        return self.options.worker_command is None  # a custom command has no template
 
     def _sidecars(self, token: str) -> CheckpointSidecars | None:
         if not self.options.checkpoint_sidecars:

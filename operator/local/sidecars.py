@@ -25,7 +25,7 @@ from bulkhead.api.protocol import CHECKPOINT_SOCKET_ENV, SHM_DIR_ENV, TOKEN_ENV
 from bulkhead.operator.lifecycle.workers import WorkerRef
 from bulkhead.operator.local import children
 from bulkhead.trainer.checkpoint.paths import default_socket, local_rank_shm_dir
-from bulkhead.trainer.pod.launcher import die_with_parent
+from bulkhead.trainer.pod.prestart import die_with_parent
 
 log = logging.getLogger(__name__)
 

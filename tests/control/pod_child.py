@@ -2,27 +2,22 @@
 with its pod's relay, then does what ``POD_CHILD_BEHAVIOURS`` (one per local rank) says:
 ``exit:N`` exits with code N, ``poll`` long-polls membership until killed (30 s polls, so a
 poll is open whenever the pod ends), ``stop`` SIGSTOPs itself (a wedged process). With
-``--prestarted`` it first waits for its launch environment on stdin, as a pre-started
-trainer process (``worker.prestarted_main``) does."""
+``--template`` it is the pod's template (``worker.template_main``'s stand-in): it forks a
+process per request that does the above with the request's environment."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from bulkhead.api.client import HttpControlClient
 from bulkhead.api.protocol import LOCAL_RANK_ENV, RegisterRequest
+from bulkhead.trainer.pod.prestart import serve_forks
 
 
 def main() -> None:
-    if "--prestarted" in sys.argv:
-        line = sys.stdin.readline()
-        if not line.strip():
-            sys.exit(3)
-        os.environ.clear()
-        os.environ.update(json.loads(line))
     rank = int(os.environ[LOCAL_RANK_ENV])
     behaviour = os.environ["POD_CHILD_BEHAVIOURS"].split(",")[rank]
     client = HttpControlClient.from_env()
@@ -37,5 +32,14 @@ def main() -> None:
         client.membership(after=10_000, timeout_s=30)
 
 
+def _become(env: dict[str, str], handed_over: float) -> NoReturn:
+    os.environ.clear()
+    os.environ.update(env)
+    main()
+    os._exit(0)
+
+
 if __name__ == "__main__":
+    if "--template" in sys.argv:
+        serve_forks(lambda: None, _become)
     main()

@@ -301,11 +301,16 @@ def test_a_stopping_relay_answers_the_polls_still_open(harness: Harness, pods) -
 
 def test_each_process_gets_its_rank_its_relay_and_its_own_sidecar_directory() -> None:
     env = {SHM_DIR_ENV: "/dev/shm/pod", CHECKPOINT_SOCKET_ENV: "/dev/shm/pod/checkpointd.sock"}
-    got = child_env(env, 1, "http://127.0.0.1:5000")
+    got = child_env(env, 1, "http://127.0.0.1:5000", processes=2)
     assert got[LOCAL_RANK_ENV] == "1"
     assert got[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/1"
     assert got[SHM_DIR_ENV] == "/dev/shm/pod/rank-1"
     assert got[CHECKPOINT_SOCKET_ENV] == "/dev/shm/pod/rank-1/checkpointd.sock"
+    # The one process of a pod uses the pod's sidecar as a process run without a launcher.
+    only = child_env(env, 0, "http://127.0.0.1:5000", processes=1)
+    assert only[LOCAL_RANK_ENV] == "0" and only[ENDPOINT_ENV] == "http://127.0.0.1:5000/local/0"
+    assert only[SHM_DIR_ENV] == env[SHM_DIR_ENV]
+    assert only[CHECKPOINT_SOCKET_ENV] == env[CHECKPOINT_SOCKET_ENV]
 
 
 def test_a_pod_trains_once_it_stayed_in_a_running_generation_and_not_in_a_replaced_one() -> None:
@@ -486,18 +491,20 @@ def _local_rank_1(pids: list[str]) -> int:
     raise AssertionError(f"no local rank 1 among {pids}")
 
 
-def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_the_kill(
-    harness: Harness,
+@pytest.mark.parametrize("processes", [2, 1])
+def test_a_killed_process_is_replaced_in_place_by_processes_forked_from_the_template(
+    harness: Harness, processes: int
 ) -> None:
-    """Real processes: a launcher of 2 local ranks keeps a pre-started process per rank
-    once its pod trains; one trainer process is SIGKILLed; the pre-started processes take
-    over (started before the kill), the pod leaves generation 2 and joins generation 3
-    under the same worker id, and no pod is stopped or started."""
+    """Real processes: a launcher of 2 local ranks (or 1: a Kubernetes pod of one process)
+    starts its template once its pod trains; one trainer process is SIGKILLed; processes
+    forked from the template (started before the kill) take over as the launcher's own
+    children, the pod leaves generation 2 and joins generation 3 under the same worker id,
+    and no pod is stopped or started."""
     h = harness
     other = _other_pod(h)
     worker = f"{JOB}-w0-0"
-    launcher = _launcher(h, worker, ["poll", "poll"])
-    launcher.prestart_command = [*POD_CHILD, "--prestarted"]
+    launcher = _launcher(h, worker, ["poll"] * processes)
+    launcher.template_command = [*POD_CHILD, "--template"]
     codes: list[int] = []
     runner = threading.Thread(target=lambda: codes.append(launcher.run()), daemon=True)
     runner.start()
@@ -507,15 +514,17 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         # member credential) is back in the relay; the pod's processes see the generation
         # through the relay's poll, which names the pod only once registered.
         h.wait_for(launcher.relay.registered.is_set, timeout=60)
-        assert launcher.waiting == {}  # none before the pod trains: a start needs the CPU
+        assert launcher.template is None  # none before the pod trains: a start needs the CPU
         rank0 = HttpControlClient(f"{launcher._relay_url}/local/0", h.token, JOB, worker, retries=1)
         rank0.progress(ProgressReport(worker=worker, generation=1, step=0, loss=1.0))
         rank0.close()
-        h.wait_for(lambda: len(launcher.waiting) == 2, timeout=60)
-        waiting = {rank: p.pid for rank, p in launcher.waiting.items()}
-        waiting_nice = [psutil.Process(pid).nice() for pid in waiting.values()]
+        h.wait_for(lambda: launcher.template is not None, timeout=60)
+        template = launcher.template
+        assert template is not None
+        template_nice = psutil.Process(template.pid).nice()
+        template_started = psutil.Process(template.pid).create_time()
         first = [child.pid for child in launcher.children]
-        victim = launcher.children[1]
+        victim = launcher.children[-1]
         killed_at = time.time()
         victim.kill()
         # The survivor (pod w1) recovers in generation 2 without the pod and trains a step.
@@ -532,21 +541,23 @@ def test_a_killed_process_is_replaced_in_place_by_a_process_prestarted_before_th
         h.wait_for(lambda: h.session.status.membership.generation == 3, timeout=60)
         rejoined = [m.worker for m in h.session.status.membership.members]
         now = [child.pid for child in launcher.children]
-        started = [psutil.Process(pid).create_time() for pid in now]
+        parents = [psutil.Process(pid).ppid() for pid in now]
         working_nice = [psutil.Process(pid).nice() for pid in now]
     finally:
         launcher.terminate()
         runner.join(60)
     assert sorted(rejoined) == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
-    assert now == [waiting[0], waiting[1]] and not set(now) & set(first)
-    assert all(t < killed_at for t in started), "a replacement started after the kill"
-    # Waiting, they import at a lower priority (their CPU is a start's or a recovery's);
-    # at work, they have the launcher's.
+    assert len(now) == processes and not set(now) & set(first)
+    assert parents == [os.getpid()] * processes  # the launcher's children, not the template's
+    assert template_started < killed_at, "the template started after the kill"
+    # The template imports at a lower priority (its CPU is a start's or a recovery's); its
+    # processes at work have the launcher's.
     own = os.getpriority(os.PRIO_PROCESS, 0)
     lowered = min(19, own + PRESTART_NICE) if can_renice_back() else own
-    assert waiting_nice == [lowered, lowered] and working_nice == [own, own]
+    assert template_nice == lowered and working_nice == [own] * processes
     assert launcher.restarts == 1 and h.driver.started == [f"{JOB}-w0-0", f"{JOB}-w1-0"]
     assert h.driver.stopped == []
     assert any("pre-started processes take over" in m for m in _events(h, "WorkerRestarted"))
     assert codes == [WorkerExit.STOPPED]
-    assert all(p.poll() is not None for p in [*launcher.children, *launcher.waiting.values()])
+    assert all(p.poll() is not None for p in launcher.children)
+    assert not template.alive()

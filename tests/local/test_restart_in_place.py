@@ -1,12 +1,12 @@
-"""A NaN restart keeps the worker pods: real launchers switch to their pre-started processes.
+"""A NaN restart keeps the worker pods: real launchers switch to processes their templates fork.
 
 ``bulkhead run`` of examples/local-pods.yaml (three pods of two real trainer processes,
 ZeRO-2, checkpoint sidecars) with chaos ``nan`` at a step: one trainer process fills its
 weights with NaN, every rank's agreed loss is NaN, the manager restarts the job, and each
-live pod's launcher hands its pre-started processes over (told so by the restarting
-generation in its membership poll). The pods are the same processes before and after
-(one launcher pid per pod, no new incarnation, no WorkerLost), the processes that train
-after the NaN were pre-started before it, and training resumes from the checkpoint.
+live pod's launcher has its template (started before the NaN, torch imported) fork new
+processes (told so by the restarting generation in its membership poll). The pods are the
+same processes before and after (one launcher pid per pod, no new incarnation, no
+WorkerLost), and training resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ def _time(line: str) -> str:
     return line[:23]  # the log's "YYYY-MM-DD HH:MM:SS,mmm": ordered as text
 
 
-def test_a_nan_restart_switches_live_pods_to_their_pre_started_processes(tmp_path: Path) -> None:
+def test_a_nan_restart_switches_live_pods_to_processes_forked_from_their_templates(
+    tmp_path: Path,
+) -> None:
     run_dir = tmp_path / "run"
-    steps, nan_step = 60, 40  # late enough for every pod's pre-started processes to exist
+    steps, nan_step = 60, 40  # late enough for every pod's template to exist
     proc = run_cli(str(_job(tmp_path)), "--steps", str(steps), "--run-dir", str(run_dir),
                    "--chaos", f"nan:worker=1@step={nan_step}", timeout=400)  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -69,13 +71,11 @@ def test_a_nan_restart_switches_live_pods_to_their_pre_started_processes(tmp_pat
             r"launching 2 trainer processes for \S+ \(launcher pid (\d+)\)", text
         )
         assert len(launchers) == 1, (pod, launchers)
-        started = {int(pid): line for line in text.splitlines()
-                   for pid in re.findall(r"pre-started a process for local rank \d \(pid (\d+)\)",
-                                         line)}  # fmt: skip
-        took_over = [int(p) for p in re.findall(r"local rank \d is now pre-started process (\d+)",
-                                                text)]  # fmt: skip
+        templates = [line for line in text.splitlines()
+                     if "started the template of this pod's processes" in line]  # fmt: skip
+        assert len(templates) == 1, (pod, templates)  # started once, kept over the restart
+        assert _time(templates[0]) < nan_at, (pod, templates[0], nan_at)  # before the NaN
+        took_over = re.findall(r"local rank \d is now process (\d+) \(forked\)", text)
         assert len(took_over) == 2, (pod, took_over)
-        for pid in took_over:  # started (imports under way) before the NaN
-            assert pid in started and _time(started[pid]) < nan_at, (pod, pid, nan_at)
         assert "the job restarts (generation" in text, pod
     assert wait_no_processes(NAME) == []

@@ -40,6 +40,8 @@ def test_worker_pod_injects_launch_contract_and_sidecar():
     assert env[protocol.ADVERTISE_HOST_ENV] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert json.loads(env[protocol.JOB_SPEC_ENV])["workers"] == 4
     assert env[protocol.CHECKPOINT_SOCKET_ENV].startswith(env[protocol.SHM_DIR_ENV])
+    # Its first process is the launcher (one trainer process replaced in place, not the pod).
+    assert env[protocol.POD_LAUNCHER_ENV] == "1"
     # The node agent, on this pod's node: $(BULKHEAD_HOST_IP) is defined before it is used.
     names_in_order = [e["name"] for e in trainer["env"]]
     host_ip = names_in_order.index(builders.HOST_IP_ENV)

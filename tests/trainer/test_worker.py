@@ -17,12 +17,14 @@ from bulkhead.api.protocol import (
     INCARNATION_ENV,
     JOB_ENV,
     JOB_SPEC_ENV,
+    LOCAL_RANK_ENV,
+    POD_LAUNCHER_ENV,
     RUN_DIR_ENV,
     TOKEN_ENV,
     WORKER_ENV,
     WorkerExit,
 )
-from bulkhead.trainer.worker import raised_inside, read_env, run
+from bulkhead.trainer.worker import is_pod_launcher, raised_inside, read_env, run
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -118,3 +120,13 @@ def test_a_value_error_from_inside_torch_is_not_a_user_error_by_itself() -> None
     with pytest.raises(ValueError) as ours:
         read_env({})  # a check of our own
     assert not raised_inside(ours.value, torch_dir)
+
+
+def test_a_kubernetes_pod_of_one_process_runs_the_launcher_and_local_mode_does_not() -> None:
+    env = _env("http://127.0.0.1:1", {"workers": 1})
+    launch = read_env(env)
+    assert is_pod_launcher(launch, 1, {**env, POD_LAUNCHER_ENV: "1"})  # Kubernetes
+    assert not is_pod_launcher(launch, 1, env)  # local mode: its driver keeps the template
+    assert is_pod_launcher(launch, 2, env)  # several processes: always
+    process = read_env({**env, POD_LAUNCHER_ENV: "1", LOCAL_RANK_ENV: "0"})
+    assert not is_pod_launcher(process, 1, {**env, POD_LAUNCHER_ENV: "1"})  # its process

@@ -1,27 +1,28 @@
 """The launcher of a multi-process worker pod: G trainer processes, one per GPU, one member.
 
 ``bulkhead-worker`` becomes this launcher when the job runs more than one trainer process
-per worker pod (``spec.processesPerWorker``, by default the pod's GPU count). It:
+per worker pod (``spec.processesPerWorker``, by default the pod's GPU count), and in every
+Kubernetes worker pod (``POD_LAUNCHER_ENV``: one process too is replaced in place). It:
 
 - serves the pod relay (``relay.PodRelay``) on 127.0.0.1 and starts the G processes, each
   with ``BULKHEAD_LOCAL_RANK=i`` (so it takes ``cuda:i`` and rank G x position + i), the
   relay as its control endpoint and its own checkpoint sidecar directory;
-- keeps a pre-started trainer process per local rank (``prestart``: torch imported, waiting
-  for its launch environment), started once the pod trains (it reported a step, or has
-  been in one generation for ``PRESTART_SETTLE_S``), so that starting them does not
-  compete with a start or a recovery for the CPU; where it can give them their priority
-  back, they import at ``PRESTART_NICE`` lower (a pod's set-up under load outlasted the
-  settle time, and its first step took 8 s beside their imports) and get the launcher's at
-  their hand-over;
+- keeps a template (``prestart.ForkServer``: torch imported once) that forks a trainer
+  process per local rank on request in milliseconds, started once the pod trains (it
+  reported a step, or has been in one generation for ``PRESTART_SETTLE_S``), so that its
+  imports do not compete with a start or a recovery for the CPU; where it can give the
+  processes their priority back, it imports at ``PRESTART_NICE`` lower (a pod's set-up
+  under load outlasted the settle time, and its first step took 8 s beside the imports)
+  and the processes it forks get the launcher's;
 - when one process exits with an error, or falls silent (no poll for half the hang timeout:
   it is stopped or wedged), kills the others (the pod's world is broken) and, when a
-  pre-started process waits for every local rank, hands them over in place of the killed
-  ones and reports ``processes_restarted``: the manager drops the pod from the next
+  template is up, has it fork new processes in place of the killed ones and reports
+  ``processes_restarted``: the manager drops the pod from the next
   generation (the other pods recover in process) and takes it in again once its new
   processes registered; the pod is not replaced and no process starts cold;
 - when the manager restarts the whole job (a hang, a NaN: a ``restarting`` generation
   naming this pod in its membership poll's answer), does the same without a report, or,
-  with no pre-started process ready, starts its processes anew: the pod is kept either way;
+  with no template, starts its processes anew: the pod is kept either way;
 - otherwise fails the pod as a whole: the launcher exits with that process's code
   (``WorkerExit``, else 1) and a new pod replaces this one;
 - exits 0 once every process finished, and 3 when told to stop (SIGTERM) or refused.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -50,7 +50,14 @@ from bulkhead.api.protocol import (
     WorkerExit,
 )
 from bulkhead.trainer.checkpoint.paths import local_rank_shm_dir
-from bulkhead.trainer.pod.prestart import can_renice_back, hand_over, prestarted_command
+from bulkhead.trainer.pod.prestart import (
+    Forked,
+    ForkServer,
+    TemplateGone,
+    can_renice_back,
+    die_with_parent,
+    template_command,
+)
 from bulkhead.trainer.pod.relay import PodRelay, relay_app
 
 log = logging.getLogger(__name__)
@@ -67,7 +74,7 @@ STOP_TIMEOUT_S = 5.0
 # member of one running generation this long: forming a world and building the engine
 # took 1-6 s on a loaded 2-core machine.
 PRESTART_SETTLE_S = 10.0
-# How much lower (in nice steps) pre-started processes run until they are handed over.
+# How much lower (in nice steps) the template runs (its processes run at the launcher's).
 PRESTART_NICE = 10
 
 
@@ -76,11 +83,14 @@ def child_command() -> list[str]:
     return [sys.executable, "-P", "-c", "from bulkhead.trainer.worker import main; main()"]
 
 
-def child_env(env: Mapping[str, str], local_rank: int, relay_url: str) -> dict[str, str]:
+def child_env(
+    env: Mapping[str, str], local_rank: int, relay_url: str, processes: int
+) -> dict[str, str]:
     """Process ``local_rank``'s environment: the pod's, with its rank, the relay as its
-    control endpoint and its own shared-memory directory and sidecar socket."""
+    control endpoint and, of a pod of several ``processes``, its own shared-memory
+    directory and sidecar socket (the sidecar of a one-process pod serves the pod's)."""
     out = {**env, LOCAL_RANK_ENV: str(local_rank), ENDPOINT_ENV: f"{relay_url}/local/{local_rank}"}
-    if env.get(SHM_DIR_ENV):
+    if env.get(SHM_DIR_ENV) and processes > 1:
         shm = local_rank_shm_dir(Path(env[SHM_DIR_ENV]), local_rank)
         out[SHM_DIR_ENV] = str(shm)
         out[CHECKPOINT_SOCKET_ENV] = str(shm / "checkpointd.sock")
@@ -103,20 +113,20 @@ class PodLauncher:
         relay: PodRelay,
         silence_limit_s: float,
         command: list[str] | None = None,
-        prestart_command: list[str] | None = None,
+        template_command: list[str] | None = None,
         prestart_settle_s: float = PRESTART_SETTLE_S,
     ) -> None:
         self.env = dict(env)
         self.relay = relay
         self.silence_limit_s = silence_limit_s
         self.command = command or child_command()
-        # None: no pre-started processes (a process lost fails the pod).
-        self.prestart_command = prestart_command
+        # None: no template (a process lost fails the pod).
+        self.template_command = template_command
         self.prestart_settle_s = prestart_settle_s
-        # Lower the pre-started processes' priority only if it can be given back.
+        # Lower the template's priority only if its processes' can be given back.
         self.prestart_nice = PRESTART_NICE if can_renice_back() else 0
-        self.children: list[subprocess.Popen[bytes]] = []
-        self.waiting: dict[int, subprocess.Popen[bytes]] = {}  # local rank -> pre-started
+        self.children: list[subprocess.Popen[bytes] | Forked] = []
+        self.template: ForkServer | None = None
         self.restarts = 0  # restarts in place so far
         self._relay_url = ""
         self._terminated = threading.Event()
@@ -133,7 +143,8 @@ class PodLauncher:
             return code
         finally:
             self._kill_all()
-            self._kill(list(self.waiting.values()))  # never handed over: nothing to stop
+            if self.template is not None:
+                self.template.close()
             # A failed pod ends now: the other pods' recovery starts when this process
             # exits, and its report is already answered. Waiting for the server's graceful
             # shutdown (its loop's ticks, then closing the upstream poll) cost 0.5 s of
@@ -151,70 +162,61 @@ class PodLauncher:
         for rank in range(self.relay.processes):
             child = subprocess.Popen(
                 self.command,
-                env=child_env(self.env, rank, self._relay_url),
+                env=self._child_env(rank),
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
             log.info("started local rank %d (pid %d)", rank, child.pid)
             self.children.append(child)
 
+    def _child_env(self, rank: int) -> dict[str, str]:
+        return child_env(self.env, rank, self._relay_url, self.relay.processes)
+
     def _prestart(self) -> None:
-        """Start the missing pre-started processes once the pod trains (their imports take
-        seconds of CPU a start or a recovery needs)."""
-        if self.prestart_command is None or len(self.waiting) == self.relay.processes:
+        """Start the template once the pod trains (its imports take seconds of CPU a start
+        or a recovery needs), and again if it died."""
+        if self.template_command is None:
+            return
+        if self.template is not None and self.template.alive():
             return
         if not self.relay.trains(self.prestart_settle_s):
             return
-        for rank in range(self.relay.processes):
-            if rank not in self.waiting:
-                # Its rank's environment already (what it is handed is the same): a
-                # look at /proc tells which local rank a process is for.
-                self.waiting[rank] = subprocess.Popen(
-                    self.prestart_command,
-                    env=child_env(self.env, rank, self._relay_url),
-                    stdin=subprocess.PIPE,
-                    preexec_fn=lambda: _yielding_child(self.prestart_nice),
-                )
-                log.info(
-                    "pre-started a process for local rank %d (pid %d)", rank, self.waiting[rank].pid
-                )
+        if self.template is not None:
+            log.warning("template %d exited (%s): starting another", self.template.pid,
+                        _describe(self.template.process.returncode or 0))  # fmt: skip
+            self.template.close()
+        self.template = ForkServer(self.env, command=self.template_command, nice=self.prestart_nice)
+        log.info("started the template of this pod's processes (pid %d)", self.template.pid)
 
     def _restart_in_place(self, why: str, instructed: bool = False) -> bool:
-        """The pre-started processes take the place of every process of the pod (False when
-        one of them is missing: then the pod fails). ``instructed``: the manager restarts
-        the job and told this pod to (``relay.restart_requested``): nothing to report, and
-        without pre-started processes the pod starts its processes anew rather than fail."""
-        waiting = [self.waiting.get(rank) for rank in range(self.relay.processes)]
-        ready = [p for p in waiting if p is not None and p.poll() is None]
-        if len(ready) < self.relay.processes and not instructed:
+        """Processes forked from the template take the place of every process of the pod
+        (False when there is no template: then the pod fails). ``instructed``: the manager
+        restarts the job and told this pod to (``relay.restart_requested``): nothing to
+        report, and without a template the pod starts its processes anew rather than fail."""
+        template = self.template if self.template is not None and self.template.alive() else None
+        if template is None and not instructed:
             return False
         self._kill_all()  # before the report: the other pods stop waiting on this one now
         self.relay.renew()
-        if len(ready) < self.relay.processes:
-            log.warning("%s: no pre-started process for every local rank: starting anew", why)
-            self._kill(ready)
-            self.waiting.clear()
-            self.children = []
+        self.children = []
+        if template is None:
+            log.warning("%s: no template: starting the processes anew", why)
             self._spawn()
             self.restarts += 1
             return True
-        log.warning("%s: pre-started processes %s take over", why, [p.pid for p in ready])
+        log.warning("%s: processes forked from template %d take over", why, template.pid)
         if not instructed:
             self.relay.report_pod_failure(
                 f"{why}; pre-started processes take over", kind="processes_restarted"
             )
-        self.waiting.clear()
-        self.children = []
-        own = os.getpriority(os.PRIO_PROCESS, 0)
-        for rank, process in enumerate(ready):
-            self.children.append(process)
-            if self.prestart_nice:  # from now on it is the pod's trainer process
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.setpriority(os.PRIO_PROCESS, process.pid, own)
-            if not hand_over(process, child_env(self.env, rank, self._relay_url)):
-                log.error("pre-started process %d of local rank %d died", process.pid, rank)
+        for rank in range(self.relay.processes):
+            try:
+                child = template.fork(self._child_env(rank))
+            except TemplateGone as exc:
+                log.error("no process for local rank %d: %s", rank, exc)
                 return False
-            log.info("local rank %d is now pre-started process %d", rank, process.pid)
+            self.children.append(child)
+            log.info("local rank %d is now process %d (forked)", rank, child.pid)
         self.restarts += 1
         return True
 
@@ -308,7 +310,7 @@ class PodLauncher:
         self._kill(self.children)
 
     @staticmethod
-    def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
+    def _kill(processes: list[subprocess.Popen[bytes] | Forked]) -> None:
         for child in processes:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -376,28 +378,9 @@ def _describe(code: int) -> str:
     return f"code {code}"
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGKILL me when my parent dies (Linux), so a launcher or
-    supervisor that was killed leaves no process behind."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _yielding_child(nice: int) -> None:
-    """In a pre-started child before exec: die with the launcher, run ``nice`` lower."""
-    die_with_parent()
-    if nice:
-        os.nice(nice)
-
-
 def run_pod(env: Mapping[str, str], relay: PodRelay, silence_limit_s: float) -> int:
-    """Run the launcher, with a pre-started process per local rank and SIGTERM wired to a
+    """Run the launcher, with a template forking its processes and SIGTERM wired to a
     clean stop; returns the exit code."""
-    launcher = PodLauncher(env, relay, silence_limit_s, prestart_command=prestarted_command())
+    launcher = PodLauncher(env, relay, silence_limit_s, template_command=template_command())
     signal.signal(signal.SIGTERM, lambda *_: launcher.terminate())
     return launcher.run()
