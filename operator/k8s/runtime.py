@@ -162,10 +162,13 @@ class OperatorRuntime:
         }
         key = names.job_key(namespace, name)
         # Incarnations started by a previous operator whose pods are gone are never reused.
+        # Every worker pod runs the launcher (builders.py): a whole-job restart keeps them.
         if status is None:
-            opening = open_new(key, spec)
+            opening = open_new(key, spec, pods_launch=True)
         else:
-            opening = open_resumed(key, spec, status, live, started_incarnations=incarnations)
+            opening = open_resumed(
+                key, spec, status, live, started_incarnations=incarnations, pods_launch=True
+            )
 
         def make_driver(observe: Observe) -> KubernetesDriver:
             return KubernetesDriver(

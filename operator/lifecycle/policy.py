@@ -66,10 +66,13 @@ from bulkhead.operator.lifecycle.types import EvictNode as EvictNodeDecision
 
 
 def initial_state(
-    job: str, spec: TrainingJobSpec, suspect_grace_s: float | None = None
+    job: str,
+    spec: TrainingJobSpec,
+    suspect_grace_s: float | None = None,
+    pods_launch: bool | None = None,
 ) -> LifecycleState:
-    """A new job: every slot waits for its first worker."""
-    config = PolicyConfig.from_spec(spec, suspect_grace_s)
+    """A new job: every slot waits for its first worker (``PolicyConfig.from_spec``)."""
+    config = PolicyConfig.from_spec(spec, suspect_grace_s, pods_launch)
     slots = tuple(Slot(index=i, incarnation=0, status="pending") for i in range(config.slots))
     return LifecycleState(job=job, config=config, slots=slots)
 

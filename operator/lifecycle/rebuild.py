@@ -46,6 +46,7 @@ def rebuild(
     started: Mapping[int, int] | None = None,
     wall_offset_s: float = 0.0,
     suspect_grace_s: float | None = None,
+    pods_launch: bool | None = None,
 ) -> tuple[LifecycleState, list[Decision]]:
     """Recover the policy state after a manager restart, from the persisted status and the
     workers that are still running (worker id -> node).
@@ -57,7 +58,7 @@ def rebuild(
     nor members: their ids are never reused. Recoveries still open in the status stay open,
     so the next completed step closes them. ``wall_offset_s`` = wall clock - ``now``'s clock.
     """
-    config = PolicyConfig.from_spec(spec, suspect_grace_s)
+    config = PolicyConfig.from_spec(spec, suspect_grace_s, pods_launch)
     slots, unseen = _slots_after_restart(job, config, status, live, started, now)
     state = _state_from_status(job, config, status, slots, unseen, now, wall_offset_s)
     state, decisions = _drop_superseded_members(state, live, now)

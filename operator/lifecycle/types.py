@@ -60,8 +60,8 @@ class PolicyConfig:
     spares: int = 0  # registered workers kept out of training, to replace a lost member
     # checkpoint.allowFreshStart: starting over from step 0 after a step was persisted.
     allow_fresh_start: bool = False
-    # Every worker pod runs a launcher that keeps pre-started trainer processes: a restart
-    # of the whole job (a hang, a NaN) switches live pods to those instead of replacing them.
+    # Every worker pod runs a launcher whose template forks trainer processes: a restart of
+    # the whole job (a hang, a NaN) switches live pods to new ones instead of replacing them.
     restart_in_place: bool = False
 
     @property
@@ -70,8 +70,17 @@ class PolicyConfig:
         return self.workers + self.spares
 
     @classmethod
-    def from_spec(cls, spec: TrainingJobSpec, suspect_grace_s: float | None = None) -> PolicyConfig:
-        """``suspect_grace_s`` defaults to min(5 s, hangTimeoutSeconds / 4)."""
+    def from_spec(
+        cls,
+        spec: TrainingJobSpec,
+        suspect_grace_s: float | None = None,
+        pods_launch: bool | None = None,
+    ) -> PolicyConfig:
+        """``suspect_grace_s`` defaults to min(5 s, hangTimeoutSeconds / 4); ``pods_launch``
+        (whether every worker pod runs the launcher: always in Kubernetes) defaults to local
+        mode's rule, pods of more than one trainer process."""
+        if pods_launch is None:
+            pods_launch = spec.trainer_processes > 1
         ft = spec.fault_tolerance
         if suspect_grace_s is None:
             suspect_grace_s = min(DEFAULT_SUSPECT_GRACE_S, ft.hang_timeout_seconds / 4)
@@ -90,7 +99,7 @@ class PolicyConfig:
             suspect_grace_s=suspect_grace_s,
             spares=ft.spares,
             allow_fresh_start=spec.checkpoint.allow_fresh_start,
-            restart_in_place=spec.trainer_processes > 1,
+            restart_in_place=pods_launch,
         )
 
     def backoff(self, attempt: int) -> float:

@@ -84,15 +84,17 @@ def open_new(
     spec: TrainingJobSpec,
     clock: Callable[[], float] = time.monotonic,
     suspect_grace_seconds: float | None = None,
+    pods_launch: bool | None = None,
 ) -> Opening:
     """A job starting from scratch: ``initial_state`` and the decisions of ``JobStarted``.
 
     ``suspect_grace_seconds`` overrides the policy's grace for a lone silent member
-    (default min(5 s, hangTimeoutSeconds / 4)).
+    (default min(5 s, hangTimeoutSeconds / 4)); ``pods_launch``: every worker pod runs the
+    launcher (Kubernetes), so a whole-job restart keeps live pods (``PolicyConfig``).
     """
     now = clock()
     state, decisions = decide(
-        initial_state(job_name, spec, suspect_grace_seconds), JobStarted(), now
+        initial_state(job_name, spec, suspect_grace_seconds, pods_launch), JobStarted(), now
     )
     return Opening(spec, state, tuple(decisions), time.time() - now)
 
@@ -105,6 +107,7 @@ def open_resumed(
     clock: Callable[[], float] = time.monotonic,
     started_incarnations: Mapping[int, int] | None = None,
     suspect_grace_seconds: float | None = None,
+    pods_launch: bool | None = None,
 ) -> Opening:
     """A job rebuilt after a manager restart (``rebuild``) from its published ``status`` and
     ``live_workers`` (worker id -> node). ``started_incarnations`` (slot -> newest
@@ -122,6 +125,7 @@ def open_resumed(
         started=dict(started_incarnations or {}),
         wall_offset_s=wall_offset_s,
         suspect_grace_s=suspect_grace_seconds,
+        pods_launch=pods_launch,
     )
     # Open recoveries of a previous manager go back into the policy state (see rebuild),
     # which closes them on the next step; only closed ones stay as they are.

@@ -40,8 +40,10 @@ def make_spec(workers: int = 4, processes: int = 1, **fault_tolerance: Any) -> T
 class Sim:
     """Feeds events to the policy with a manual clock and keeps every decision."""
 
-    def __init__(self, spec: TrainingJobSpec | None = None, job: str = "job"):
-        self.state: LifecycleState = initial_state(job, spec or make_spec())
+    def __init__(
+        self, spec: TrainingJobSpec | None = None, job: str = "job", pods_launch: bool | None = None
+    ):
+        self.state: LifecycleState = initial_state(job, spec or make_spec(), None, pods_launch)
         self.now = 0.0
         self.log: list[Decision] = []
 

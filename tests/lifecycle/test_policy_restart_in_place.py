@@ -109,8 +109,22 @@ def test_spares_and_starting_replacements_are_not_restarted() -> None:
     assert sim.state.slots[4].status == "registered"
 
 
-def test_single_process_pods_are_still_stopped_and_started_afresh() -> None:
-    """Pods without a launcher have no pre-started processes to switch to."""
+def test_single_process_kubernetes_pods_restart_in_place_too() -> None:
+    """In Kubernetes every worker pod runs the launcher (one trainer process too): a NaN
+    keeps the live pods, each told to switch to processes forked from its template."""
+    sim = Sim(make_spec(processes=1), pods_launch=True)
+    sim.start_and_register_all()
+    sim.progress(10, checkpoint=9)
+    decisions = sim.fault("job-w0-0", "nan_loss")
+    assert _of(RestartAll, decisions) and _of(StopWorker, decisions) == []
+    (instruction,) = _of(PublishMembership, decisions)
+    assert instruction.view.state == "restarting"
+    assert [m.worker for m in instruction.view.members] == MEMBERS
+
+
+def test_local_single_process_workers_are_still_stopped_and_started_afresh() -> None:
+    """Local mode's workers of one process run no launcher (its driver forks them from its
+    own template): nothing in them can switch, so the restart stops and starts them."""
     sim = Sim(make_spec(processes=1))
     sim.start_and_register_all()
     sim.progress(10)
