@@ -124,7 +124,11 @@ class Forked:
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code, waiting up to ``timeout`` (``subprocess.TimeoutExpired`` after)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _pidfd(self.pid) as fd:
+        try:
+            fd = self.exited_fd()
+        except OSError:  # no pidfds here (Linux < 5.3): poll
+            fd = None
+        try:
             while (code := self.poll()) is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -133,6 +137,9 @@ class Forked:
                     select.select([fd], [], [], left)  # readable once it has exited
                 else:
                     time.sleep(0.01)
+        finally:
+            if fd is not None:
+                os.close(fd)
         return code
 
     def exited_fd(self) -> int | None:
@@ -149,19 +156,6 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _pidfd(pid: int):  # type: ignore[no-untyped-def]
-    try:
-        fd: int | None = os.pidfd_open(pid)
-    except OSError:
-        fd = None
-    try:
-        yield fd
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 class TemplateGone(RuntimeError):
