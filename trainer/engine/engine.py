@@ -44,7 +44,12 @@ from bulkhead.trainer.engine import adoption
 from bulkhead.trainer.engine.clip import scale_, squared_norm
 from bulkhead.trainer.engine.grad_sync import Agreement, reduce_step
 from bulkhead.trainer.engine.groups import ParamGroups, group_sizes
-from bulkhead.trainer.engine.optim import lr_at, make_optimizer, materialize_optimizer
+from bulkhead.trainer.engine.optim import (
+    lr_at,
+    make_optimizer,
+    materialize_optimizer,
+    optimizer_step,
+)
 from bulkhead.trainer.engine.precision import autocast
 from bulkhead.trainer.engine.pretrained import PretrainedReader
 from bulkhead.trainer.engine.state import Adoption, CommitRecord, HeldState, _local
@@ -263,7 +268,7 @@ class Engine:
                 scale_(local_grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg.optimizer, self.cfg.steps)
-        self.optimizer.step()
+        optimizer_step(self.optimizer)
         if self.root is not None:
             after_optimizer_step(self.model, self.plan.zero)
         self.completed_steps = step + 1

@@ -4,13 +4,16 @@ can be transferred into it), and its learning-rate schedule (a pure function).""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from bulkhead.api.spec import OptimizerConfig
+from bulkhead.trainer.engine.state import _local
 
 
 def make_optimizer(
@@ -34,6 +37,88 @@ def make_optimizer(
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+# Optimizers whose update is element-wise: a shard's update reads only that shard.
+_ELEMENT_WISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+@dataclass
+class _LocalView:
+    """A second optimizer of the same type whose parameters and state alias the local
+    shards of the first one's (``key``: identities of the tensors it was built from)."""
+
+    key: tuple[int, ...]
+    optimizer: torch.optim.Optimizer
+    # (the real parameter, its local alias in ``optimizer``)
+    params: list[tuple[torch.Tensor, torch.Tensor]]
+    # The tensors ``key`` names, kept alive so that no new tensor can reuse an identity.
+    sources: list[torch.Tensor]
+
+
+_local_views: weakref.WeakKeyDictionary[torch.optim.Optimizer, _LocalView] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@torch.no_grad()
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``, run on the local shards of DTensor parameters.
+
+    Through DTensor, every element-wise operation of the update on every sharded
+    parameter goes through DTensor's dispatch and its sharding propagation, which is
+    cached per mesh and shard shape. The first step on a new mesh (a recovery that
+    re-shards) cost 0.25-0.35 s of CPU per rank and a later one 0.04-0.05 s (ZeRO-3, the
+    ``tiny`` model). Adam, AdamW and SGD update each element from that element alone, so
+    the same torch optimizer run over plain tensors that alias the local shards (its
+    parameters, gradients and state) computes the same bits without any dispatch. The
+    optimizer keeps its DTensor state, which checkpoints and transfers read; the view is
+    rebuilt whenever a tensor it aliases was replaced. Other optimizers, and a first step
+    that still has to create the state, take ``optimizer.step()``.
+    """
+    if type(optimizer) not in _ELEMENT_WISE:
+        optimizer.step()
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    slots = [optimizer.state.get(p) for p in params]
+    if not any(isinstance(p, DTensor) for p in params) or not all(
+        s and all(isinstance(v, torch.Tensor) for v in s.values()) for s in slots
+    ):
+        optimizer.step()
+        return
+    sources = [t for p, s in zip(params, slots, strict=True) for t in (p, *s.values())]
+    key = tuple(id(_local(t)) for t in sources)
+    view = _local_views.get(optimizer)
+    if view is None or view.key != key:
+        view = _local_views[optimizer] = _local_view(optimizer, key, sources)
+    for group, local_group in zip(optimizer.param_groups, view.optimizer.param_groups, strict=True):
+        local_group.update((k, v) for k, v in group.items() if k != "params")
+    for param, alias in view.params:
+        alias.grad = None if param.grad is None else _local(param.grad)
+    try:
+        view.optimizer.step()
+    finally:
+        for _, alias in view.params:
+            alias.grad = None
+
+
+def _local_view(
+    optimizer: torch.optim.Optimizer, key: tuple[int, ...], sources: list[torch.Tensor]
+) -> _LocalView:
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    groups = []
+    for group in optimizer.param_groups:
+        aliases = []
+        for p in group["params"]:
+            # A new tensor object on the same storage: its .grad is ours to set.
+            alias = _local(p).detach()
+            pairs.append((p, alias))
+            aliases.append(alias)
+        groups.append({**group, "params": aliases})
+    local = type(optimizer)(groups)
+    for p, alias in pairs:
+        local.state[alias] = {k: _local(v) for k, v in optimizer.state[p].items()}
+    return _LocalView(key, local, pairs, [_local(t) for t in sources])
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

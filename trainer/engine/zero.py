@@ -28,26 +28,94 @@ Mixed precision (``policy``, see ``precision``): under bf16, FSDP2 gathers param
 bf16 and reduce-scatters gradients in fp32 into fp32 sharded gradients; the shards it
 keeps (master weights) stay fp32.
 
+A recovery re-shards the survivors onto a mesh of a new shape. FSDP2's set-up there asks
+DTensor's sharding propagation about every parameter shape once per mesh shape and
+process; ``warm_sharding_cache`` asks it beforehand, off the recovery's path, and
+``zero_shard`` binds the parameters to the new mesh itself (``_bind_to_mesh``).
+
 Gradients are *summed* (divide factor 1): each rank already weights its loss by its share
 of the global batch, so the sum is the gradient of the global batch's mean loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from bulkhead.trainer.parallel.plan import ZeroPlan
+from bulkhead.trainer.engine.state import _local
+from bulkhead.trainer.parallel.plan import ParallelPlan, ZeroPlan, zero_plan
 
 
 def zero_mesh(plan: ZeroPlan, device_type: str) -> DeviceMesh:
     """The HSDP mesh of the current world (ranks ``r * shard_size + s``)."""
+    shape, names = _mesh_dims(plan)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _mesh_dims(plan: ZeroPlan) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if plan.replicas > 1:
-        return init_device_mesh(
-            device_type, (plan.replicas, plan.shard_size), mesh_dim_names=("replicate", "shard")
-        )
-    return init_device_mesh(device_type, (plan.shard_size,), mesh_dim_names=("shard",))
+        return (plan.replicas, plan.shard_size), ("replicate", "shard")
+    return (plan.shard_size,), ("shard",)
+
+
+def warm_sharding_cache(model: nn.Module, plan: ZeroPlan, device_type: str) -> int:
+    """Ask DTensor now what ``zero_shard`` will ask it when it shards ``model``'s parameters
+    on ``plan``'s mesh; returns how many parameter shapes that took.
+
+    FSDP2 makes each sharded parameter an ``nn.Parameter`` of a DTensor, a ``detach``
+    through DTensor's dispatch, whose sharding propagation is cached per thread and keyed
+    by the mesh's structure (ranks, dims, names: not its process groups), the placements
+    and the global shape. On a mesh shape a process has not sharded on before, each
+    distinct shape costs a propagation: 0.2-0.4 s of CPU per rank for the ``tiny`` model
+    on 3 x 5 ranks, on the recovery's path. A structurally equal mesh without process
+    groups fills the same cache entries, so a generation can pay this after its first
+    step, for the mesh it would shard on after a loss. Parameters on the meta device
+    are skipped; any other parameter is asked about even if the plan will not shard it
+    (an expert): an unused entry costs nothing later."""
+    if not plan.sharded:
+        return 0
+    shape, names = _mesh_dims(plan)
+    ranks = torch.arange(plan.replicas * plan.shard_size).view(shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+    # FSDP2's placements: sharded on dim 0 along "shard", replicated along "replicate".
+    placements: tuple[Placement, ...] = (Shard(0),) if len(shape) == 1 else (Replicate(), Shard(0))
+    asked: set[tuple[object, ...]] = set()
+    for p in model.parameters():
+        if p.is_meta:
+            continue
+        stride = torch.empty(p.shape, device="meta").stride()  # FSDP2's: contiguous
+        key = (tuple(p.shape), stride, p.dtype)
+        if key in asked:
+            continue
+        asked.add(key)
+        local = torch.empty(0, dtype=p.dtype, device=_local(p).device)
+        DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=p.shape, stride=stride
+        ).detach()
+    return len(asked)
+
+
+def warm_for_one_loss(
+    model: nn.Module, plan: ParallelPlan, requested_hpz: int, device_type: str
+) -> int:
+    """``warm_sharding_cache`` for the mesh of ``plan``'s ranks less one worker pod, the
+    commonest next generation (``requested_hpz``: the spec's, which the plan shrank to
+    fit). Nothing under pipelines (a stage shards over its pod's own group, which a
+    loss elsewhere does not change) or without ZeRO."""
+    if plan.pipelines is not None or plan.zero.stage == 0:
+        return 0
+    ranks = len(plan.workers) - plan.processes_per_worker
+    if ranks < 1:
+        return 0
+    after = zero_plan(
+        plan.zero.stage, requested_hpz, ranks, plan.max_failures, plan.processes_per_worker
+    )
+    return warm_sharding_cache(model, after, device_type)
 
 
 def reshard_after_forward(plan: ZeroPlan) -> bool | int:
@@ -87,6 +155,7 @@ def zero_shard(
         fully_shard(unit, reshard_after_forward=after_forward, **common)
     # The root (embeddings, final norm, tied head) is needed again first in backward.
     root = fully_shard(model, reshard_after_forward=False, **common)
+    _bind_to_mesh(model, mesh)
     for module in fsdp_modules(model):  # these two setters are not recursive
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL then reduces zero-copy).
@@ -94,6 +163,21 @@ def zero_shard(
     if plan.stage < 3:
         root.set_reshard_after_backward(False)
     return root
+
+
+def _bind_to_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Point every sharded parameter at ``mesh`` itself.
+
+    FSDP2 makes each one by a DTensor ``detach``, whose cached sharding propagation hands
+    back the output spec of the first equal mesh it saw: an earlier generation's (process
+    groups destroyed) or ``warm_sharding_cache``'s (none), with this process's coordinate
+    as it was then (a rank outside that mesh: not participating, so DTensor returns
+    empty results). FSDP2 takes its gradients' spec from the parameter at its first
+    forward and the optimizer's state is made from the parameter: this runs before both.
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh is not mesh:
+            p._spec = dataclasses.replace(p._spec, mesh=mesh)
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
