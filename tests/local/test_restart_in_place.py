@@ -42,7 +42,11 @@ def test_a_nan_restart_switches_live_pods_to_processes_forked_from_their_templat
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    steps, nan_step = 60, 40  # late enough for every pod's template to exist
+    # Late enough for every pod's template to be ready: a pod whose processes do not report
+    # steps (all but rank 0's) starts its template PRESTART_SETTLE_S (10 s) into the
+    # generation, and it then imports for a few seconds. At 0.2 s a step (ZeRO-2, quiet
+    # machine) step 40 came 8.8 s in, before two of the three pods had a template.
+    steps, nan_step = 170, 150
     proc = run_cli(str(_job(tmp_path)), "--steps", str(steps), "--run-dir", str(run_dir),
                    "--chaos", f"nan:worker=1@step={nan_step}", timeout=400)  # fmt: skip
     out = proc.stdout + proc.stderr
