@@ -23,10 +23,15 @@ from conftest import GPU_NODES, ROOT
 from k8s_cluster import Cluster
 from podrunner import PodRunner
 
+from bulkhead.trainer.pod.prestart import process_name
+
 pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
 RELEASE_NAMESPACE = "bulkhead-system"
 TIMEOUT = float(os.environ.get("BULKHEAD_E2E_TIMEOUT", "300"))
+# Long enough for a pod's template to be ready (it starts once the pod trains) before the
+# NaN, with steps left after the restart.
+NAN_JOB_STEPS = 600
 XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
 
 
@@ -214,12 +219,14 @@ def _schedulable(cluster: Cluster, name: str) -> bool:
     return ready and not node["spec"].get("taints") and not node["spec"].get("unschedulable")
 
 
-def _new_job(installed: Cluster, pod_runner: PodRunner, gpus: int) -> Iterator[Job]:
+def _new_job(
+    installed: Cluster, pod_runner: PodRunner, gpus: int, steps: int = 120
+) -> Iterator[Job]:
     """A new job once every GPU node is schedulable again (an earlier test may have failed
     one): each test needs a spare node for its replacement."""
     installed.wait_for(lambda: all(_schedulable(installed, n) for n in GPU_NODES),
                        "every GPU node schedulable", TIMEOUT)  # fmt: skip
-    created = Job(installed, pod_runner, gpus=gpus)
+    created = Job(installed, pod_runner, steps=steps, gpus=gpus)
     yield created
     installed.kubectl("delete", "namespace", created.namespace, "--wait=false", check=False)
 
@@ -228,6 +235,12 @@ def _new_job(installed: Cluster, pod_runner: PodRunner, gpus: int) -> Iterator[J
 def job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
     """Worker pods of one GPU: one trainer process each."""
     yield from _new_job(installed, pod_runner, gpus=1)
+
+
+@pytest.fixture
+def long_job(installed: Cluster, pod_runner: PodRunner) -> Iterator[Job]:
+    """Worker pods of one GPU, and steps enough for their templates to be ready."""
+    yield from _new_job(installed, pod_runner, gpus=1, steps=NAN_JOB_STEPS)
 
 
 @pytest.fixture
@@ -301,6 +314,64 @@ def test_sigkilled_worker_is_replaced_in_process(two_gpu_job: Job) -> None:
     )  # fmt: skip
     job.check_recovered_in_process(victim, elsewhere=False)  # its node is healthy
     job.check_checkpoints_and_events()
+    job.delete_and_check_gone()
+
+
+def _trainer_processes(launcher: int) -> dict[int, str]:
+    """The trainer processes under a pod's launcher, with their names: its descendants but
+    the template (the processes the template forks are named ``process_name``; a process
+    started anew carries the launcher's own command)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid ...": the name may hold spaces; it ends at the last ")".
+        pid, name = int(entry.name), stat[stat.index("(") + 1 : stat.rindex(")")]
+        parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        forked = name == process_name(0).decode()
+        names[pid] = name if forked or b"template_main" not in command else "template"
+    below, frontier = set(), {launcher}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    return {pid: names[pid] for pid in below if names.get(pid, "template") != "template"}
+
+
+def test_nan_loss_restarts_every_trainer_in_its_own_pod(long_job: Job) -> None:
+    """A NaN loss restarts the whole job from the last snapshot, and no pod is replaced:
+    each pod's launcher switches to a trainer process its template forks."""
+    job = long_job
+    victim = job.running_worker()
+    log = job.pod_dir(victim) / "trainer.log"
+    # The template starts once the pod trains, and imports at a lower priority.
+    job.wait(lambda: "ready (" in log.read_text(errors="replace"), "the pod's template ready")
+    pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in job.workers()}
+    launcher = int((job.pod_dir(victim) / "trainer.pid").read_text())
+    (trainer,) = _trainer_processes(launcher)
+    os.kill(trainer, signal.SIGUSR1)  # the trainer's chaos hook: its weights become NaN
+    after: dict[int, str] = {}
+
+    def switched() -> bool:
+        after.clear()
+        after.update(_trainer_processes(launcher))
+        return job.status().get("restarts", 0) >= 1 and bool(after) and trainer not in after
+
+    job.wait(switched, "a restart and a new trainer process in the same pod")
+    (name,) = after.values()
+    assert name == process_name(0).decode()  # forked by the template, not started anew
+    events = job.cluster.get_json("events", "-n", job.namespace)["items"]
+    (in_place,) = [e for e in events if e["reason"] == "RestartingInPlace"]
+    assert "3 live worker pod(s) switch" in in_place["message"], in_place
+    assert any(e["reason"] == "Restarting" and "nan" in e["message"].lower() for e in events)
+    job.wait(lambda: job.status().get("phase") == "Succeeded", "phase Succeeded")
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in job.workers()} == pods
+    assert job.status()["restarts"] == 1, job.status()
     job.delete_and_check_gone()
 
 
