@@ -88,12 +88,14 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
-        "NaN loss (or a hang that re-forming did not cure) with multi-process worker pods",
+        "NaN loss (or a hang that re-forming did not cure)",
         "the job restarts from its checkpoint once (whatever the number of ranks reporting); "
         "every live pod is told to switch to its pre-started trainer processes and is kept "
-        "(same pod, slot and incarnation); only pods really gone are replaced; "
-        "single-process pods are stopped and started afresh",
+        "(same pod, slot and incarnation); only pods really gone are replaced. On Kubernetes "
+        "every worker pod runs a launcher, so single-process pods are kept too; in local mode "
+        "they are stopped and started afresh",
         (
+            "tests/e2e/test_user_path.py::test_nan_loss_restarts_every_trainer_in_its_own_pod",
             "tests/local/test_restart_in_place.py::"
             "test_a_nan_restart_switches_live_pods_to_processes_forked_from_their_templates",
             "tests/lifecycle/test_policy_restart_in_place.py::"
