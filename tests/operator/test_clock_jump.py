@@ -76,7 +76,10 @@ def test_the_untaint_wait_runs_on_the_operators_own_clock(k8s_cluster) -> None:
                 now[0] += 299
                 removed.append(await actions.maybe_untaint(node, 300))
                 # It fell sick and healed again (a new transition): the wait starts over.
-                await asyncio.to_thread(_healthy_since, k8s_cluster, node, day_ago.replace(hour=1))
+                # 23 h ago: a stamp other than the first at any hour of the day.
+                await asyncio.to_thread(
+                    _healthy_since, k8s_cluster, node, day_ago + timedelta(hours=1)
+                )
                 now[0] += 10
                 removed.append(await actions.maybe_untaint(node, 300))
                 now[0] += 299
