@@ -63,7 +63,9 @@ class PolicyActions:
                 first = replace(pending[0], cause=cause)
                 self.state = replace(self.state, pending_recoveries=(first, *pending[1:]))
             return
-        pending = PendingRecovery(cause, self.now, self.state.step, self.state.has_progress)
+        pending = PendingRecovery(
+            cause, self.now, self.state.step, self.state.has_progress, self.state.generation
+        )
         self.state = replace(self.state, pending_recoveries=(pending,), phase="Recovering")
 
     def lose(self, slots: list[Slot], cause: str, warning_detail: str = "") -> None:

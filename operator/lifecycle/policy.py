@@ -400,7 +400,8 @@ class _Rules:
             slots=slots,
             phase="Running",
         )
-        for pending in s.pending_recoveries:
+        resumed = [p for p in s.pending_recoveries if r.generation > p.generation]
+        for pending in resumed:
             lost = 0
             if pending.had_progress:
                 lost = max(0, pending.step_at_detection - r.step + 1)
@@ -423,8 +424,15 @@ class _Rules:
                 f"{done.seconds:.2f}s ({lost} steps redone){source}",
                 warning=r.state_source in ("checkpoint", "fresh"),
             )
-        self.state = replace(self.state, pending_recoveries=())
-        if s.pending_recoveries:
+        # A step of the failed generation itself, reported after the failure (the reporter
+        # is asynchronous), does not end its recovery.
+        waiting = tuple(p for p in s.pending_recoveries if p not in resumed)
+        self.state = replace(
+            self.state,
+            pending_recoveries=waiting,
+            phase="Recovering" if waiting else self.state.phase,
+        )
+        if resumed:
             self.publish_deferred_joins()
 
     def publish_deferred_joins(self) -> None:

@@ -213,5 +213,9 @@ def _open_recoveries(
         except ValueError:
             log.warning("recovery detected at unreadable time %r: timing it from now", recovery)
             detected = now
-        pending.append(PendingRecovery(recovery.cause, detected, status.step, has_progress))
+        # The status does not record the generation the failure was seen in: generation 0,
+        # so the next progress ends the recovery.
+        pending.append(
+            PendingRecovery(recovery.cause, detected, status.step, has_progress, generation=0)
+        )
     return tuple(pending)

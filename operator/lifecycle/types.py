@@ -282,6 +282,9 @@ class PendingRecovery:
     detected: float
     step_at_detection: int
     had_progress: bool
+    # The generation training was in when the failure was seen: only a later one's
+    # progress is a resumption (a step of this one reported late is not).
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -662,3 +662,22 @@ def test_a_pod_that_reports_its_failure_is_replaced_before_it_exits() -> None:
     later = sim.exit("job-w1-0", code=1)
     assert _of(PublishMembership, later) == [] and _of(StartWorker, later) == []
     assert sim.state.generation == 2
+
+
+def test_a_step_of_the_failed_generation_reported_late_does_not_end_its_recovery() -> None:
+    """A survivor's collective error opens the recovery; the failed generation's own next
+    step, reported after it (the reporter is asynchronous), is not a resumption: one
+    recovery, ended by the next generation's step, with the exit's cause."""
+    sim = Sim(make_spec(workers=3))
+    sim.start_and_register_all()
+    w0, _, w2 = sim.state.members()
+    sim.progress(4)
+    sim.fault(w0, "collective_error", [w2])
+    sim.progress(5)  # generation 1's step 5, completed before the failure
+    assert sim.state.phase == "Recovering" and _of(RecoveryDone, sim.log) == []
+    assert sim.state.step == 5
+    sim.exit(w2)  # the supervisor sees the SIGKILL: generation 2 without it
+    assert sim.state.generation == 2
+    sim.progress(6)
+    (done,) = _of(RecoveryDone, sim.log)
+    assert done.cause == "SIGKILL" and sim.state.phase == "Running"
