@@ -426,7 +426,7 @@ class _Rules:
             )
         # A step of the failed generation itself, reported after the failure (the reporter
         # is asynchronous), does not end its recovery.
-        waiting = tuple(p for p in s.pending_recoveries if p not in resumed)
+        waiting = tuple(p for p in s.pending_recoveries if r.generation <= p.generation)
         self.state = replace(
             self.state,
             pending_recoveries=waiting,

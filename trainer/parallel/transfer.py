@@ -117,7 +117,7 @@ def choose_step(holdings: list[Holding], specs: list[KeySpec]) -> int:
 def _ranges_by_rank(holdings: list[Holding], specs: list[KeySpec]) -> list[dict[str, Range]]:
     """``ranges_of`` each rank's holding, computed once per distinct holding (the
     replicas of a shard, or every rank of data parallelism, hold the same): 15 ranks of
-    data parallelism planned in a third of the time. The dicts are shared: read only."""
+    data parallelism planned in half the time. The dicts are shared: read only."""
     known: dict[Holding, dict[str, Range]] = {}
     out = []
     for h in holdings:
