@@ -25,15 +25,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from bulkhead.trainer.data import TokenDataset, step_positions
 from bulkhead.trainer.data.order import micro_batches, rank_share
 from bulkhead.trainer.engine.engine import Engine
 from bulkhead.trainer.engine.local_step import LocalSchedule
-from bulkhead.trainer.engine.pipeline import PipelineSchedule, _Inbox
+from bulkhead.trainer.engine.pipeline import PipelineSchedule, StageExchange
 from bulkhead.trainer.engine.world import CollectiveError
 from bulkhead.trainer.engine.zero import fsdp_modules
+from bulkhead.trainer.parallel.p2p_program import ACTIVATIONS, Transfer, stage_program
 
 
 @dataclass(frozen=True)
@@ -125,26 +125,30 @@ def _stage_passes(
     def shape(i: int) -> tuple[int, ...]:
         return (len(rows[i]), cfg.model.seq_len, cfg.model.d_model)
 
+    # Forward only: the same program as a step's (its batches keep NCCL from hanging).
+    ops = [("F", i) for i in range(len(rows))]
+    program = stage_program(ops, stage.first, stage.last)
     for b in range(batches):
         positions = step_positions(b, gb)
-        inbox = None
-        if not stage.first:
-            inbox = _Inbox(layout.peer(world.rank, -1), list(range(len(rows))), shape,
-                           dtype, device)  # fmt: skip
-        sending: list[tuple[dist.Work, torch.Tensor]] = []
+        exchange = StageExchange(lambda offset: layout.peer(world.rank, offset), shape, dtype,
+                             device, 0)  # fmt: skip
         for i, samples in enumerate(rows):
+            received = exchange.run(program[i])
             batch = None
             if stage.first or stage.last:
                 batch = dataset.batch([positions[j] for j in samples])
-            x = batch.inputs.to(device) if inbox is None else inbox.take(i)
+            if stage.first:
+                assert batch is not None
+                x = batch.inputs.to(device)
+            else:
+                x = received[Transfer("recv", ACTIVATIONS, i)][0]
             targets = batch.targets.to(device) if stage.last and batch is not None else None
             out, _, lm, _ = pipeline.stage_forward(engine, stage, x, targets)  # no balance loss
             if lm is not None:
                 lm_sum += lm.item() * len(samples)
                 count += len(samples)
             else:
-                sent = out.contiguous()
-                sending.append((dist.isend(sent, layout.peer(world.rank, 1)), sent))
-        for work, _ in sending:
-            work.wait()
+                exchange.hold(Transfer("send", ACTIVATIONS, i), out.contiguous())
+        exchange.run(program[-1])
+        exchange.finish()
     return lm_sum, count

@@ -20,12 +20,14 @@ gradients flow back like the activations'. A balance loss is of the rows a proce
 each of a pod's processes takes it over its share of the micro-batch (as a data-parallel
 rank takes it per micro-batch), so it equals one process running micro-batches that size.
 Under bf16 precision the activations and their gradients cross between stages in bf16
-(``wire``); the statistics stay fp32. Sends do not block; each receive is posted one pass
-ahead (the transfer overlaps the current pass) and its wait blocks inside gloo: a dead
-neighbour fails it at once (its connection resets), and a hung one is cut off by the
-runtime's abort monitor once a newer generation exists (``World.abort``), as for FSDP2's
-waits. Every micro-batch's loss is weighted by its share of the global batch, so the
-gradients summed over the pipelines are the data-parallel gradient.
+(``wire``); the statistics stay fp32. The hand-offs follow the stage's point-to-point
+program (``parallel.p2p_program``): after each pass, its sends go out together with the
+receives the next pass needs, as one batch (the order torch's pipelining uses, and the
+one NCCL cannot hang on). A receive's wait blocks inside gloo: a dead neighbour fails it
+at once (its connection resets), and a hung one is cut off by the runtime's abort monitor
+once a newer generation exists (``World.abort``), as for FSDP2's waits. Every
+micro-batch's loss is weighted by its share of the global batch, so the gradients summed
+over the pipelines are the data-parallel gradient.
 
 Gradients (``StageKeys.reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
@@ -62,6 +64,13 @@ from bulkhead.trainer.engine.zero import begin_microbatch
 from bulkhead.trainer.models.protocol import build_meta
 from bulkhead.trainer.parallel.experts_plan import expert_group
 from bulkhead.trainer.parallel.layout import KeySpec
+from bulkhead.trainer.parallel.p2p_program import (
+    ACTIVATIONS,
+    GRADIENTS,
+    P2PBatch,
+    Transfer,
+    stage_program,
+)
 from bulkhead.trainer.parallel.pipeline_plan import (
     TIED,
     PipelineLayout,
@@ -101,32 +110,65 @@ class _Pass:
     stats_out: torch.Tensor | None = None
 
 
-class _Inbox:
-    """What one neighbour sends, in the order it sends it, each receive posted one ahead:
-    the next transfer lands while this stage computes, instead of after it asks."""
+class StageExchange:
+    """Runs a stage's point-to-point program (``parallel.p2p_program``): each batch as one
+    ``batch_isend_irecv`` (one NCCL group), its receives waited before the pass that needs
+    them, its sends at the step's end. A transfer carries the activations (or their
+    gradient) and, for a pooled MoE loss, the routing statistics (or theirs), in that
+    order on both sides: NCCL matches by order, gloo by tag as well."""
 
     def __init__(
-        self, peer: int, order: list[int], shape: Callable[[int], tuple[int, ...]],
-        dtype: torch.dtype, device: torch.device, tag: int = 0,
+        self, peer: Callable[[int], int], shape: Callable[[int], tuple[int, ...]],
+        dtype: torch.dtype, device: torch.device, stats_size: int,
+        issue: Callable[[list[dist.P2POp]], list[dist.Work]] = dist.batch_isend_irecv,
     ) -> None:  # fmt: skip
-        self.peer, self.order, self.shape, self.tag = peer, order, shape, tag
-        self.dtype, self.device = dtype, device
-        self.posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
-        self.cursor = 0
-        self._post()
+        self.peer, self.shape, self.dtype, self.device = peer, shape, dtype, device
+        self.stats_size = stats_size
+        self.issue = issue  # a test stands in for NCCL's grouped issue
+        self.outbox: dict[Transfer, list[torch.Tensor]] = {}
+        self.sending: list[tuple[dist.Work, list[torch.Tensor]]] = []
 
-    def _post(self) -> None:
-        if self.cursor < len(self.order):
-            i = self.order[self.cursor]
-            buf = torch.empty(self.shape(i), dtype=self.dtype, device=self.device)
-            self.posted[i] = (dist.irecv(buf, self.peer, tag=self.tag), buf)
-            self.cursor += 1
+    def hold(self, transfer: Transfer, *tensors: torch.Tensor) -> None:
+        """What ``transfer`` sends, once its batch is issued."""
+        self.outbox[transfer] = list(tensors)
 
-    def take(self, i: int) -> torch.Tensor:
-        work, buf = self.posted.pop(i)
-        work.wait()
-        self._post()
-        return buf
+    def run(self, batch: P2PBatch) -> dict[Transfer, list[torch.Tensor]]:
+        """Issue ``batch``; the tensors each of its receives brought."""
+        ops: list[dist.P2POp] = []
+        received: dict[Transfer, list[torch.Tensor]] = {}
+        sent: list[torch.Tensor] = []
+        for transfer in batch:
+            peer = self.peer(transfer.peer_offset)
+            if transfer.kind == "send":
+                tensors = self.outbox.pop(transfer)
+                sent += tensors
+                ops += [dist.P2POp(dist.isend, t, peer, tag=tag) for tag, t in enumerate(tensors)]
+            else:
+                tensors = [torch.empty(self.shape(transfer.microbatch), dtype=self.dtype,
+                                       device=self.device)]  # fmt: skip
+                if self.stats_size:
+                    tensors.append(torch.empty(self.stats_size, device=self.device))
+                received[transfer] = tensors
+                ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for tag, t in enumerate(tensors)]
+        if not ops:
+            return received
+        works = self.issue(ops)
+        if len(works) == len(ops):  # a work per operation (gloo): only the receives now
+            for op, work in zip(ops, works, strict=True):
+                if op.op is dist.irecv:
+                    work.wait()
+                else:
+                    self.sending.append((work, sent))
+        else:  # one work for the whole group (NCCL's coalescing)
+            for work in works:
+                work.wait()
+        return received
+
+    def finish(self) -> None:
+        """Wait for every send (their tensors stay referenced until then)."""
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
 
 
 class PipelineSchedule:
@@ -177,39 +219,22 @@ class PipelineSchedule:
         if not engine.model.training:  # only evaluate() switches modes, and it restores them
             engine.model.train()  # a walk over every module: not on every step
         passes: dict[int, _Pass] = {}
-        sending: list[tuple[dist.Work, torch.Tensor]] = []
         lm_sum = aux_sum = compute = 0.0
         ops = schedule(self.layout.schedule, stage.stages, stage.index, len(batches))
-
-        def neighbour(offset: int) -> int:
-            return self.layout.peer(world.rank, offset)
+        program = stage_program(ops, stage.first, stage.last)
 
         def shape(i: int) -> tuple[int, ...]:
             return (len(batches[i]), cfg.model.seq_len, cfg.model.d_model)
 
         pool = engine.model.aux_pool()
-        stats_size = pool.stats_size if pool is not None else 0
-
-        def stats_shape(_: int) -> tuple[int, ...]:
-            return (stats_size,)
+        exchange = StageExchange(
+            lambda offset: self.layout.peer(world.rank, offset), shape, dtype, device,
+            pool.stats_size if pool is not None else 0,
+        )  # fmt: skip
 
         with world.guard("pipeline"):
-            activations = grads_in = stats_in = stats_grads = None
-            forwards = [i for kind, i in ops if kind == "F"]
-            backwards = [i for kind, i in ops if kind == "B"]
-            if not stage.first:
-                activations = _Inbox(neighbour(-1), forwards, shape, dtype, device)
-                if stats_size:
-                    stats_in = _Inbox(
-                        neighbour(-1), forwards, stats_shape, torch.float32, device, tag=1
-                    )
-            if not stage.last:
-                grads_in = _Inbox(neighbour(1), backwards, shape, dtype, device)
-                if stats_size:
-                    stats_grads = _Inbox(
-                        neighbour(1), backwards, stats_shape, torch.float32, device, tag=1
-                    )
             for position, (kind, i) in enumerate(ops):
+                received = exchange.run(program[position])
                 samples = batches[i]
                 weight = len(samples) / gb
                 if kind == "F":
@@ -218,22 +243,24 @@ class PipelineSchedule:
                     if stage.last:
                         assert step_rows is not None
                         targets = step_rows.targets[rows].to(device)
-                    inputs = None
-                    if activations is None:  # the first stage
+                    inputs = received_stats = None
+                    if stage.first:
                         assert step_rows is not None
                         x = step_rows.inputs[rows].to(device)
                     else:
-                        inputs = activations.take(i)
+                        inputs, *stats_in = received[Transfer("recv", ACTIVATIONS, i)]
                         x = inputs.requires_grad_(True)
+                        if stats_in:
+                            received_stats = stats_in[0].requires_grad_(True)
                     started = time.perf_counter()
                     out, aux, lm, stats = self.stage_forward(engine, stage, x, targets)
-                    received_stats = sent_stats = None
+                    sent_stats = None
                     if pool is not None:
-                        if stats_in is None:
-                            total = torch.zeros(stats_size, device=device)
-                        else:
-                            received_stats = stats_in.take(i).requires_grad_(True)
-                            total = received_stats
+                        total = (
+                            received_stats
+                            if received_stats is not None
+                            else torch.zeros(pool.stats_size, device=device)
+                        )
                         if stats is not None:
                             total = total + stats
                         if stage.last:  # the loss of every layer's statistics
@@ -241,8 +268,6 @@ class PipelineSchedule:
                         else:
                             aux = total.new_zeros(())
                             sent_stats = total
-                            wire = total.detach()
-                            sending.append((dist.isend(wire, neighbour(1), tag=1), wire))
                     compute += time.perf_counter() - started
                     aux_sum += aux.item() * len(samples)
                     weighted_aux = aux * (aux_coef * weight) if aux.requires_grad else None
@@ -250,23 +275,27 @@ class PipelineSchedule:
                         lm_sum += lm.item() * len(samples)
                         out = lm * weight
                     else:
-                        sent = out.detach()
-                        sending.append((dist.isend(sent, neighbour(1)), sent))
+                        sent = [out.detach()]
+                        if sent_stats is not None:
+                            sent.append(sent_stats.detach())
+                        exchange.hold(Transfer("send", ACTIVATIONS, i), *sent)
                     passes[i] = _Pass(inputs, out, weighted_aux, received_stats, sent_stats)
                 else:
                     if engine.root is not None:
                         last = position == len(ops) - 1
                         begin_microbatch(engine.root, engine.plan.zero, last, reduce_once=True)
                     done = passes.pop(i)
-                    grads: list[torch.Tensor | None] = [
-                        None if grads_in is None else grads_in.take(i)
-                    ]
+                    grads: list[torch.Tensor | None] = [None]
+                    stats_grad = None
+                    if not stage.last:
+                        grad, *stats_grads = received[Transfer("recv", GRADIENTS, i)]
+                        grads = [grad]
+                        stats_grad = stats_grads[0] if stats_grads else None
                     outputs = [done.outputs]
                     if done.aux is not None:
                         outputs.append(done.aux)
                         grads.append(None)
-                    if stats_grads is not None:
-                        stats_grad = stats_grads.take(i)  # taken in order even if unused
+                    if stats_grad is not None:
                         assert done.stats_out is not None
                         if done.stats_out.requires_grad:  # no MoE block before: constant
                             outputs.append(done.stats_out)
@@ -276,14 +305,15 @@ class PipelineSchedule:
                     compute += time.perf_counter() - started
                     if done.inputs is not None:
                         assert done.inputs.grad is not None
-                        sent = done.inputs.grad
-                        sending.append((dist.isend(sent, neighbour(-1)), sent))
-                    if done.stats_in is not None:
-                        grad = done.stats_in.grad
-                        sent = grad if grad is not None else torch.zeros_like(done.stats_in)
-                        sending.append((dist.isend(sent, neighbour(-1), tag=1), sent))
-            for work, _ in sending:
-                work.wait()
+                        sent = [done.inputs.grad]
+                        if done.stats_in is not None:
+                            grad = done.stats_in.grad
+                            sent.append(
+                                grad if grad is not None else torch.zeros_like(done.stats_in)
+                            )
+                        exchange.hold(Transfer("send", GRADIENTS, i), *sent)
+            exchange.run(program[-1])
+            exchange.finish()
         # Busy time per planned work, so stages of different sizes compare (stragglers).
         return lm_sum, aux_sum, compute * self.layout.work_scale(world.rank)
 

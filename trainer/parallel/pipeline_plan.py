@@ -288,8 +288,9 @@ def schedule(kind: str, stages: int, index: int, microbatches: int) -> list[tupl
 
     1F1B: ``stages - index - 1`` warm-up forwards (the passes in flight downstream), then
     one forward and one backward alternately, then the remaining backwards. GPipe: every
-    forward, then every backward in reverse. Sends never block and receives follow the
-    order the neighbouring stage produces, so no stage waits on a pass not yet scheduled.
+    forward, then every backward in reverse. Receives follow the order the neighbouring
+    stage produces; ``p2p_program`` turns the passes into hand-offs that cannot deadlock
+    even where a send blocks until its receive is posted (NCCL).
     """
     if kind == "GPipe":
         return [("F", i) for i in range(microbatches)] + [
