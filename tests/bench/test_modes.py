@@ -27,6 +27,8 @@ KEYS = (
     "baseline_peak_bytes_per_rank",
     "memory_ratio",
     "expected_memory_ratio",
+    "extra_peak_bytes_per_rank",
+    "expected_extra_bytes_per_rank",
 )
 
 
@@ -59,7 +61,9 @@ def test_modes_quick(tmp_path: Path) -> None:
     # The plan's copies: data parallel costs nothing more; 5 expert slots per worker hold
     # 20 experts of 4 MoE layers where every expert once holds 8.
     assert rows["data-parallel"]["expected_memory_ratio"] == 1.0
+    assert rows["data-parallel"]["expected_extra_bytes_per_rank"] == 0
     assert rows["experts-skewed"]["expected_memory_ratio"] > 1.0
+    assert rows["experts-skewed"]["expected_extra_bytes_per_rank"] > 0
     # Pinned, skewed: after the warm-up's rebalance both hot experts (0 and 1) have a
     # replica on each of the 2 ranks, so each rank computes its own tokens for them.
     blocks = [x for x in rows["experts-skewed-pinned"]["bulkhead_placement"] if "block" in x]
