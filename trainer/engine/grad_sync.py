@@ -15,6 +15,7 @@ gradients before it with ``sum_over_holders``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ from bulkhead.trainer.engine.clip import squared_norm
 from bulkhead.trainer.engine.world import World
 
 _HEADER = 4  # lm_sum, aux_sum, newer, grad_norm_sq
+# Elements of gradient per team and round of ``sum_over_holders`` (4 MiB in fp32): the
+# exchange's buffers hold about that per team a rank holds; a decoder block of a 70B model
+# (~0.9 x 10^9 parameters) takes ~850 rounds, about DDP's bucket count at that size.
+EXCHANGE_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -64,26 +69,69 @@ def reduce_step(
     )
 
 
+def exchange_rounds(
+    numels: dict[Any, int], teams: dict[Any, Hashable], budget: int = EXCHANGE_BUDGET
+) -> dict[Any, int]:
+    """Key -> the round of ``sum_over_holders`` that carries it. Within each team (keys
+    held by the same ranks, e.g. a pipeline unit's), in sorted key order, a new round each
+    time ``budget`` elements are reached, so a rank's keys spread over as few rounds as
+    its teams need. ``numels`` and ``teams`` must be the same on every rank (every key of
+    the model, held here or not): every rank then runs as many rounds (the largest team's)
+    and each key's holders put it in the same one."""
+    rounds: dict[Any, int] = {}
+    filled: dict[Hashable, tuple[int, int]] = {}  # team -> (round, elements in it)
+    for key in sorted(numels):
+        round_, count = filled.get(teams[key], (0, 0))
+        if count and count + numels[key] > budget:
+            round_, count = round_ + 1, 0
+        rounds[key] = round_
+        filled[teams[key]] = (round_, count + numels[key])
+    return rounds
+
+
 def sum_over_holders(
-    world: World, grads: dict[Any, torch.Tensor], holders: dict[Any, tuple[int, ...]]
+    world: World,
+    grads: dict[Any, torch.Tensor],
+    holders: dict[Any, tuple[int, ...]],
+    rounds: dict[Any, int] | None = None,
 ) -> float:
     """Each gradient summed in place over the ranks holding it (layouts where ranks hold
     different keys: pipeline stages, expert replicas); returns this rank's share of the
     squared global norm (each gradient counted by its first holder).
 
-    ``holders[key]``: ascending ranks, this one among them. One uneven all-to-all carries,
+    ``holders[key]``: ascending ranks, this one among them. An uneven all-to-all carries,
     to each peer, every gradient both hold, in key order; the sum runs in rank order, so
     every holder computes the same bits and takes the same step. Sums are written in
-    place (no copy of the gradients beyond the exchange's buffers: the peak memory) and
-    the norm is one fused call with one host sync.
+    place and the norm is one fused call with one host sync.
+
+    ``rounds`` (``exchange_rounds``, every key of the model): one all-to-all per round,
+    each carrying its keys, so the exchange's send and receive buffers hold one round's
+    gradients, not all of them (a d-512 pipeline stage's whole gradients were two extra
+    copies at the peak, where the baseline's all-reduce needs one). Without it, one round.
     """
     keys = sorted(grads)
+    count = 1 + max(rounds.values(), default=0) if rounds else 1
+    by_round: list[list[Any]] = [[] for _ in range(count)]
+    for key in keys:
+        by_round[rounds[key] if rounds else 0].append(key)
+    counted: list[torch.Tensor] = []
+    for round_keys in by_round:  # every rank runs every round, also with nothing in it
+        counted += _exchange_and_sum(world, grads, holders, round_keys)
+    return squared_norm(counted)
+
+
+def _exchange_and_sum(
+    world: World, grads: dict[Any, torch.Tensor], holders: dict[Any, tuple[int, ...]],
+    keys: list[Any],
+) -> list[torch.Tensor]:  # fmt: skip
+    """One round of ``sum_over_holders``: the gradients this rank counts in the norm."""
     sends: dict[int, list[torch.Tensor]] = {}
     for key in keys:
         for peer in holders[key]:
             if peer != world.rank:
                 sends.setdefault(peer, []).append(grads[key].reshape(-1))
-    dtype = grads[keys[0]].dtype if keys else torch.float32
+    some = next(iter(grads.values()), None)
+    dtype = some.dtype if some is not None else torch.float32
     device = world.device.device
     peers = range(world.world_size)
     # A peer holds the same keys as this rank holds with it: it sends back what it gets.
@@ -113,7 +161,7 @@ def sum_over_holders(
             _sum_in_order_(g, pieces)
         if holders[key][0] == world.rank:
             counted.append(g)
-    return squared_norm(counted)
+    return counted
 
 
 def _sum_in_order_(own: torch.Tensor, pieces: list[torch.Tensor]) -> None:

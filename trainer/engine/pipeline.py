@@ -55,7 +55,7 @@ from torch import nn
 
 from bulkhead.trainer.config import TrainConfig
 from bulkhead.trainer.data import Batch, ByteDataset, step_positions
-from bulkhead.trainer.engine.grad_sync import sum_over_holders
+from bulkhead.trainer.engine.grad_sync import exchange_rounds, sum_over_holders
 from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.optim import make_optimizer
 from bulkhead.trainer.engine.precision import wire_dtype
@@ -346,6 +346,7 @@ class StageKeys:
 
     def __init__(self) -> None:
         self._owners: dict[str, tuple[int, ...]] | None = None
+        self._rounds: dict[str, int] | None = None
         self._names: dict[int, str] = {}
 
     def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
@@ -415,4 +416,15 @@ class StageKeys:
         # The optimizer's parameters (under ZeRO-1/2 the module still has FSDP2's gathered
         # ones registered after backward; the gradients are on the sharded ones).
         grads = {self._names[id(p)]: _local(p.grad) for p in params if p.grad is not None}
-        return sum_over_holders(engine.world, grads, {name: owners[name] for name in grads})
+        holders = {name: owners[name] for name in grads}
+        return sum_over_holders(engine.world, grads, holders, self.rounds(engine))
+
+    def rounds(self, engine: Engine) -> dict[str, int]:
+        """Parameter name -> its round of the gradient exchange (``exchange_rounds``), for
+        every parameter of the model: a unit's keys are held by the same ranks."""
+        if self._rounds is None:
+            params = {s.name.removeprefix("param/"): s.numel for s in engine.specs
+                      if s.name.startswith("param/")}  # fmt: skip
+            teams = {name: engine.keygroups.group(name) for name in params}
+            self._rounds = exchange_rounds(params, teams)
+        return self._rounds
