@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from bulkhead.trainer.engine.clip import squared_norm
-from bulkhead.trainer.engine.grad_sync import sum_over_holders
+from bulkhead.trainer.engine.grad_sync import exchange_rounds, sum_over_holders
 from bulkhead.trainer.engine.local_step import shardable
 from bulkhead.trainer.engine.recompute import recomputing
 from bulkhead.trainer.engine.state import HeldState
@@ -254,8 +254,25 @@ class ExpertKeys:
             where = keys.expert_of(name)
             if where is not None:
                 mine[(*where, name)] = g
-        norm_sq += sum_over_holders(world, mine, {k: hosts[k[:2]] for k in mine})
+        norm_sq += sum_over_holders(
+            world, mine, {k: hosts[k[:2]] for k in mine}, _expert_rounds(engine)
+        )
         return norm_sq
+
+
+def _expert_rounds(engine: Engine) -> dict[tuple[int, int, str], int]:
+    """Every expert parameter's round of the gradient exchange (``exchange_rounds``): the
+    experts of one layer in sequence, so a round carries at most a budget's worth of each
+    layer's experts, whichever a rank hosts."""
+    keys = engine.keygroups
+    numels, teams = {}, {}
+    for spec in engine.specs:
+        name = spec.name.removeprefix("param/")
+        where = keys.expert_of(name) if spec.name.startswith("param/") else None
+        if where is not None:
+            numels[(*where, name)] = spec.numel
+            teams[(*where, name)] = where[0]
+    return exchange_rounds(numels, teams)
 
 
 class ExpertPlacement:
