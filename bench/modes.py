@@ -36,7 +36,9 @@ token, bulkhead's rebalanced plan puts a replica of each on both ranks).
 
 Per row: ``bulkhead_steps_per_s`` and ``baseline_steps_per_s`` (rank 0, timed steps after
 the warm-up, between two barriers); ``*_peak_bytes_per_rank``: the largest over ranks of the
-peak memory above what the process held after forming its process group (on the CPU the
+peak memory during the timed steps above what the process held after forming its process
+group (``*_setup_peak_bytes_per_rank``: the same before them, building the model, the
+warm-up and, for the experts, the rebalance that moves them) (on the CPU the
 RSS high-water mark, Linux VmHWM reset through /proc/self/clear_refs; on a GPU
 ``torch.cuda.max_memory_allocated``), so parameters, gradients, optimizer state,
 activations and communication buffers, not the interpreter; ``ratio`` and
@@ -412,6 +414,10 @@ def _rank(slot: int, job: Job) -> None:
         _skew(model, job.row.hot)
     losses = [side.step(dataset, i) for i in range(job.sizes.warmup)]
     placement = side.after_warmup()
+    # The set-up's peak (building, the warm-up, a rebalance's expert moves), then a new one
+    # for the timed steps: that one is the training's memory, which the target is about.
+    setup_peak = peak_memory(device.device)["bytes"] - base
+    reset_peak_memory(device.device)
     dist.barrier()
     profiler = cProfile.Profile() if job.profile else None
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -438,6 +444,7 @@ def _rank(slot: int, job: Job) -> None:
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "peak_bytes": peak["bytes"] - base,
+        "setup_peak_bytes": setup_peak,
         "peak_what": peak["what"],
         "device": device.describe(),
         "placement": placement,
@@ -466,6 +473,7 @@ def run(
         "cpu_s_per_step_by_rank": [r["cpu_seconds"] / sizes.steps for r in records],
         "peak_bytes_per_rank": max(r["peak_bytes"] for r in records),
         "peak_bytes": [r["peak_bytes"] for r in records],
+        "setup_peak_bytes_per_rank": max(r["setup_peak_bytes"] for r in records),
         "peak_what": records[0]["peak_what"],
         "device": records[0]["device"],
         "losses": records[0]["losses"],
@@ -601,6 +609,12 @@ def figures(rr: RowRuns, sizes: Sizes, peak_tflops: float | None) -> dict[str, A
         "round_busiest_rank_cpu_ratios": busiest,
         "bulkhead_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in b)),
         "baseline_peak_bytes_per_rank": int(statistics.median(x["peak_bytes_per_rank"] for x in p)),
+        "bulkhead_setup_peak_bytes_per_rank": int(
+            statistics.median(x["setup_peak_bytes_per_rank"] for x in b)
+        ),
+        "baseline_setup_peak_bytes_per_rank": int(
+            statistics.median(x["setup_peak_bytes_per_rank"] for x in p)
+        ),
         "memory_ratio": statistics.median(mem),
         "round_memory_ratios": mem,
         "expected_memory_ratio": expected_memory_ratio(rr.row, sizes),

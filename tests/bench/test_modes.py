@@ -29,6 +29,8 @@ KEYS = (
     "expected_memory_ratio",
     "extra_peak_bytes_per_rank",
     "expected_extra_bytes_per_rank",
+    "bulkhead_setup_peak_bytes_per_rank",
+    "baseline_setup_peak_bytes_per_rank",
 )
 
 
