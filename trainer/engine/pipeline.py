@@ -32,8 +32,9 @@ over the pipelines are the data-parallel gradient.
 Gradients (``StageKeys.reduce_gradients``): each key's gradient is summed over the ranks holding
 it (the same shard of it under ZeRO, whose reduce-scatter already summed the pod's
 processes): one stage per pipeline holds a unit (the tied embedding: every first and last
-stage). The sum runs in rank order, so every holder takes the same step: one uneven
-all-to-all per step.
+stage). The sum runs in rank order, so every holder takes the same step: an uneven
+all-to-all per round of the exchange (``grad_sync.exchange_rounds``: up to 2^20 elements
+of each unit's keys), one per step for units under that.
 
 State: a unit's parameters and optimizer slots form the key group ``unit/<u>`` (the tied
 embedding ``unit/tied``); a rank holds its stage's groups (``holdings.GroupedHoldings``).
