@@ -19,6 +19,7 @@ no torch operation, so no CUDA context is inherited.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -49,6 +50,7 @@ LOSS_RTOL = 1e-4
 # AdamW turns rounding differences of near-zero gradients into a fraction of one step
 # (lr 3e-3): parameters are compared to 2 % of one step, as tests/engine does.
 PARAM_RTOL, PARAM_ATOL = 1e-4, 6e-5
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 # What the fork server imports once for every rank it forks.
 PRELOAD = [
     "torch",
@@ -115,13 +117,26 @@ def device_for(slot: int, placement: str) -> DeviceChoice:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: CUDA's allocator statistics, or the process's RSS high-water mark
-    (Linux resets VmHWM when "5" is written to /proc/self/clear_refs)."""
+    (Linux resets VmHWM when "5" is written to /proc/self/clear_refs).
+
+    On the CPU it also fixes glibc's mmap threshold at its 128 KiB default (glibc raises
+    it to the largest block freed, up to 32 MiB, and later tensors of that size then stay
+    in the heap after they are freed): the RSS then follows the live tensors, not the
+    heap's history. Without it a d-512 ZeRO-3 rank of ``bench/modes.py`` peaked at ~650
+    MiB on both sides for 65 and 130 MiB of state; with it 190 and 262.
+    """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    _fix_mmap_threshold()
     # Where this fails the peak counts from the process's start.
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
+
+
+def _fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to fix
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
@@ -259,16 +274,7 @@ def _worker(slot: int, sc: Scenario, port: int, out_dir: str) -> None:
 
 
 def process_context() -> Any:
-    """The fork server context every bench process of these runs comes from.
-
-    Its processes allocate with a fixed mmap threshold of 128 KiB (glibc's default, which
-    glibc otherwise raises to the size of the largest block freed, up to 32 MiB): freed
-    tensors then go back to the system, so the RSS peak (``peak_memory`` on the CPU)
-    follows the live tensors instead of the heap's fragmentation. Without it a d-512
-    ZeRO-3 rank's peak was ~650 MiB on both sides for 65 and 130 MiB of model state; with
-    it 189 and 261 (``bench/modes.py --d-model 512``). Read by the fork server at its start.
-    """
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    """The fork server context every bench process of these runs comes from."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

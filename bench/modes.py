@@ -380,8 +380,8 @@ def _pin(slot: int, processes: int) -> None:
 
 def _import_lazy_modules() -> None:
     """Import what either side imports lazily in its first steps, before the memory base
-    is taken: FSDP2 and DTensor pull in ``torch._dynamo`` (~150 MiB of RSS, 9x the d-128
-    model's state), which would otherwise count as the side's training memory."""
+    is taken, so code does not count as a side's training memory (the fork server already
+    preloads torch, FSDP2 and ``torch._dynamo``: this adds the rest)."""
     import _modes_baselines  # noqa: F401
     import torch._dynamo
     import torch.distributed.fsdp
