@@ -48,10 +48,9 @@ for its ``maxFailures + 1`` copies over what the baseline keeps, for the rank ho
 ``extra_peak_bytes_per_rank`` (bulkhead's peak less the baseline's) against
 ``expected_extra_bytes_per_rank`` (those copies' extra state bytes): activations and buffers
 are not copied, so where the state is a small part of the peak this is the sharper check.
-Both sides import every module either imports lazily (FSDP2 pulls in ``torch._dynamo``:
-~150 MiB) before the base is taken, and allocate with a fixed mmap threshold
-(``_engine_runs.process_context``) so the RSS follows the live tensors; ``--d-model 512``
-makes the model state most of the peak.
+Both sides import every module either imports lazily before the base is taken, and
+allocate with a fixed mmap threshold (``_engine_runs.reset_peak_memory``) so the RSS
+follows the live tensors; ``--d-model 512`` makes the model state most of the peak.
 ``*_cpu_s_per_step``: CPU seconds (every rank's process time, its communication threads
 included) per timed step, summed over the ranks; ``cpu_ratio``: the baseline's over
 bulkhead's (like ``ratio``, above 1 means bulkhead costs less). On a shared machine a
