@@ -379,15 +379,11 @@ def _pin(slot: int, processes: int) -> None:
 
 def _import_lazy_modules() -> None:
     """Import what either side imports lazily in its first steps, before the memory base
-    is taken, so code does not count as a side's training memory (the fork server already
-    preloads torch, FSDP2 and ``torch._dynamo``: this adds the rest)."""
+    is taken, so code does not count as a side's training memory. The fork server
+    preloads torch, FSDP2 and ``torch._dynamo``, and this module already imports
+    bulkhead's engine (through ``_engine_runs``); the baselines' module brings the rest
+    (pipelining, DTensor, DDP)."""
     import _modes_baselines  # noqa: F401
-    import torch._dynamo
-    import torch.distributed.fsdp
-    import torch.distributed.pipelining
-    import torch.distributed.tensor  # noqa: F401
-
-    import bulkhead.trainer.engine.parallelize  # noqa: F401
 
 
 def _rank(slot: int, job: Job) -> None:
@@ -525,16 +521,21 @@ def state_bytes(cfg: TrainConfig, plan: ParallelPlan, baseline: bool) -> int:
     return state_bytes_per_rank(zero, dense).total
 
 
-def expected_memory_ratio(row: Row, sizes: Sizes) -> float:
+def _state_bytes_both(row: Row, sizes: Sizes) -> tuple[int, int]:
+    """(bulkhead's, the baseline's) model-state bytes on the rank holding most."""
     cfg = config(row, sizes)
     plan = plan_of(cfg, row.processes)
-    return state_bytes(cfg, plan, baseline=False) / state_bytes(cfg, plan, baseline=True)
+    return state_bytes(cfg, plan, baseline=False), state_bytes(cfg, plan, baseline=True)
+
+
+def expected_memory_ratio(row: Row, sizes: Sizes) -> float:
+    ours, baseline = _state_bytes_both(row, sizes)
+    return ours / baseline
 
 
 def expected_extra_bytes(row: Row, sizes: Sizes) -> int:
-    cfg = config(row, sizes)
-    plan = plan_of(cfg, row.processes)
-    return state_bytes(cfg, plan, baseline=False) - state_bytes(cfg, plan, baseline=True)
+    ours, baseline = _state_bytes_both(row, sizes)
+    return ours - baseline
 
 
 def active_params(cfg: TrainConfig) -> int:

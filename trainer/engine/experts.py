@@ -204,6 +204,9 @@ class ExpertKeys:
     """Whole keys (nothing is sharded), each expert's in its group; the dense gradients
     summed over all ranks, each expert's over its hosts."""
 
+    def __init__(self) -> None:
+        self._rounds: dict[tuple[int, int, str], int] | None = None
+
     def shardable(self, engine: Engine, key: str, t: torch.Tensor) -> bool:
         return shardable(key, t)
 
@@ -254,9 +257,9 @@ class ExpertKeys:
             where = keys.expert_of(name)
             if where is not None:
                 mine[(*where, name)] = g
-        norm_sq += sum_over_holders(
-            world, mine, {k: hosts[k[:2]] for k in mine}, _expert_rounds(engine)
-        )
+        if self._rounds is None:  # every expert of the model: fixed for the engine's life
+            self._rounds = _expert_rounds(engine)
+        norm_sq += sum_over_holders(world, mine, {k: hosts[k[:2]] for k in mine}, self._rounds)
         return norm_sq
 
 
