@@ -21,7 +21,7 @@ def test_layouts_are_reused_for_the_same_counts_and_replicas_only() -> None:
     assert np.array_equal(first.send, DispatchLayout.of(1, counts, replicas).send)
     other = dispatch.layout(np.array([[4, 2], [1, 5]]))
     assert other is not first and dispatch.layout(counts) is first
-    dispatch.replicas = np.array([[1, 1], [0, 1]])  # rebalanced: expert 1 moved to rank 1
+    dispatch.rehost(np.array([[1, 1], [0, 1]]))  # rebalanced: expert 1 moved to rank 1
     moved = dispatch.layout(counts)
     assert moved is not first
     assert np.array_equal(moved.send, DispatchLayout.of(1, counts, dispatch.replicas).send)

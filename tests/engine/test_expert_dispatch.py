@@ -1,5 +1,6 @@
 """The dispatch layout: every routed assignment reaches a replica of its expert and comes
-back to where it was routed from; nothing is dropped, padded or duplicated."""
+back to where it was routed from; nothing is dropped, padded or duplicated. Under uniform
+routing one replica computes each expert; a hot expert is shared by its replicas."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from hypothesis import strategies as st
 
 from bulkhead.trainer.parallel.dispatch import DispatchLayout
 from bulkhead.trainer.parallel.experts_plan import plan_experts
+from bulkhead.trainer.planning.dispatch_quotas import (
+    dispatch_quotas,
+    primary_replicas,
+    proportional_capacities,
+)
 
 
 def _simulate(experts_of: list[np.ndarray], replicas: np.ndarray) -> None:
@@ -42,9 +48,11 @@ def _simulate(experts_of: list[np.ndarray], replicas: np.ndarray) -> None:
             for row in idx:
                 origin, a = received[row]
                 assert experts_of[origin][a] == e
-            # Each replica takes its quota: the expert's tokens split by slots.
-            total = counts[:, e].sum()
-            assert abs(len(idx) - total * replicas[e, j] / replicas[e].sum()) < ranks + 1
+            # Each replica takes its quota, and the layout says it computes.
+            assert len(idx) == layouts[j].send[e, :, j].sum()
+            assert layouts[0].computing[e, j]
+        for e in range(len(replicas)):
+            assert layouts[0].computing[e, j] == (e in rows)
     # Local first: a rank keeps as many of its own tokens as its replicas' quota takes.
     send = layouts[0].send
     for e in range(len(replicas)):
@@ -75,5 +83,25 @@ def test_a_rank_routing_nothing_still_takes_its_share() -> None:
     experts_of = [np.array([0, 0, 0, 0, 1, 1]), np.array([], dtype=np.int64)]
     counts = np.stack([np.bincount(a, minlength=2) for a in experts_of])
     layout = DispatchLayout.of(1, counts, replicas)
-    assert layout.output_splits == [3, 0]  # half of rank 0's tokens
+    # Neither expert fits whole on its primary within 1.25x the proportional split's 3
+    # rows a rank: each is split, and rank 1 takes half of rank 0's tokens.
+    assert layout.output_splits == [3, 0]
     _simulate(experts_of, replicas)
+
+
+def test_uniform_routing_computes_every_expert_once_and_hot_ones_are_split() -> None:
+    plan = plan_experts(4, 8, [1], 2, requested_slots=5)
+    replicas = plan.layer(1).replica_matrix()
+    primary = primary_replicas(replicas)
+    assert np.bincount(primary, minlength=4).tolist() == [2, 2, 2, 2]  # spread evenly
+    rng = np.random.default_rng(0)
+    uniform = np.stack([np.bincount(rng.integers(0, 8, 256), minlength=8) for _ in range(4)])
+    received = dispatch_quotas(uniform.T, replicas).sum(axis=1)
+    assert ((received > 0).sum(axis=1) == 1).all()  # one replica computes each expert
+    assert received.sum(axis=0).max() <= 1.25 * uniform.sum() / 4
+    # Expert 0 takes half the tokens: more than a rank's rows, so its replicas share it.
+    hot = uniform.copy()
+    hot[:, 0] += 4 * 256
+    received = dispatch_quotas(hot.T, replicas).sum(axis=1)
+    assert (received[0] == proportional_capacities(hot.T, replicas)[0]).all()
+    assert (received[0] > 0).sum() == (replicas[0] > 0).sum() >= 2

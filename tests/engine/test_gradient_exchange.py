@@ -1,7 +1,9 @@
-"""``sum_over_holders`` in rounds (``exchange_rounds``): in a real 3-rank gloo world with
-keys held by two or three ranks, the sums and the norm are bit-identical to one round,
-and every holder ends with the same bits; the rounds a key gets are the same wherever
-they are computed and keep each team's rounds within the budget."""
+"""``sum_over_holders`` in rounds (``exchange_rounds``) and from some holders only
+(``sources``): in a real 3-rank gloo world with keys held by two or three ranks, the sums
+and the norm are bit-identical to one round, every holder ends with the same bits, and
+with sources every holder gets the sum of theirs alone (the others held zeros); the rounds
+a key gets are the same wherever they are computed and keep each team's rounds within the
+budget."""
 
 from __future__ import annotations
 
@@ -28,9 +30,25 @@ KEYS = {
     "solo": (9, (2,)),
 }
 TEAMS = {k: k.split(".")[0] for k in KEYS}
+# The holders that computed (an expert replica given no token computes nothing).
+SOURCES = {
+    "a.w": (1,),
+    "a.b": (0, 1),
+    "a.v": (),
+    "b.w": (2,),
+    "b.b": (1, 2),
+    "t.w": (0, 2),
+    "t.b": (1,),
+    "solo": (2,),
+}
 
 
-def _rank_main(rank: int, port: int, budget: int | None, out) -> None:
+def _gradient(key: str, rank: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{key}/{rank}".encode()))
+    return torch.randn(numel, generator=g) * 1e3
+
+
+def _rank_main(rank: int, port: int, budget: int | None, with_sources: bool, out) -> None:
     from bulkhead.trainer.engine.device import pick_device
     from bulkhead.trainer.engine.grad_sync import sum_over_holders
     from bulkhead.trainer.engine.world import open_world
@@ -42,23 +60,29 @@ def _rank_main(rank: int, port: int, budget: int | None, out) -> None:
         grads = {}
         for key, (numel, holders) in KEYS.items():
             if rank in holders:
-                g = torch.Generator().manual_seed(zlib.crc32(f"{key}/{rank}".encode()))
-                grads[key] = torch.randn(numel, generator=g) * 1e3
+                computed = not with_sources or rank in SOURCES[key]
+                grads[key] = _gradient(key, rank, numel) if computed else torch.zeros(numel)
         holders = {k: KEYS[k][1] for k in grads}
         rounds = None
         if budget is not None:
             rounds = exchange_rounds({k: n for k, (n, _) in KEYS.items()}, TEAMS, budget)
-        norm = sum_over_holders(world, grads, holders, rounds)
+        sources = {k: SOURCES[k] for k in grads} if with_sources else None
+        norm = sum_over_holders(world, grads, holders, rounds, sources)
         out.put((rank, norm, {k: g.clone() for k, g in grads.items()}))
     finally:
         world.close()
 
 
-def _run(budget: int | None) -> dict[int, tuple[float, dict[str, torch.Tensor]]]:
+def _run(
+    budget: int | None, with_sources: bool = False
+) -> dict[int, tuple[float, dict[str, torch.Tensor]]]:
     ctx = preloaded_context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, budget, out)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, budget, with_sources, out))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     results = {rank: (norm, grads) for rank, norm, grads in (out.get(timeout=120) for _ in procs)}
@@ -100,3 +124,20 @@ def test_rounds_follow_teams_and_the_budget() -> None:
     # "b.b" (60) is over the budget alone: a round of its own.
     assert rounds["b.b"] != rounds["b.w"]
     assert exchange_rounds(numels, TEAMS, budget=10**9) == dict.fromkeys(numels, 0)
+
+
+def test_only_the_sources_are_summed_and_every_holder_gets_their_sum() -> None:
+    results = _run(40, with_sources=True)
+    expected_norm = 0.0
+    for key, (numel, holders) in KEYS.items():
+        pieces = [_gradient(key, r, numel) for r in SOURCES[key]]  # in rank order
+        expected = torch.zeros(numel)
+        if pieces:
+            expected = pieces[0].clone()
+            for piece in pieces[1:]:
+                expected += piece
+        for r in holders:
+            assert torch.equal(results[r][1][key], expected), (key, r)
+        expected_norm += float(expected.double().pow(2).sum())
+    norm = sum(float(results[r][0]) for r in range(WORLD))
+    assert abs(norm - expected_norm) <= 1e-6 * expected_norm

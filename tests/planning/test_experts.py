@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bulkhead.trainer.planning.dispatch_quotas import dispatch_quotas
+from bulkhead.trainer.planning.dispatch_quotas import (
+    CONCENTRATION_SLACK,
+    concentrated_capacities,
+    dispatch_quotas,
+    primary_replicas,
+    proportional_capacities,
+)
 from bulkhead.trainer.planning.errors import PlanError
 from bulkhead.trainer.planning.expert_migration import replace_after_failure
 from bulkhead.trainer.planning.experts import (
@@ -190,14 +196,21 @@ def test_dispatch_conserves_tokens_local_first(data) -> None:
     assert (send >= 0).all()
     assert (send.sum(axis=2) == tokens).all()  # every routed token is sent exactly once
     received = send.sum(axis=1)
-    assert (received.sum(axis=1) == tokens.sum(axis=1)).all()
+    assert (received == concentrated_capacities(tokens, replicas)).all()
+    proportional = proportional_capacities(tokens, replicas)
+    primary = primary_replicas(replicas)
     for e in range(len(tokens)):
         total, reps = tokens[e].sum(), replicas[e]
         share = total * reps / reps.sum()
-        assert (np.abs(received[e] - share) < 1).all()  # within one token of proportional
+        assert (np.abs(proportional[e] - share) < 1).all()  # within one token of Alg. 1
         assert (received[e][reps == 0] == 0).all()
+        # Each expert is split as Alg. 1 splits it, or whole on its primary replica.
+        assert (received[e] == proportional[e]).all() or received[e][primary[e]] == total
         kept = np.diag(send[e])
         assert (kept == np.minimum(tokens[e], received[e])).all()  # local first
+    # Concentrating never loads a rank beyond the slack over Alg. 1's busiest.
+    busiest = proportional.sum(axis=0).max(initial=0)
+    assert received.sum(axis=0).max(initial=0) <= (1 + CONCENTRATION_SLACK) * busiest
     assert (send == dispatch_quotas(tokens, replicas)).all()  # deterministic
 
 

@@ -15,8 +15,10 @@ their gradients cross in bf16 (``QuotaDispatch.wire``).
 
 After backward (``ExpertKeys.reduce_gradients``): the dense gradients are summed over
 all ranks (each rank's loss is weighted by its share of the global batch), and each
-expert's gradient is summed over the ranks hosting it, in rank order, so every replica
-takes the same step as the expert of a model trained without expert parallelism.
+expert's gradient is summed over the replicas that computed tokens in the step
+(``QuotaDispatch.computed``; the quotas send an expert's tokens whole to one replica where
+the load allows) and sent to all its hosts, in rank order, so every replica takes the same
+step as the expert of a model trained without expert parallelism.
 
 State: an expert's parameters and optimizer slots form the key group
 ``expert/<block>/<expert>`` (``layout``); a rank holds the dense keys and its experts'
@@ -106,9 +108,17 @@ class QuotaDispatch:
         self.replicas = replicas  # (experts, team ranks): slots of each expert on each rank
         # Global assignments per expert since the last rebalance (the same on every rank).
         self.load = np.zeros(num_experts, dtype=np.int64)
+        # (experts, team ranks): the replicas that computed tokens in training since the
+        # gradients were last summed (the same on every rank); only theirs are summed.
+        self.computed = np.zeros_like(replicas, dtype=bool)
         # Layouts of recent (counts, replicas): a recomputed block's second pass, and
         # micro-batches routed alike, reuse one instead of deriving the quotas again.
         self._layouts: dict[tuple[bytes, bytes], DispatchLayout] = {}
+
+    def rehost(self, replicas: np.ndarray) -> None:
+        """Dispatch over a new placement from the next step on."""
+        self.replicas = replicas
+        self.computed = np.zeros_like(replicas, dtype=bool)
 
     def layout(self, counts: np.ndarray) -> DispatchLayout:
         """The dispatch layout of these (ranks, experts) counts under the current replicas."""
@@ -128,6 +138,8 @@ class QuotaDispatch:
         if not recomputing():  # a checkpointed block's second pass routes the same tokens
             self.load += counts.sum(axis=0)
         layout = self.layout(counts)
+        if layer.training:  # evaluation's passes leave no gradient
+            self.computed |= layout.computing
         order = torch.from_numpy(layout.send_order(experts_of.cpu().numpy())).to(tokens.device)
         token_of = order // top_k  # assignment a is slot a % k of token a // k
         group = self.team.group
@@ -259,8 +271,26 @@ class ExpertKeys:
                 mine[(*where, name)] = g
         if self._rounds is None:  # every expert of the model: fixed for the engine's life
             self._rounds = _expert_rounds(engine)
-        norm_sq += sum_over_holders(world, mine, {k: hosts[k[:2]] for k in mine}, self._rounds)
+        computed = _computed_by(engine)
+        norm_sq += sum_over_holders(
+            world,
+            mine,
+            {k: hosts[k[:2]] for k in mine},
+            self._rounds,
+            {k: tuple(r for r in computed[k[:2]] if r in hosts[k[:2]]) for k in mine},
+        )
         return norm_sq
+
+
+def _computed_by(engine: Engine) -> dict[tuple[int, int], tuple[int, ...]]:
+    """(block, expert) -> the ranks whose replica computed tokens since the last sum (a
+    hosted expert absent from it has a zero gradient); starts them over."""
+    out = {}
+    for block, dispatch in engine.model_layout.dispatches.items():
+        for e, row in enumerate(dispatch.computed):
+            out[(block, e)] = tuple(int(r) for r in np.flatnonzero(row))
+        dispatch.computed[:] = False
+    return out
 
 
 def _expert_rounds(engine: Engine) -> dict[tuple[int, int, str], int]:
@@ -312,7 +342,7 @@ class ExpertPlacement:
         layers = engine.model.moe_layers()
         for p in plan.layers:
             host_experts(layers[p.layer], hosted[p.layer], engine.world.device.device)
-            self.dispatches[p.layer].replicas = p.replica_matrix()
+            self.dispatches[p.layer].rehost(p.replica_matrix())
         engine.take_plan(replace(engine.plan, experts=plan), rehosted=True)
 
     # -- rebalancing -------------------------------------------------------------------

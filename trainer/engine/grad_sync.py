@@ -94,6 +94,7 @@ def sum_over_holders(
     grads: dict[Any, torch.Tensor],
     holders: dict[Any, tuple[int, ...]],
     rounds: dict[Any, int] | None = None,
+    sources: dict[Any, tuple[int, ...]] | None = None,
 ) -> float:
     """Each gradient summed in place over the ranks holding it (layouts where ranks hold
     different keys: pipeline stages, expert replicas); returns this rank's share of the
@@ -103,6 +104,12 @@ def sum_over_holders(
     to each peer, every gradient both hold, in key order; the sum runs in rank order, so
     every holder computes the same bits and takes the same step. Sums are written in
     place and the norm is one fused call with one host sync.
+
+    ``sources[key]`` (ascending, a subset of the holders; default: all of them): the
+    holders whose gradient can be non-zero (an expert replica that computed no token
+    has none). Only they send, and every holder's gradient becomes their sum: an expert
+    computed by one replica costs one copy to each other host, not one from every host
+    to every other.
 
     ``rounds`` (``exchange_rounds``, every key of the model): one all-to-all per round,
     each carrying its keys, so the exchange's send and receive buffers hold one round's
@@ -116,62 +123,73 @@ def sum_over_holders(
         by_round[rounds[key] if rounds else 0].append(key)
     counted: list[torch.Tensor] = []
     for round_keys in by_round:  # every rank runs every round, also with nothing in it
-        counted += _exchange_and_sum(world, grads, holders, round_keys)
+        counted += _exchange_and_sum(world, grads, holders, sources or holders, round_keys)
     return squared_norm(counted)
 
 
 def _exchange_and_sum(
     world: World, grads: dict[Any, torch.Tensor], holders: dict[Any, tuple[int, ...]],
-    keys: list[Any],
+    sources: dict[Any, tuple[int, ...]], keys: list[Any],
 ) -> list[torch.Tensor]:  # fmt: skip
     """One round of ``sum_over_holders``: the gradients this rank counts in the norm."""
+    me = world.rank
+    peers = range(world.world_size)
     sends: dict[int, list[torch.Tensor]] = {}
+    recv_sizes = [0] * world.world_size
     for key in keys:
-        for peer in holders[key]:
-            if peer != world.rank:
-                sends.setdefault(peer, []).append(grads[key].reshape(-1))
+        if me in sources[key]:
+            for peer in holders[key]:
+                if peer != me:
+                    sends.setdefault(peer, []).append(grads[key].reshape(-1))
+        for peer in sources[key]:
+            if peer != me:
+                recv_sizes[peer] += grads[key].numel()
     some = next(iter(grads.values()), None)
     dtype = some.dtype if some is not None else torch.float32
     device = world.device.device
-    peers = range(world.world_size)
-    # A peer holds the same keys as this rank holds with it: it sends back what it gets.
-    sizes = [sum(t.numel() for t in sends.get(p, ())) for p in peers]
+    send_sizes = [sum(t.numel() for t in sends.get(p, ())) for p in peers]
     # One copy of the gradients, straight into the send buffer in rank order (a buffer
     # per peer, concatenated, was a second copy: 1-2 % of a pipeline step on a CPU).
     parts = [t for p in peers for t in sends.get(p, ())]
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
     del sends, parts
-    out = torch.empty(sum(sizes), dtype=dtype, device=device)
-    world.all_to_all(out, flat, sizes, sizes)
+    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    world.all_to_all(out, flat, recv_sizes, send_sizes)
     del flat
-    pieces = out.split(sizes)
-    received = {p: pieces[p] for p in peers if sizes[p]}
+    pieces = out.split(recv_sizes)
+    received = {p: pieces[p] for p in peers if recv_sizes[p]}
     cursor = dict.fromkeys(received, 0)
     counted: list[torch.Tensor] = []
     for key in keys:
         g = grads[key]
         pieces = []
-        for peer in holders[key]:  # in rank order: every holder sums alike
-            if peer == world.rank:
+        for peer in sources[key]:  # in rank order: every holder sums alike
+            if peer == me:
                 pieces.append(g)
             else:
                 pieces.append(received[peer][cursor[peer] : cursor[peer] + g.numel()].view_as(g))
                 cursor[peer] += g.numel()
-        if len(pieces) > 1:
+        if len(pieces) > 1 or (pieces and pieces[0] is not g):
             _sum_in_order_(g, pieces)
-        if holders[key][0] == world.rank:
+        elif not pieces:  # no holder computed it: every holder's gradient is zero
+            g.zero_()
+        if holders[key][0] == me:
             counted.append(g)
     return counted
 
 
 def _sum_in_order_(own: torch.Tensor, pieces: list[torch.Tensor]) -> None:
-    """``own`` (one of ``pieces``) becomes their sum, added in list order: the same bits on
-    every holder. In place when that keeps the order (``own`` first, or two pieces: a + b
-    and b + a are the same bits), else through one new tensor."""
-    if pieces[0] is own or len(pieces) == 2:
+    """``own`` becomes the sum of ``pieces`` (``own`` among them, or not: a holder that
+    computed nothing), added in list order: the same bits on every holder. In place when
+    that keeps the order (``own`` first, or two pieces: a + b and b + a are the same bits),
+    else through one new tensor."""
+    if any(piece is own for piece in pieces) and (pieces[0] is own or len(pieces) == 2):
         for piece in pieces:
             if piece is not own:
                 own.add_(piece)
+        return
+    if len(pieces) == 1:
+        own.copy_(pieces[0])
         return
     total = pieces[0] + pieces[1]
     for piece in pieces[2:]:

@@ -2,16 +2,18 @@
 
 Every rank routes its tokens, the ranks exchange their per-expert counts, and from the
 same (experts x ranks) count and replica matrices every rank derives the same quotas
-(``planning.dispatch_quotas.dispatch_quotas``: each expert's tokens split over its replicas in
-proportion to their slots, a rank's own replica first). ``DispatchLayout`` turns the
-quotas into one rank's side of an uneven all-to-all:
+(``planning.dispatch_quotas.dispatch_quotas``: each expert's tokens whole on one replica
+where the load allows, else split over its replicas in proportion to their slots; a
+rank's own replica first). ``DispatchLayout`` turns the quotas into one rank's side of an
+uneven all-to-all:
 
 - the order in which it sends its routed (token, expert) assignments: destination by
   destination, expert by expert within each, and within an expert in routing order (the
   first ones stay local, the overflow goes to the other replicas in rank order);
 - the split sizes in and out (a rank's split to itself is the same both ways, as gloo
   requires);
-- for every expert it hosts, the rows of the received buffer that are for it.
+- for every expert it hosts, the rows of the received buffer that are for it;
+- which replicas compute (every rank's: their hosts sum only those replicas' gradients).
 
 No assignment is dropped or padded: rows out and in are exactly the routed assignments.
 """
@@ -35,6 +37,11 @@ class DispatchLayout:
     def of(cls, rank: int, counts: np.ndarray, replicas: np.ndarray) -> DispatchLayout:
         """``counts``: (ranks, experts) routed assignments; ``replicas``: (experts, ranks)."""
         return cls(rank, dispatch_quotas(np.asarray(counts).T, replicas))
+
+    @cached_property
+    def computing(self) -> np.ndarray:
+        """(experts, ranks): whether the rank's replica of the expert receives tokens."""
+        return self.send.sum(axis=1) > 0
 
     @cached_property
     def input_splits(self) -> list[int]:
