@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from bulkhead.trainer.parallel.dispatch import DispatchLayout
 from bulkhead.trainer.parallel.experts_plan import plan_experts
 from bulkhead.trainer.planning.dispatch_quotas import (
+    concentrated_capacities,
     dispatch_quotas,
     primary_replicas,
     proportional_capacities,
@@ -105,3 +106,13 @@ def test_uniform_routing_computes_every_expert_once_and_hot_ones_are_split() -> 
     received = dispatch_quotas(hot.T, replicas).sum(axis=1)
     assert (received[0] == proportional_capacities(hot.T, replicas)[0]).all()
     assert (received[0] > 0).sum() == (replicas[0] > 0).sum() >= 2
+
+
+def test_an_expert_hosted_alone_is_never_the_one_split() -> None:
+    # Expert 0 lives on rank 0 alone, expert 2 on both; both primaries on rank 0 make 200
+    # rows there, over 1.25 x the proportional busiest (150): expert 2, the one that can
+    # be split, is split, though expert 0 is as large and first in order.
+    replicas = np.array([[1, 0], [0, 1], [1, 1]])
+    tokens = np.array([[60, 40], [1, 0], [30, 70]])
+    assert primary_replicas(replicas).tolist() == [0, 1, 0]
+    assert concentrated_capacities(tokens, replicas).tolist() == [[100, 0], [0, 1], [50, 50]]

@@ -98,8 +98,9 @@ def concentrated_capacities(
 ) -> np.ndarray:
     """capacity[e, j]: every expert whole on its primary replica, then, while a rank
     computes more than (1 + ``slack``) x the busiest rank of ``proportional_capacities``,
-    its largest whole expert split as Alg. 1 splits it. That ends within the bound: a rank
-    with no whole expert computes only its Alg. 1 shares, at most that busiest rank's."""
+    its largest whole expert that Alg. 1 splits is split so. That ends within the bound:
+    a rank with no such expert computes only its Alg. 1 shares, at most that busiest
+    rank's."""
     tokens, replicas = _checked(tokens, replicas)
     proportional = proportional_capacities(tokens, replicas)
     bound = (1 + slack) * int(proportional.sum(axis=0).max(initial=0))
@@ -111,8 +112,11 @@ def concentrated_capacities(
     rows = capacity.sum(axis=0)
     while (rows > bound).any():
         rank = int(np.argmax(rows > bound))  # the first rank over the bound
-        mine = [int(e) for e in whole if primary[e] == rank and capacity[e, rank] == totals[e]]
-        e = max(mine, key=lambda e: (totals[e], -e))  # the largest; ties: the lower expert
+        # Whole here and split under Alg. 1 (an expert hosted here alone stays whole).
+        splittable = [
+            int(e) for e in whole if capacity[e, rank] == totals[e] > proportional[e, rank]
+        ]
+        e = max(splittable, key=lambda e: (totals[e], -e))  # the largest; ties: the lower
         rows += proportional[e] - capacity[e]
         capacity[e] = proportional[e]
     return capacity
