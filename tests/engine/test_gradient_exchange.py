@@ -1,7 +1,8 @@
 """``sum_over_holders`` in rounds (``exchange_rounds``) and from some holders only
 (``sources``): in a real 3-rank gloo world with keys held by two or three ranks, the sums
 and the norm are bit-identical to one round, every holder ends with the same bits, and
-with sources every holder gets the sum of theirs alone (the others held zeros); the rounds
+with sources every holder gets the sum of theirs alone (the others held zeros), also for
+the keys summed in chunks (two or more sources, three holders: "t.w", "t.b"); the rounds
 a key gets are the same wherever they are computed and keep each team's rounds within the
 budget."""
 
