@@ -1,8 +1,8 @@
 """``sum_over_holders`` in rounds (``exchange_rounds``) and from some holders only
 (``sources``): in a real 3-rank gloo world with keys held by two or three ranks, the sums
 and the norm are bit-identical to one round, every holder ends with the same bits, and
-with sources every holder gets the sum of theirs alone (the others held zeros), also for
-the keys summed in chunks (two or more sources, three holders: "t.w", "t.b"); the rounds
+with sources every holder gets the sum of theirs alone (the others held zeros), also
+with the keys of two or more sources and three holders summed in chunks; the rounds
 a key gets are the same wherever they are computed and keep each team's rounds within the
 budget."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from engine_harness import free_port
@@ -49,7 +50,9 @@ def _gradient(key: str, rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=g) * 1e3
 
 
-def _rank_main(rank: int, port: int, budget: int | None, with_sources: bool, out) -> None:
+def _rank_main(
+    rank: int, port: int, budget: int | None, with_sources: bool, chunked: bool, out
+) -> None:
     from bulkhead.trainer.engine.device import pick_device
     from bulkhead.trainer.engine.grad_sync import sum_over_holders
     from bulkhead.trainer.engine.world import open_world
@@ -68,20 +71,20 @@ def _rank_main(rank: int, port: int, budget: int | None, with_sources: bool, out
         if budget is not None:
             rounds = exchange_rounds({k: n for k, (n, _) in KEYS.items()}, TEAMS, budget)
         sources = {k: SOURCES[k] for k in grads} if with_sources else None
-        norm = sum_over_holders(world, grads, holders, rounds, sources)
+        norm = sum_over_holders(world, grads, holders, rounds, sources, chunked)
         out.put((rank, norm, {k: g.clone() for k, g in grads.items()}))
     finally:
         world.close()
 
 
 def _run(
-    budget: int | None, with_sources: bool = False
+    budget: int | None, with_sources: bool = False, chunked: bool = False
 ) -> dict[int, tuple[float, dict[str, torch.Tensor]]]:
     ctx = preloaded_context()
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, budget, with_sources, out))
+        ctx.Process(target=_rank_main, args=(r, port, budget, with_sources, chunked, out))
         for r in range(WORLD)
     ]
     for p in procs:
@@ -97,7 +100,7 @@ def test_rounds_sum_the_same_bits_as_one_exchange() -> None:
     one = _run(None)
     rounds = exchange_rounds({k: n for k, (n, _) in KEYS.items()}, TEAMS, budget=40)
     assert max(rounds.values()) >= 1  # the test does split the exchange
-    split = _run(40)
+    split = _run(40, chunked=True)  # and the keys with three holders summed in chunks
     total = sum(float(one[r][0]) for r in range(WORLD))
     expected = 0.0
     for key, (_, holders) in KEYS.items():
@@ -127,8 +130,9 @@ def test_rounds_follow_teams_and_the_budget() -> None:
     assert exchange_rounds(numels, TEAMS, budget=10**9) == dict.fromkeys(numels, 0)
 
 
-def test_only_the_sources_are_summed_and_every_holder_gets_their_sum() -> None:
-    results = _run(40, with_sources=True)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_only_the_sources_are_summed_and_every_holder_gets_their_sum(chunked: bool) -> None:
+    results = _run(40, with_sources=True, chunked=chunked)
     expected_norm = 0.0
     for key, (numel, holders) in KEYS.items():
         pieces = [_gradient(key, r, numel) for r in SOURCES[key]]  # in rank order

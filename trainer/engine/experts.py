@@ -271,13 +271,20 @@ class ExpertKeys:
                 mine[(*where, name)] = g
         if self._rounds is None:  # every expert of the model: fixed for the engine's life
             self._rounds = _expert_rounds(engine)
-        computed = _computed_by(engine)
+        computed = {
+            where: tuple(r for r in ranks if r in hosts[where])
+            for where, ranks in _computed_by(engine).items()
+        }
+        # Chunked sums pay a second all-to-all: only when some expert (of any rank) was
+        # computed by two or more of three or more hosts.
+        chunked = any(len(computed[w]) >= 2 and len(hosts[w]) >= 3 for w in computed)
         norm_sq += sum_over_holders(
             world,
             mine,
             {k: hosts[k[:2]] for k in mine},
             self._rounds,
-            {k: tuple(r for r in computed[k[:2]] if r in hosts[k[:2]]) for k in mine},
+            {k: computed[k[:2]] for k in mine},
+            chunked,
         )
         return norm_sq
 

@@ -95,6 +95,7 @@ def sum_over_holders(
     holders: dict[Any, tuple[int, ...]],
     rounds: dict[Any, int] | None = None,
     sources: dict[Any, tuple[int, ...]] | None = None,
+    chunked: bool = False,
 ) -> float:
     """Each gradient summed in place over the ranks holding it (layouts where ranks hold
     different keys: pipeline stages, expert replicas); returns this rank's share of the
@@ -109,7 +110,9 @@ def sum_over_holders(
     holders whose gradient can be non-zero (an expert replica that computed no token
     has none). Only they send, and every holder's gradient becomes their sum: an expert
     computed by one replica costs one copy to each other host, not one from every host
-    to every other.
+    to every other. ``chunked`` (the same on every rank): the keys with two or more
+    sources and three or more holders are summed in chunks, which costs a second
+    all-to-all per round (``_exchange_and_sum``).
 
     ``rounds`` (``exchange_rounds``, every key of the model): one all-to-all per round,
     each carrying its keys, so the exchange's send and receive buffers hold one round's
@@ -123,25 +126,26 @@ def sum_over_holders(
         by_round[rounds[key] if rounds else 0].append(key)
     counted: list[torch.Tensor] = []
     for round_keys in by_round:  # every rank runs every round, also with nothing in it
-        counted += _exchange_and_sum(world, grads, holders, sources or holders, round_keys)
+        counted += _exchange_and_sum(world, grads, holders, sources or holders, round_keys, chunked)
     return squared_norm(counted)
 
 
 def _exchange_and_sum(
     world: World, grads: dict[Any, torch.Tensor], holders: dict[Any, tuple[int, ...]],
-    sources: dict[Any, tuple[int, ...]], keys: list[Any],
+    sources: dict[Any, tuple[int, ...]], keys: list[Any], chunked: bool,
 ) -> list[torch.Tensor]:  # fmt: skip
     """One round of ``sum_over_holders``: the gradients this rank counts in the norm.
 
-    Two all-to-alls. The first carries each *direct* key's gradient from every source to
-    every other holder, which then sums them; and each *scattered* key's (at least two
-    sources and three holders) chunk i from every source to its i-th source, which sums
-    that chunk alone. The second carries the scattered keys' summed chunks to the other
-    holders: per key, (sources - 1) + (holders - 1) gradient sizes cross the wire where
-    sending it whole would cost sources x (holders - 1) (an expert on 4 hosts: 6 against
-    12), and each source adds one chunk, not the whole gradient."""
+    The first all-to-all carries each *direct* key's gradient from every source to every
+    other holder, which then sums them; and, if ``chunked``, each *scattered* key's (at
+    least two sources and three holders) chunk i from every source to its i-th source,
+    which sums that chunk alone. A second all-to-all then carries the scattered keys'
+    summed chunks to the other holders: per key, (sources - 1) + (holders - 1) gradient
+    sizes cross the wire where sending it whole would cost sources x (holders - 1) (an
+    expert on 4 hosts: 6 against 12), and each source adds one chunk, not the whole
+    gradient."""
     me = world.rank
-    scattered = {key for key in keys if len(sources[key]) >= 2 and len(holders[key]) >= 3}
+    scattered = {k for k in keys if chunked and len(sources[k]) >= 2 and len(holders[k]) >= 3}
     first: dict[int, list[torch.Tensor]] = {}
     first_sizes = [0] * world.world_size
     for key in keys:
@@ -195,6 +199,8 @@ def _exchange_and_sum(
             _sum_in_order_(g, pieces)
         elif not pieces:  # no holder computed it: every holder's gradient is zero
             g.zero_()
+    if not chunked:
+        return [grads[key] for key in keys if holders[key][0] == me]
     received = _all_to_all(world, grads, second, second_sizes)
     cursor = dict.fromkeys(received, 0)
     for key in keys:
