@@ -422,6 +422,9 @@ class PipelineConfig(SpecModel):
 
 
 DEFAULT_REBALANCE_INTERVAL_STEPS = 200
+# How much more than the proportional split a worker may compute so that experts go whole
+# to one replica (see ExpertParallelConfig.concentration_slack).
+DEFAULT_CONCENTRATION_SLACK = 0.25
 
 
 class ExpertParallelConfig(SpecModel):
@@ -457,6 +460,21 @@ class ExpertParallelConfig(SpecModel):
             "workers are alive."
         ),
     )
+    concentration_slack: float | None = Field(
+        None,
+        ge=0,
+        le=16,
+        description=(
+            "How much more than Lazarus' proportional split a worker may compute so that "
+            "an expert's tokens go whole to one of its replicas (fewer, larger expert "
+            "products; only the replicas that computed send gradients to the others): "
+            "every expert goes to its primary replica unless a worker would then compute "
+            "more than (1 + concentrationSlack) x the rows of the proportional split's "
+            "busiest worker, and then only the experts that must be split are. 0 keeps "
+            "the busiest worker's rows; larger values trade balance for fewer replicas "
+            f"computing. Default {DEFAULT_CONCENTRATION_SLACK}."
+        ),
+    )
     rebalance_interval_steps: int | None = Field(
         None,
         ge=0,
@@ -468,6 +486,12 @@ class ExpertParallelConfig(SpecModel):
             "they support."
         ),
     )
+
+    def slack(self) -> float:
+        """The concentration slack in force."""
+        if self.concentration_slack is None:
+            return DEFAULT_CONCENTRATION_SLACK
+        return self.concentration_slack
 
     def rebalance_steps(self, pipelines: bool) -> int:
         """The interval in force (the default depends on whether pipelines run)."""

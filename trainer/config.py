@@ -147,6 +147,7 @@ class ExpertParallelism:
     min_replicas: int  # replicas of every expert on distinct workers (>= max_failures + 1)
     slots_per_worker: int | None  # expert replicas per worker per MoE layer (None = fewest)
     rebalance_interval_steps: int  # 0 = never
+    concentration_slack: float  # see planning.dispatch_quotas.concentrated_capacities
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ def _expert_parallelism(spec: TrainingJobSpec, model: Any) -> ExpertParallelism 
         rebalance_interval_steps=experts.rebalance_steps(
             spec.trainer.parallelism.pipeline is not None
         ),
+        concentration_slack=experts.slack(),
     )
 
 

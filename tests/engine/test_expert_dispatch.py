@@ -23,7 +23,7 @@ def _simulate(experts_of: list[np.ndarray], replicas: np.ndarray) -> None:
     all-to-alls; assert conservation on the way out and back."""
     ranks = len(experts_of)
     counts = np.stack([np.bincount(a, minlength=len(replicas)) for a in experts_of])
-    layouts = [DispatchLayout.of(r, counts, replicas) for r in range(ranks)]
+    layouts = [DispatchLayout.of(r, counts, replicas, 0.25) for r in range(ranks)]
     # Every rank derives the same quotas.
     for layout in layouts[1:]:
         assert np.array_equal(layout.send, layouts[0].send)
@@ -83,7 +83,7 @@ def test_a_rank_routing_nothing_still_takes_its_share() -> None:
     replicas = np.array([[1, 1], [1, 1]])  # 2 experts, both on both ranks
     experts_of = [np.array([0, 0, 0, 0, 1, 1]), np.array([], dtype=np.int64)]
     counts = np.stack([np.bincount(a, minlength=2) for a in experts_of])
-    layout = DispatchLayout.of(1, counts, replicas)
+    layout = DispatchLayout.of(1, counts, replicas, 0.25)
     # Neither expert fits whole on its primary within 1.25x the proportional split's 3
     # rows a rank: each is split, and rank 1 takes half of rank 0's tokens.
     assert layout.output_splits == [3, 0]
@@ -97,13 +97,13 @@ def test_uniform_routing_computes_every_expert_once_and_hot_ones_are_split() -> 
     assert np.bincount(primary, minlength=4).tolist() == [2, 2, 2, 2]  # spread evenly
     rng = np.random.default_rng(0)
     uniform = np.stack([np.bincount(rng.integers(0, 8, 256), minlength=8) for _ in range(4)])
-    received = dispatch_quotas(uniform.T, replicas).sum(axis=1)
+    received = dispatch_quotas(uniform.T, replicas, 0.25).sum(axis=1)
     assert ((received > 0).sum(axis=1) == 1).all()  # one replica computes each expert
     assert received.sum(axis=0).max() <= 1.25 * uniform.sum() / 4
     # Expert 0 takes half the tokens: more than a rank's rows, so its replicas share it.
     hot = uniform.copy()
     hot[:, 0] += 4 * 256
-    received = dispatch_quotas(hot.T, replicas).sum(axis=1)
+    received = dispatch_quotas(hot.T, replicas, 0.25).sum(axis=1)
     assert (received[0] == proportional_capacities(hot.T, replicas)[0]).all()
     assert (received[0] > 0).sum() == (replicas[0] > 0).sum() >= 2
 
@@ -115,4 +115,4 @@ def test_an_expert_hosted_alone_is_never_the_one_split() -> None:
     replicas = np.array([[1, 0], [0, 1], [1, 1]])
     tokens = np.array([[60, 40], [1, 0], [30, 70]])
     assert primary_replicas(replicas).tolist() == [0, 1, 0]
-    assert concentrated_capacities(tokens, replicas).tolist() == [[100, 0], [0, 1], [50, 50]]
+    assert concentrated_capacities(tokens, replicas, 0.25).tolist() == [[100, 0], [0, 1], [50, 50]]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.config import train_config
@@ -136,3 +137,13 @@ def test_spec_slots_below_what_min_replicas_need_is_refused_by_name() -> None:
         _cfg(workers=4, f=1, slotsPerWorker=3)  # 8 experts x 2 replicas need 4 per worker
     assert _cfg(workers=4, f=1, slotsPerWorker=6).parallelism.experts.slots_per_worker == 6
     assert _cfg(workers=4, f=2).parallelism.experts.min_replicas == 3
+
+
+def test_the_spec_concentration_slack_reaches_the_plan_and_a_negative_one_is_refused() -> None:
+    workers = ["a", "b", "c", "d"]
+    default = make_plan(1, workers, ["n"] * 4, _cfg()).experts
+    assert default is not None and default.concentration_slack == 0.25
+    strict = make_plan(1, workers, ["n"] * 4, _cfg(concentrationSlack=0)).experts
+    assert strict is not None and strict.concentration_slack == 0.0
+    with pytest.raises(ValidationError, match="concentrationSlack"):
+        _cfg(concentrationSlack=-0.5)

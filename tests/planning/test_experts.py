@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bulkhead.trainer.planning.dispatch_quotas import (
-    CONCENTRATION_SLACK,
     concentrated_capacities,
     dispatch_quotas,
     primary_replicas,
@@ -186,17 +185,18 @@ def test_too_few_slots_is_a_clear_error() -> None:
                 max_size=experts,
             ),
         )
-    )
+    ),
+    st.sampled_from([0.0, 0.25, 1.0]),
 )
-def test_dispatch_conserves_tokens_local_first(data) -> None:
+def test_dispatch_conserves_tokens_local_first(data, slack: float) -> None:
     tokens = np.array(data[0])
     replicas = np.array(data[1])
     replicas[:, 0] = np.maximum(replicas[:, 0], 1)  # every expert hosted somewhere
-    send = dispatch_quotas(tokens, replicas)
+    send = dispatch_quotas(tokens, replicas, slack)
     assert (send >= 0).all()
     assert (send.sum(axis=2) == tokens).all()  # every routed token is sent exactly once
     received = send.sum(axis=1)
-    assert (received == concentrated_capacities(tokens, replicas)).all()
+    assert (received == concentrated_capacities(tokens, replicas, slack)).all()
     proportional = proportional_capacities(tokens, replicas)
     primary = primary_replicas(replicas)
     for e in range(len(tokens)):
@@ -210,8 +210,8 @@ def test_dispatch_conserves_tokens_local_first(data) -> None:
         assert (kept == np.minimum(tokens[e], received[e])).all()  # local first
     # Concentrating never loads a rank beyond the slack over Alg. 1's busiest.
     busiest = proportional.sum(axis=0).max(initial=0)
-    assert received.sum(axis=0).max(initial=0) <= (1 + CONCENTRATION_SLACK) * busiest
-    assert (send == dispatch_quotas(tokens, replicas)).all()  # deterministic
+    assert received.sum(axis=0).max(initial=0) <= (1 + slack) * busiest
+    assert (send == dispatch_quotas(tokens, replicas, slack)).all()  # deterministic
 
 
 def test_replacement_moves_only_from_survivors_and_keeps_what_it_can() -> None:

@@ -100,9 +100,15 @@ class QuotaDispatch:
     """
 
     def __init__(
-        self, team: Team, num_experts: int, replicas: np.ndarray, wire: torch.dtype | None = None
+        self,
+        team: Team,
+        num_experts: int,
+        replicas: np.ndarray,
+        slack: float,
+        wire: torch.dtype | None = None,
     ) -> None:
         self.team = team  # the ranks the experts are spread over (ranks below: team ranks)
+        self.slack = slack  # the plan's concentration slack
         # The dtype routed tokens travel in (bf16 under bf16 precision; None: as they are).
         self.wire = wire
         self.replicas = replicas  # (experts, team ranks): slots of each expert on each rank
@@ -127,7 +133,9 @@ class QuotaDispatch:
         if found is None:
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 del self._layouts[next(iter(self._layouts))]  # the oldest
-            found = self._layouts[key] = DispatchLayout.of(self.team.rank, counts, self.replicas)
+            found = self._layouts[key] = DispatchLayout.of(
+                self.team.rank, counts, self.replicas, self.slack
+            )
         return found
 
     def __call__(self, layer: MoELayer, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -190,7 +198,9 @@ def distribute_experts(
             continue
         layer = layers[placement.layer]
         host_experts(layer, hosted[placement.layer], device)
-        dispatch = QuotaDispatch(team, layer.num_experts, placement.replica_matrix(), wire)
+        dispatch = QuotaDispatch(
+            team, layer.num_experts, placement.replica_matrix(), plan.concentration_slack, wire
+        )
         layer.dispatch = dispatch
         out[placement.layer] = dispatch
     return out
@@ -382,6 +392,7 @@ class ExpertPlacement:
             ep.slots_per_worker if ep else plan.slots_per_rank,
             plan.rebalance_interval_steps,
             loads,
+            plan.concentration_slack,
         )
         held = [plan.groups(r) for r in range(plan.ranks)]
         return replace(engine.plan, experts=settle(fresh, held_matrix(fresh, held)))

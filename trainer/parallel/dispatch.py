@@ -34,9 +34,12 @@ class DispatchLayout:
     send: np.ndarray  # (experts, ranks, ranks): assignments of expert e that i sends to j
 
     @classmethod
-    def of(cls, rank: int, counts: np.ndarray, replicas: np.ndarray) -> DispatchLayout:
-        """``counts``: (ranks, experts) routed assignments; ``replicas``: (experts, ranks)."""
-        return cls(rank, dispatch_quotas(np.asarray(counts).T, replicas))
+    def of(
+        cls, rank: int, counts: np.ndarray, replicas: np.ndarray, slack: float
+    ) -> DispatchLayout:
+        """``counts``: (ranks, experts) routed assignments; ``replicas``: (experts, ranks);
+        ``slack``: the concentration slack."""
+        return cls(rank, dispatch_quotas(np.asarray(counts).T, replicas, slack))
 
     @cached_property
     def computing(self) -> np.ndarray:

@@ -26,6 +26,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from bulkhead.api.spec import DEFAULT_CONCENTRATION_SLACK
 from bulkhead.trainer.planning.expert_migration import _match
 from bulkhead.trainer.planning.experts import allocate_replicas, place_experts
 from bulkhead.trainer.planning.recovery import minimal_sets, recovery_probability_of_sets
@@ -75,6 +76,8 @@ class ExpertPlan:
     slots_per_rank: int
     rebalance_interval_steps: int
     layers: tuple[LayerPlacement, ...]
+    # How far the dispatch may unbalance ranks to compute experts whole (the spec's).
+    concentration_slack: float = DEFAULT_CONCENTRATION_SLACK
 
     @property
     def ranks(self) -> int:
@@ -133,6 +136,7 @@ def plan_experts(
     requested_slots: int | None = None,
     rebalance_interval_steps: int = 0,
     loads: Mapping[int, Sequence[int]] | None = None,
+    concentration_slack: float = DEFAULT_CONCENTRATION_SLACK,
 ) -> ExpertPlan:
     """Eq. 1 replica counts and MRO placement of every MoE layer over ``ranks`` ranks.
 
@@ -160,6 +164,7 @@ def plan_experts(
         slots_per_rank=slots,
         rebalance_interval_steps=rebalance_interval_steps,
         layers=tuple(layers),
+        concentration_slack=concentration_slack,
     )
 
 

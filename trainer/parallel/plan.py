@@ -314,4 +314,5 @@ def _expert_plan(ranks: int, cfg: TrainConfig) -> ExpertPlan | None:
         ep.min_replicas,
         ep.slots_per_worker,
         ep.rebalance_interval_steps,
+        concentration_slack=ep.concentration_slack,
     )

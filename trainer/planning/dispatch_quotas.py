@@ -10,13 +10,14 @@ expert e on rank j, replicas[e, j] of e hosted by rank j.
 2. Concentration (``concentrated_capacities``, ours): an expert goes whole to one
    replica, its *primary* (``primary_replicas``: fixed by the placement, spread evenly
    over the ranks), unless a rank's rows would then exceed the busiest rank's under step
-   1 by more than ``CONCENTRATION_SLACK``; then that rank's largest experts are split as
-   in step 1 until none does. A replica that receives no tokens
-   does no expert work and has no gradient to send: with uniform routing every expert is
-   computed once per step, as under expert parallelism without replicas, and only the
-   experts whose load needs several replicas (the hot ones) are split. On a CPU or a GPU
-   alike an expert's product costs about as much to read the weights for few rows as
-   for many, and summing a replica's gradient over its hosts moves a copy of the expert.
+   1 by more than the slack (the spec's ``concentrationSlack``, default 0.25); then that
+   rank's largest experts are split as in step 1 until none does. A replica that
+   receives no tokens does no expert work and has no gradient to send: with uniform
+   routing every expert is computed once per step, as under expert parallelism without
+   replicas, and only the experts whose load needs several replicas (the hot ones) are
+   split. On a CPU or a GPU alike an expert's product costs about as much to read the
+   weights for few rows as for many, and summing a replica's gradient over its hosts
+   moves a copy of the expert.
 3. Local first: a rank keeps min(capacity, own tokens) of each expert;
 4. the overflow of each rank fills the residual capacity of the others in rank order (each
    sender's overflow takes a contiguous run of the receivers' residual), which reproduces
@@ -31,10 +32,6 @@ from __future__ import annotations
 import numpy as np
 
 from bulkhead.trainer.planning.errors import PlanError
-
-# How much more than the proportional split's busiest rank a rank may compute so that
-# experts go whole to one replica (their products larger, fewer replicas to sum).
-CONCENTRATION_SLACK = 0.25
 
 
 def proportional_split(total: int, weights: np.ndarray) -> np.ndarray:
@@ -93,9 +90,7 @@ def primary_replicas(replicas: np.ndarray) -> np.ndarray:
     return primary
 
 
-def concentrated_capacities(
-    tokens: np.ndarray, replicas: np.ndarray, slack: float = CONCENTRATION_SLACK
-) -> np.ndarray:
+def concentrated_capacities(tokens: np.ndarray, replicas: np.ndarray, slack: float) -> np.ndarray:
     """capacity[e, j]: every expert whole on its primary replica, then, while a rank
     computes more than (1 + ``slack``) x the busiest rank of ``proportional_capacities``,
     its largest whole expert that Alg. 1 splits is split so. That ends within the bound:
@@ -122,11 +117,11 @@ def concentrated_capacities(
     return capacity
 
 
-def dispatch_quotas(tokens: np.ndarray, replicas: np.ndarray) -> np.ndarray:
+def dispatch_quotas(tokens: np.ndarray, replicas: np.ndarray, slack: float) -> np.ndarray:
     """send[e, i, j]: tokens for expert e that rank i sends to rank j (i == j: kept local),
     filling ``concentrated_capacities``."""
     tokens, replicas = _checked(tokens, replicas)
-    return fill_capacities(tokens, concentrated_capacities(tokens, replicas))
+    return fill_capacities(tokens, concentrated_capacities(tokens, replicas, slack))
 
 
 def fill_capacities(tokens: np.ndarray, capacity: np.ndarray) -> np.ndarray:
