@@ -281,10 +281,7 @@ class ExpertKeys:
                 mine[(*where, name)] = g
         if self._rounds is None:  # every expert of the model: fixed for the engine's life
             self._rounds = _expert_rounds(engine)
-        computed = {
-            where: tuple(r for r in ranks if r in hosts[where])
-            for where, ranks in _computed_by(engine).items()
-        }
+        computed = _computed_by(engine)  # hosts only: ``rehost`` starts the record over
         # Chunked sums pay a second all-to-all: only when some expert (of any rank) was
         # computed by two or more of three or more hosts.
         chunked = any(len(computed[w]) >= 2 and len(hosts[w]) >= 3 for w in computed)

@@ -170,6 +170,7 @@ def _exchange_and_sum(
                 first_sizes[peer] += g.numel()
     received = _all_to_all(world, grads, first, first_sizes)
     cursor = dict.fromkeys(received, 0)
+    counted = [grads[key] for key in keys if holders[key][0] == me]
 
     def take(peer: int, numel: int) -> torch.Tensor:
         piece = received[peer][cursor[peer] : cursor[peer] + numel]
@@ -200,7 +201,7 @@ def _exchange_and_sum(
         elif not pieces:  # no holder computed it: every holder's gradient is zero
             g.zero_()
     if not chunked:
-        return [grads[key] for key in keys if holders[key][0] == me]
+        return counted
     received = _all_to_all(world, grads, second, second_sizes)
     cursor = dict.fromkeys(received, 0)
     for key in keys:
@@ -210,7 +211,7 @@ def _exchange_and_sum(
             for i, owner in enumerate(src):
                 if owner != me:
                     g.view(-1)[cuts[i] : cuts[i + 1]].copy_(take(owner, cuts[i + 1] - cuts[i]))
-    return [grads[key] for key in keys if holders[key][0] == me]
+    return counted
 
 
 def _chunks(numel: int, parts: int) -> list[int]:
