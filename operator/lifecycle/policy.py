@@ -54,6 +54,7 @@ from bulkhead.operator.lifecycle.types import (
     PolicyConfig,
     ProgressReported,
     RecoveryDone,
+    RegistrationForgotten,
     Slot,
     StopWorker,
     Succeed,
@@ -119,6 +120,8 @@ class _Rules:
                     self.state = self.state.with_slot(replace(slot, node=event.node))
             case WorkerExited():
                 self.on_exited(event)
+            case RegistrationForgotten():
+                self.on_registration_forgotten(event)
             case FaultReported():
                 self.on_fault(event)
             case NodeAnomaly():
@@ -201,6 +204,14 @@ class _Rules:
             self.succeed_if_all_finished()
             return
         self.act.lose([slot], cause, warning_detail=f"{ev.worker} exited: {cause}")
+
+    def on_registration_forgotten(self, ev: RegistrationForgotten) -> None:
+        slot = self.state.slot_of(ev.worker)
+        if slot is None or slot.status != "starting" or ev.worker in self.state.dead:
+            return  # registered with this manager, or replaced already
+        reason = "registered with a previous manager, which took its address with it"
+        self.act.emit(StopWorker(self.state.ref(slot), reason))
+        self.act.lose([slot], "Lost", warning_detail=f"{ev.worker}: {reason}")
 
     def on_fault(self, ev: FaultReported) -> None:
         report = ev.report

@@ -52,24 +52,24 @@ def rebuild(
     workers that are still running (worker id -> node).
 
     Live members of the published generation keep their place; members that are gone are
-    handled as lost; live workers that are not members are replaced (they registered with
-    the previous manager, which took that knowledge with it). ``started`` (slot -> newest
-    incarnation the previous manager started) names incarnations that are neither running
-    nor members: their ids are never reused. Recoveries still open in the status stay open,
-    so the next completed step closes them. ``wall_offset_s`` = wall clock - ``now``'s clock.
+    handled as lost. Live workers that are not members keep starting: most have not
+    registered yet (a manager fails over while new pods import torch) and register with
+    this one. One that did register with the previous manager is replaced when it first
+    speaks with that manager's credential (``RegistrationForgotten``): its address went
+    with it. ``started`` (slot -> newest incarnation the previous manager started) names
+    incarnations that are neither running nor members: their ids are never reused.
+    Recoveries still open in the status stay open, so the next completed step closes them.
+    ``wall_offset_s`` = wall clock - ``now``'s clock.
     """
     config = PolicyConfig.from_spec(spec, suspect_grace_s, pods_launch)
     slots, unseen = _slots_after_restart(job, config, status, live, started, now)
     state = _state_from_status(job, config, status, slots, unseen, now, wall_offset_s)
     state, decisions = _drop_superseded_members(state, live, now)
     for slot in slots:
-        if slot.status != "starting":
-            continue
         wid = worker_id(job, slot.index, slot.incarnation)
-        if wid in live:
-            decisions.append(StopWorker(state.ref(slot), "unknown to the restarted manager"))
-        state, more = decide(state, WorkerExited(wid, reason="Lost"), now)
-        decisions.extend(more)
+        if slot.status == "starting" and wid not in live:
+            state, more = decide(state, WorkerExited(wid, reason="Lost"), now)
+            decisions.extend(more)
     state, more = decide(state, Tick(), now)
     return state, decisions + more
 
@@ -112,7 +112,8 @@ def _slots_after_restart(
                 checkpoint_address=m.checkpoint_address,
             )
         elif wid in live or wid in members:
-            # Running but unknown to us, or a member that is gone: the next incarnation.
+            # Running but not a member (it keeps starting), or a member that is gone
+            # (``rebuild`` loses it: the next incarnation).
             slot = replace(slot, status="starting", node=live.get(wid, ""))
         slots.append(slot)
     return tuple(slots), frozenset(unseen)

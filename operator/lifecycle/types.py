@@ -143,6 +143,15 @@ class WorkerExited:
 
 
 @dataclass(frozen=True)
+class RegistrationForgotten:
+    """A live worker that registered with a previous manager (it holds the credential one
+    issued) but is in no membership this manager knows: its address went with that
+    manager, so it is replaced."""
+
+    worker: str
+
+
+@dataclass(frozen=True)
 class FaultReported:
     report: FaultReport
 
@@ -178,6 +187,7 @@ Event = (
     | WorkerRegistered
     | WorkerRunning
     | WorkerExited
+    | RegistrationForgotten
     | FaultReported
     | NodeAnomaly
     | ProgressReported

@@ -46,6 +46,7 @@ from bulkhead.operator.lifecycle.types import (
     NodeAnomaly,
     ProgressReported,
     PublishMembership,
+    RegistrationForgotten,
     Succeed,
     Tick,
     WorkerExited,
@@ -173,7 +174,13 @@ class JobSession(Generic[D]):
         self.spec = opening.spec
         self.tokens = JobTokens(token, token_source, clock, self.job_name)
         self.credentials = MemberCredentials(self.job_name, member_key)
-        self._credentialed: set[str] = set()  # workers this session gave a credential
+        # Workers whose registration this session knows: those it gave a credential, and
+        # the registered members it took over from a previous manager (``open_resumed``).
+        self._known_registrations: set[str] = {
+            opening.state.ref(slot).id
+            for slot in opening.state.slots
+            if slot.status == "registered"
+        }
         self._claims: dict[str, str | None] = {}  # worker -> the claim it registered with
         self._clock = clock
         self._tick_s = tick_seconds
@@ -266,7 +273,7 @@ class JobSession(Generic[D]):
         self._check_retry(req, credential)
         self._touch(req.worker)
         self._apply(WorkerRegistered(req.worker, req.node, req.address, req.checkpoint_address))
-        self._credentialed.add(req.worker)
+        self._known_registrations.add(req.worker)
         return RegisterResponse(
             worker=req.worker,
             generation=self._state.generation,
@@ -296,7 +303,7 @@ class JobSession(Generic[D]):
         return (
             slot is not None
             and slot.status != "registered"
-            and worker not in self._credentialed
+            and worker not in self._known_registrations
             and all(m.worker != worker for m in self._state.membership.members)
         )
 
@@ -306,6 +313,8 @@ class JobSession(Generic[D]):
         counted (``bulkhead_control_ignored_reports_total``)."""
         refusal = self.credentials.check(worker, credential)
         if refusal is None:
+            if self._never_registered(worker):
+                self._forget_registration(worker)
             return
         metrics.IGNORED_REPORTS.labels(reason=refusal).inc()
         log.warning(
@@ -318,6 +327,20 @@ class JobSession(Generic[D]):
         if refusal == "no_credential":
             raise SessionError(401, f"{route} for {worker} needs its member credential")
         raise SessionError(403, f"the member credential is not {worker}'s")
+
+    def _forget_registration(self, worker: str) -> None:
+        """``worker`` holds a credential, so a previous manager registered it, but this one
+        has it only as starting: that registration (its address) is lost. Replaced."""
+        log.warning(
+            "job %s: %s registered with a previous manager, which took its address with it:"
+            " replacing it",
+            self.job_name,
+            worker,
+        )
+        self._apply(RegistrationForgotten(worker))
+        raise SessionError(
+            409, f"worker {worker} registered with a previous manager and has been replaced"
+        )
 
     async def wait_membership(
         self, after: int, timeout: float, worker: str | None = None

@@ -18,7 +18,7 @@ from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.api.status import TrainingJobStatus
 from bulkhead.operator.control import ControlServer, create_control_app
 from bulkhead.operator.lifecycle.workers import WorkerRef
-from bulkhead.operator.session.job import JobSession, SessionRegistry, open_new
+from bulkhead.operator.session.job import JobSession, Opening, SessionRegistry, open_new
 
 
 class RecordingDriver:
@@ -48,7 +48,17 @@ class RecordingDriver:
 class Harness:
     """One job session behind a real HTTP server, on its own thread and event loop."""
 
-    def __init__(self, job: str, spec: TrainingJobSpec, token: str = "s3cret") -> None:
+    def __init__(
+        self,
+        job: str,
+        spec: TrainingJobSpec,
+        token: str = "s3cret",
+        *,
+        opening: Opening | None = None,
+        member_key: str | None = None,
+    ) -> None:
+        """A new job, or ``opening`` (a job a restarted manager resumes, ``open_resumed``)
+        whose earlier credentials ``member_key`` signed."""
         self.job = job
         self.token = token
         self.stored_token = token  # where the session re-reads it (a rotation changes it)
@@ -56,10 +66,11 @@ class Harness:
         self.driver = RecordingDriver()
         self.loop = asyncio.new_event_loop()
         self.session = JobSession(
-            open_new(job, spec),
+            opening or open_new(job, spec),
             token,
             lambda _: self.driver,
             tick_seconds=0.1,
+            member_key=member_key,
             token_source=self._read_token,
         )
         self.registry = SessionRegistry()

@@ -18,8 +18,10 @@ from bulkhead.operator.lifecycle.types import (
     PublishMembership,
     RecordEvent,
     RecoveryDone,
+    RegistrationForgotten,
     StartWorker,
     StopWorker,
+    WorkerRegistered,
 )
 
 T = TypeVar("T")
@@ -123,8 +125,40 @@ def test_live_newer_incarnation_supersedes_a_listed_member() -> None:
     status = _status("job-w0-0", "job-w1-1", "job-w2-0")
     live = {"job-w0-0": "n0", "job-w1-1": "n1", "job-w1-2": "n1", "job-w2-0": "n2"}
     state, decisions = rebuild("job", make_spec(workers=3), status, live, 0.0)
-    stopped = sorted(d.worker.id for d in _of(StopWorker, decisions))
-    assert stopped == ["job-w1-1", "job-w1-2"]
+    # w1-2 is the replacement the previous manager started: it keeps starting, and joins
+    # when it registers with this manager.
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w1-1"]
     assert state.members() == ["job-w0-0", "job-w2-0"]
     assert state.restarts == 0
-    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w1-3"]
+    assert _of(StartWorker, decisions) == []
+    slot = state.slots[1]
+    assert (slot.incarnation, slot.status, slot.node) == (2, "starting", "n1")
+    state, _ = decide(state, WorkerRegistered("job-w1-2", "n1", "h:9"), 1.0)
+    # It joins once the survivors' generation trained (joins wait out a recovery).
+    report = ProgressReport(worker="job-w0-0", generation=state.generation, step=41)
+    state, decisions = decide(state, ProgressReported(report), 2.0)
+    (pub,) = _of(PublishMembership, decisions)
+    assert [m.worker for m in pub.view.members] == ["job-w0-0", "job-w2-0", "job-w1-2"]
+
+
+def test_live_workers_that_are_not_members_keep_starting() -> None:
+    """A manager failing over while new pods import torch: they have not registered yet,
+    so nothing about them was lost; they are neither stopped nor replaced."""
+    status = _status("job-w0-0", "job-w1-0")
+    live = {"job-w0-0": "n0", "job-w1-0": "n1", "job-w2-0": "n2"}
+    state, decisions = rebuild("job", make_spec(workers=3), status, live, 0.0)
+    assert _of(StopWorker, decisions) == [] and _of(StartWorker, decisions) == []
+    assert state.slots[2].status == "starting" and "job-w2-0" not in state.dead
+
+
+def test_a_registration_the_previous_manager_took_with_it_is_replaced() -> None:
+    status = _status("job-w0-0", "job-w1-0")
+    live = {"job-w0-0": "n0", "job-w1-0": "n1", "job-w2-0": "n2"}
+    state, _ = rebuild("job", make_spec(workers=3), status, live, 0.0)
+    state, decisions = decide(state, RegistrationForgotten("job-w2-0"), 1.0)
+    assert [d.worker.id for d in _of(StopWorker, decisions)] == ["job-w2-0"]
+    assert [d.worker.id for d in _of(StartWorker, decisions)] == ["job-w2-1"]
+    assert "job-w2-0" in state.dead and state.members() == ["job-w0-0", "job-w1-0"]
+    # Said of a member (registered with this manager): nothing happens.
+    same, decisions = decide(state, RegistrationForgotten("job-w0-0"), 2.0)
+    assert decisions == [] and same is state
