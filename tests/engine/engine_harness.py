@@ -105,6 +105,9 @@ def _slot_main(
     record_states: bool,
 ) -> None:
     torch.set_num_threads(1)
+    # Tensors made empty come filled with NaN (torch.utils.deterministic): a gradient or
+    # buffer read before anything wrote it turns the losses NaN and fails the comparison.
+    torch.use_deterministic_algorithms(True)
     store = dist.TCPStore(
         "127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False
     )

@@ -199,9 +199,11 @@ class Engine:
         # The optimizer's parameters: with stages 1/2 the module still has FSDP2's gathered
         # tensors registered after backward, while gradients live on the sharded ones.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p in params:
-            if p.grad is None:  # e.g. a rank with no sample: contributes zeros
-                p.grad = torch.zeros_like(p)
+        unreached = [p for p in params if p.grad is None]  # e.g. a rank with no sample
+        if unreached:
+            overwritten = self.keys.overwritten(self, unreached)
+            for p in unreached:  # contributes zeros, unless its sum never reads it
+                p.grad = torch.empty_like(p) if id(p) in overwritten else torch.zeros_like(p)
         clip = cfg.optimizer.grad_clip
         if sharded:
             local_grads = [_local(p.grad) for p in params]

@@ -295,6 +295,21 @@ class ExpertKeys:
         )
         return norm_sq
 
+    def overwritten(self, engine: Engine, params: list[torch.Tensor]) -> set[int]:
+        """The replicas here that computed no token: not sources, so their sum overwrites
+        them (zeros for these were 3 % of a d-512 step). The record may hold more than this
+        step (a step that failed after its forward): a replica it counts still gets zeros."""
+        names = {id(p): name for name, p in engine.model.named_parameters()}
+        dispatches = engine.model_layout.dispatches
+        out = set()
+        for p in params:
+            where = engine.keygroups.expert_of(names[id(p)])
+            if where is not None:
+                dispatch = dispatches[where[0]]
+                if not dispatch.computed[where[1], dispatch.team.rank]:
+                    out.add(id(p))
+        return out
+
 
 def _computed_by(engine: Engine) -> dict[tuple[int, int], tuple[int, ...]]:
     """(block, expert) -> the ranks whose replica computed tokens since the last sum (a

@@ -118,3 +118,6 @@ class WholeKeys:
 
     def reduce_gradients(self, engine: Engine, params: list[torch.Tensor]) -> float | None:
         return None
+
+    def overwritten(self, engine: Engine, params: list[torch.Tensor]) -> set[int]:
+        return set()

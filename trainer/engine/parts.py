@@ -55,6 +55,11 @@ class StateKeys(Protocol):
         gradient norm (shares summed over ranks), or None when the local norm is global."""
         ...
 
+    def overwritten(self, engine: Engine, params: list[torch.Tensor]) -> set[int]:
+        """Of ``params`` (backward reached none of them), the ids of those whose gradient
+        ``reduce_gradients`` overwrites without reading it: they need memory, not zeros."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineParts:

@@ -420,6 +420,9 @@ class StageKeys:
         holders = {name: owners[name] for name in grads}
         return sum_over_holders(engine.world, grads, holders, self.rounds(engine))
 
+    def overwritten(self, engine: Engine, params: list[torch.Tensor]) -> set[int]:
+        return set()  # every holder sends: a stage's unreached gradient is read as zeros
+
     def rounds(self, engine: Engine) -> dict[str, int]:
         """Parameter name -> its round of the gradient exchange (``exchange_rounds``), for
         every parameter of the model: a unit's keys are held by the same ranks."""
