@@ -52,9 +52,10 @@ def zero3_params():
     [
         lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
         lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
         lambda ps: torch.optim.Adam(ps, lr=1e-3),
     ],
-    ids=["adamw", "adamw-amsgrad", "adam"],
+    ids=["adamw", "adamw-amsgrad", "adamw-fused", "adam"],
 )
 def test_adam_state_created_directly_is_the_zero_gradient_steps(zero3_params, make) -> None:
     before = [p.detach().to_local().clone() for p in zero3_params]

@@ -26,10 +26,11 @@ OPTIMIZERS: list[MakeOptimizer] = [
         [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
     ),
     lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+    lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, fused=True),  # make_optimizer's
     lambda ps: torch.optim.Adam(ps),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
 ]
-IDS = ["adamw-two-groups", "adamw-amsgrad", "adam", "sgd-momentum"]
+IDS = ["adamw-two-groups", "adamw-amsgrad", "adamw-fused", "adam", "sgd-momentum"]
 
 
 @pytest.fixture(scope="module")
