@@ -141,6 +141,19 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "the leader steps down while new worker pods are still starting (importing torch)",
+        "pods that had not registered keep starting and register with the new leader; only "
+        "a pod that had registered with the old one and is in no persisted membership is "
+        "replaced, when it first speaks with the old leader's credential",
+        (
+            "tests/control/test_manager_failover.py::"
+            "test_a_worker_still_starting_is_kept_and_joins",
+            "tests/control/test_manager_failover.py::"
+            "test_a_worker_registered_with_the_previous_manager_is_replaced",
+            "tests/lifecycle/test_rebuild.py::test_live_workers_that_are_not_members_keep_starting",
+        ),
+    ),
+    Fault(
         "the node agent restarted mid-job",
         "training never waits on it: the trainer's reporter drops what it cannot send "
         "(one warning for the outage); the new agent on the same address watches the "
