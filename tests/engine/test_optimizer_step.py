@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from bulkhead.api.spec import TrainingJobSpec
 from bulkhead.trainer.engine import optim
 from bulkhead.trainer.engine.device import pick_device
 from bulkhead.trainer.engine.optim import materialize_optimizer, optimizer_step
@@ -101,3 +102,29 @@ def test_a_first_step_without_state_creates_it_on_the_optimizer(mesh) -> None:
     for p in model.parameters():
         assert isinstance(optimizer.state[p]["exp_avg"], DTensor)
         assert float(optimizer.state[p]["step"]) == 1.0
+
+
+def test_make_optimizer_fuses_adamw_unless_shards_and_whole_tensors_mix(mesh) -> None:
+    """torch's fused kernel (7x faster on a CPU) for plain parameters and for FSDP2's
+    shards; not for both in one optimizer, which the kernel refuses in one call."""
+    cfg = TrainingJobSpec.model_validate({"workers": 1}).trainer.optimizer
+    sharded, plain = _zero3_model(mesh), nn.Linear(4, 2)
+
+    def fused(params: list[nn.Parameter]) -> bool:
+        groups = optim.make_optimizer(sharded, cfg, params).param_groups
+        return all(g["fused"] for g in groups)
+
+    assert fused(list(sharded.parameters()))
+    assert optim.fusable(list(plain.parameters()))
+    mixed = [*sharded.parameters(), *plain.parameters()]
+    assert not optim.fusable(mixed)
+    with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor"):
+        _step_mixed(torch.optim.AdamW(mixed, fused=True), sharded, plain)
+    _step_mixed(torch.optim.AdamW(mixed, fused=optim.fusable(mixed)), sharded, plain)
+
+
+def _step_mixed(optimizer: torch.optim.Optimizer, sharded: nn.Module, plain: nn.Module) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    sharded(torch.randn(2, 6)).sum().backward()
+    plain(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
