@@ -22,7 +22,10 @@ per-rank prediction that ``bulkhead plan`` prints for every rank of every layout
   gathered copies are transient parameters, not saved activations; the projections'
   inputs are bf16 then, so autocast casts none and the norms' outputs are bf16), and
   only for the experts a rank hosts. Expert parallelism keeps each routed token once
-  more, as its expert received it.
+  more, as its expert received it. Routing is taken as balanced: a rank's experts
+  receive its own tokens' share. Not modelled: the dispatch may put up to
+  (1 + ``concentrationSlack``) x Alg. 1's busiest rank's rows on a rank
+  (``planning.dispatch_quotas``), and skewed routing more.
 
 No torch here: ``bulkhead plan`` and the tests import it freely.
 """
