@@ -251,7 +251,17 @@ def test_a_process_that_stops_polling_is_silent(harness: Harness, pods) -> None:
     a = pods[0]
     a.register(0)
     a.register(1)
-    poller = threading.Thread(target=lambda: a.clients[0].membership(after=5, timeout_s=5))
+    unavailable: list[ControlUnavailable] = []
+
+    def poll() -> None:
+        # Pod b never registers, so no generation forms: the relay answers 503 at the
+        # poll's end, and the client's retry does the same.
+        try:
+            a.clients[0].membership(after=5, timeout_s=3)
+        except ControlUnavailable as exc:
+            unavailable.append(exc)
+
+    poller = threading.Thread(target=poll)
     poller.start()
     later = time.monotonic() + 1.0
 
@@ -263,7 +273,9 @@ def test_a_process_that_stops_polling_is_silent(harness: Harness, pods) -> None:
     harness.wait_for(lambda: silent_ranks() == [1], timeout=5)
     a.relay.forget(1)  # an exited process is no longer watched
     assert silent_ranks() == []
-    poller.join(10)
+    poller.join(30)
+    assert not poller.is_alive()
+    assert len(unavailable) == 1 and "no membership from the manager yet" in str(unavailable[0])
 
 
 def test_a_stopping_relay_answers_the_polls_still_open(harness: Harness, pods) -> None:
