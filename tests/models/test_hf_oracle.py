@@ -65,7 +65,7 @@ def test_logits_loss_and_gradients_equal_transformers(case, tmp_path):
                 load_balancing_loss_func((logits,), config.num_local_experts, 2)
                 for logits in out.router_logits
             )
-            assert abs(float(per_layer) - float(pooled)) > 0.5
+            assert abs(float(per_layer.detach()) - float(pooled.detach())) > 0.5
     # transformers' loss (lm + coef x aux) is exactly our total, and so are its gradients.
     torch.testing.assert_close(mine.total(coef), out.loss, atol=1e-5, rtol=0)
     out.loss.backward()
