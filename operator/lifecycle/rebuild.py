@@ -66,8 +66,10 @@ def rebuild(
     state = _state_from_status(job, config, status, slots, unseen, now, wall_offset_s)
     state, decisions = _drop_superseded_members(state, live, now)
     for slot in slots:
+        if slot.status != "starting":
+            continue
         wid = worker_id(job, slot.index, slot.incarnation)
-        if slot.status == "starting" and wid not in live:
+        if wid not in live:  # a member that is gone (a live non-member keeps starting)
             state, more = decide(state, WorkerExited(wid, reason="Lost"), now)
             decisions.extend(more)
     state, more = decide(state, Tick(), now)
