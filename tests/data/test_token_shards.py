@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +17,16 @@ import pytest
 from conftest import VOCAB
 
 from bulkhead.trainer.data import DataError, TokenDataset, TokenShardDataset
-from bulkhead.trainer.data.index import DTYPES, read_index
+from bulkhead.trainer.data.index import (
+    DTYPES,
+    ShardEntry,
+    ShardWriter,
+    TokenIndex,
+    read_index,
+    shard_name,
+)
 from bulkhead.trainer.data.order import micro_batches, rank_share
-from bulkhead.trainer.data.shards import open_tokens
+from bulkhead.trainer.data.shards import ChecksumStamps, open_tokens, verify_shards
 from bulkhead.trainer.data.tokenizer import check_tokenizer, train_bpe
 
 SEQ, BATCH, MICRO, SEED = 32, 12, 2, 5
@@ -123,6 +132,82 @@ def test_checksums_are_hashed_once_per_file_version(
     total_mb = read_index(shards_dir).tokens * 2 / 1e6
     assert f"hashed {total_mb:.1f} MB" in hashed[0]
     assert "hashed 0.0 MB" in hashed[1]
+
+
+class _Waiting(logging.Handler):
+    """Sets an event when the verifier says it waits for shards another process holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waiting for" in record.getMessage():
+            self.seen.set()
+
+
+def test_a_shard_another_process_is_hashing_is_waited_for_not_hashed_again(
+    shards_dir: Path, tmp_path: Path
+) -> None:
+    index = read_index(shards_dir)
+    first = index.shards[0]
+    stamps = ChecksumStamps(tmp_path)
+    waiting = _Waiting()
+    logger = logging.getLogger("bulkhead.trainer.data.shards")
+    logger.addHandler(waiting)
+    logger.setLevel("INFO")
+    result: list[int] = []
+    try:
+        with stamps.claim(shards_dir / first.file, first.sha256, wait=True) as claimed:
+            assert claimed
+            verifier = threading.Thread(
+                target=lambda: result.append(verify_shards(shards_dir, index, stamps)[0])
+            )
+            verifier.start()
+            # It hashes the other shards, then waits for ours, which we "hash" meanwhile.
+            assert waiting.seen.wait(60)
+            assert not result
+            stamps.record(shards_dir / first.file, first.sha256)
+        verifier.join(60)
+    finally:
+        logger.removeHandler(waiting)
+    assert not verifier.is_alive()
+    assert result == [(index.tokens - first.tokens) * 2]
+
+
+def _large_shards(directory: Path, shards: int, tokens: int) -> TokenIndex:
+    """A directory of ``shards`` shards of ``tokens`` random tokens each: enough bytes that
+    hashing takes workers long enough to overlap."""
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    entries = []
+    for number in range(shards):
+        writer = ShardWriter(directory / shard_name(number), "uint16")
+        writer.write(rng.integers(0, VOCAB, tokens, dtype=np.uint16))
+        entries.append(ShardEntry(shard_name(number), tokens, 1, writer.commit()))
+    index = TokenIndex("uint16", VOCAB, VOCAB - 1, 0, "random", shards, shards * tokens,
+                       tuple(entries))  # fmt: skip
+    (directory / "index.json").write_text(index.to_json())
+    return index
+
+
+def test_workers_starting_together_hash_each_shard_once(tmp_path: Path) -> None:
+    index = _large_shards(tmp_path / "shards", shards=6, tokens=8 << 20)  # 96 MB
+    code = (
+        "import sys; from pathlib import Path;"
+        "from bulkhead.trainer.data.index import read_index;"
+        "from bulkhead.trainer.data.shards import ChecksumStamps, verify_shards;"
+        "d = Path(sys.argv[1]); sys.stdin.read();"  # start together
+        "print(verify_shards(d, read_index(d), ChecksumStamps(Path(sys.argv[2])))[0])"
+    )
+    argv = [sys.executable, "-P", "-c", code, str(tmp_path / "shards"), str(tmp_path / "cache")]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    workers = [subprocess.Popen(argv, **pipes) for _ in range(3)]
+    for w in workers:
+        w.stdin.close()  # type: ignore[union-attr]  # go
+    outputs = [w.stdout.read() for w in workers]  # type: ignore[union-attr]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0, 0]
+    assert sum(int(out) for out in outputs) == index.tokens * 2
 
 
 def test_missing_and_truncated_shards_name_the_file(shards_dir: Path, tmp_path: Path) -> None:

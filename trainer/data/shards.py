@@ -15,17 +15,23 @@ index gives. A shard's sha256 is verified once per file version on each machine:
 in the cache directory (``$BULKHEAD_CACHE_DIR`` or ``~/.cache/bulkhead``) records the
 file's identity (device, inode, size, modification time) after a good check, so the next
 worker start on that machine skips the hashing; a rewritten or modified shard has a new
-identity and is hashed again.
+identity and is hashed again. Workers starting together on one machine hash each shard
+once between them: a worker hashes a shard while holding its lock file (``flock``, released
+by the kernel if the worker dies), takes the shards nobody holds first and waits for the
+rest, then finds their stamps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import mmap
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +63,28 @@ class ChecksumStamps:
     def _stamp(self, path: Path, sha256: str) -> Path:
         key = hashlib.sha256(f"{path.resolve()}|{sha256}".encode()).hexdigest()
         return self.directory / f"{key}.json"
+
+    @contextlib.contextmanager
+    def claim(self, path: Path, sha256: str, wait: bool) -> Iterator[bool]:
+        """Hold the shard's lock while checking and hashing it; yields False when another
+        process holds it and ``wait`` is False. Where no lock file can be made (a read-only
+        cache), yields True: the worst case is hashing what another process also hashes."""
+        lock = self._stamp(path, sha256).with_suffix(".lock")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield True
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True  # closing the descriptor releases the lock
+        finally:
+            os.close(fd)
 
     def verified(self, path: Path, sha256: str) -> bool:
         try:
@@ -92,16 +120,33 @@ def verify_shards(
                 f"{itemsize} bytes (truncated or replaced)"
             )
     hashed, start = 0, time.perf_counter()
-    for shard in index.shards:
-        path = directory / shard.file
-        if stamps is not None and stamps.verified(path, shard.sha256):
-            continue
-        if file_sha256(path) != shard.sha256:
-            raise DataError(f"{path}: sha256 differs from the index (the shard is corrupt)")
-        hashed += shard.tokens * itemsize
-        if stamps is not None:
-            stamps.record(path, shard.sha256)
+    if stamps is None:
+        for shard in index.shards:
+            _check_sha256(directory / shard.file, shard.sha256)
+            hashed += shard.tokens * itemsize
+        return hashed, time.perf_counter() - start
+    # First the shards no other process is hashing, then wait for the others' verdicts.
+    pending, wait = list(index.shards), False
+    while pending:
+        held_elsewhere = []
+        for shard in pending:
+            path = directory / shard.file
+            with stamps.claim(path, shard.sha256, wait) as claimed:
+                if not claimed:
+                    held_elsewhere.append(shard)
+                elif not stamps.verified(path, shard.sha256):
+                    _check_sha256(path, shard.sha256)
+                    hashed += shard.tokens * itemsize
+                    stamps.record(path, shard.sha256)
+        if held_elsewhere:
+            log.info("data: waiting for %d shards another process is hashing", len(held_elsewhere))
+        pending, wait = held_elsewhere, True
     return hashed, time.perf_counter() - start
+
+
+def _check_sha256(path: Path, sha256: str) -> None:
+    if file_sha256(path) != sha256:
+        raise DataError(f"{path}: sha256 differs from the index (the shard is corrupt)")
 
 
 class TokenShardDataset(WindowDataset):
