@@ -32,7 +32,11 @@ NAME = "local-3d"
 
 def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    steps = 140
+    # Enough steps that the survivors still train when the replacement has joined: after
+    # the kill at step 20 it joined at step 90, and at 191 with two busy loops sharing the
+    # 2 cores (its cold start, a new launcher and trainer processes importing torch, slows
+    # more than the survivors' steps); 140 steps once ended first.
+    steps = 360
     run = subprocess.Popen(
         [BULKHEAD, "run", str(EXAMPLE), "--steps", str(steps), "--run-dir", str(run_dir),
          "--chaos", "kill:worker=1@step=20", "--no-live"],
@@ -41,14 +45,15 @@ def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path)
     try:
         # Once the replacement of the first pod has joined (3 pods again), kill the
         # single-stage pipeline's pod, launcher and both processes.
-        wait_until(
-            lambda: any(
-                "3 worker(s) x 2 processes" in p for p in event_messages(run_dir, "PlanApplied")[1:]
-            ),
-            "the replacement pod to join",
-            timeout=240,
-            every=0.2,
-        )
+        def rejoined() -> bool:
+            plans = event_messages(run_dir, "PlanApplied")[1:]
+            if any("3 worker(s) x 2 processes" in p for p in plans):
+                return True
+            # The job ending first would leave nothing to wait for: say so at once.
+            assert run.poll() is None, f"the job ended before the replacement joined: {plans}"
+            return False
+
+        wait_until(rejoined, "the replacement pod to join", timeout=240, every=0.2)
         pod_process(NAME, "-w2-0", local_rank=None).kill()  # the launcher: the whole pod
         out, _ = run.communicate(timeout=300)
     finally:
