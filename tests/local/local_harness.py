@@ -94,12 +94,19 @@ def processes_of_job(job: str) -> list[psutil.Process]:
 
 def pod_process(job: str, worker_suffix: str, local_rank: int | None) -> psutil.Process:
     """A process of the pod whose worker name ends in ``worker_suffix``: trainer process
-    ``local_rank``, or the pod's launcher (None: the one with no local rank)."""
+    ``local_rank``, or the pod's launcher (None). The launcher's template of trainer
+    processes has no local rank either: the launcher is the one whose parent is not among
+    them (pid order says nothing once pids wrap around)."""
+    matches = []
     for proc in processes_of_job(job):
         env = proc.environ()
         rank = env.get(LOCAL_RANK_ENV)
         wanted = rank is None if local_rank is None else rank == str(local_rank)
         if wanted and env.get(WORKER_ENV, "").endswith(worker_suffix):
+            matches.append(proc)
+    pids = {proc.pid for proc in matches}
+    for proc in matches:
+        if local_rank is not None or proc.ppid() not in pids:
             return proc
     what = "launcher" if local_rank is None else f"process {local_rank}"
     raise LookupError(f"no {what} of a pod ending in {worker_suffix}")

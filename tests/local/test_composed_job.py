@@ -33,13 +33,13 @@ NAME = "local-3d"
 def test_the_composed_example_recovers_in_process_from_pod_kills(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Enough steps that the survivors still train when the replacement has joined: after
-    # the kill at step 20 it joined at step 90, and at 191 with two busy loops sharing the
+    # the kill at step 10 it joined at step 99, and at 191 with two busy loops sharing the
     # 2 cores (its cold start, a new launcher and trainer processes importing torch, slows
-    # more than the survivors' steps); 140 steps once ended first.
-    steps = 360
+    # more than the survivors' steps); 140 steps with a kill at 20 once ended first.
+    steps = 320
     run = subprocess.Popen(
         [BULKHEAD, "run", str(EXAMPLE), "--steps", str(steps), "--run-dir", str(run_dir),
-         "--chaos", "kill:worker=1@step=20", "--no-live"],
+         "--chaos", "kill:worker=1@step=10", "--no-live"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
