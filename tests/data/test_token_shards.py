@@ -154,6 +154,7 @@ def test_a_shard_another_process_is_hashing_is_waited_for_not_hashed_again(
     stamps = ChecksumStamps(tmp_path)
     waiting = _Waiting()
     logger = logging.getLogger("bulkhead.trainer.data.shards")
+    level = logger.level
     logger.addHandler(waiting)
     logger.setLevel("INFO")
     result: list[int] = []
@@ -171,6 +172,7 @@ def test_a_shard_another_process_is_hashing_is_waited_for_not_hashed_again(
         verifier.join(60)
     finally:
         logger.removeHandler(waiting)
+        logger.setLevel(level)
     assert not verifier.is_alive()
     assert result == [(index.tokens - first.tokens) * 2]
 

@@ -126,22 +126,32 @@ def verify_shards(
             hashed += shard.tokens * itemsize
         return hashed, time.perf_counter() - start
     # First the shards no other process is hashing, then wait for the others' verdicts.
-    pending, wait = list(index.shards), False
-    while pending:
-        held_elsewhere = []
-        for shard in pending:
-            path = directory / shard.file
-            with stamps.claim(path, shard.sha256, wait) as claimed:
-                if not claimed:
-                    held_elsewhere.append(shard)
-                elif not stamps.verified(path, shard.sha256):
-                    _check_sha256(path, shard.sha256)
-                    hashed += shard.tokens * itemsize
-                    stamps.record(path, shard.sha256)
-        if held_elsewhere:
-            log.info("data: waiting for %d shards another process is hashing", len(held_elsewhere))
-        pending, wait = held_elsewhere, True
+    held_elsewhere = []
+    for shard in index.shards:
+        done = _verify_claimed(directory / shard.file, shard.sha256, stamps, wait=False)
+        if done is None:
+            held_elsewhere.append(shard)
+        elif done:
+            hashed += shard.tokens * itemsize
+    if held_elsewhere:
+        log.info("data: waiting for %d shards another process is hashing", len(held_elsewhere))
+    for shard in held_elsewhere:
+        if _verify_claimed(directory / shard.file, shard.sha256, stamps, wait=True):
+            hashed += shard.tokens * itemsize
     return hashed, time.perf_counter() - start
+
+
+def _verify_claimed(path: Path, sha256: str, stamps: ChecksumStamps, wait: bool) -> bool | None:
+    """Check and stamp one shard under its lock unless stamped: whether it was hashed here,
+    None if another process holds it (only when not ``wait``)."""
+    with stamps.claim(path, sha256, wait) as claimed:
+        if not claimed:
+            return None
+        if stamps.verified(path, sha256):
+            return False
+        _check_sha256(path, sha256)
+        stamps.record(path, sha256)
+        return True
 
 
 def _check_sha256(path: Path, sha256: str) -> None:
